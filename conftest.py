@@ -1,0 +1,1 @@
+# Makes `examples.llama` importable from the tests (the repository root goes on sys.path).

@@ -1,0 +1,178 @@
+"""The 3D device mesh: ("pp", "dp", "tp"), pp outermost and tp innermost.
+
+Global rank r sits at coordinates (pp_rank, dp_rank, tp_rank) with
+r = (pp_rank * dp + dp_rank) * tp + tp_rank, so the ranks of one tensor-parallel group are
+consecutive (one node, fast links) and the pipeline axis is the one that crosses nodes.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIM_NAMES = ("pp", "dp", "tp")
+_BACKEND_FOR_DEVICE = {"cuda": "nccl", "cpu": "gloo"}
+
+
+class Layout:
+    """This rank's place in the (pp, dp, tp) mesh, and the mesh itself.
+
+    Attributes:
+        mesh: the DeviceMesh with dims ("pp", "dp", "tp").
+        pp, dp, tp: the size of each axis.
+        pp_rank, dp_rank, tp_rank: this rank's coordinate on each axis.
+        rank, world_size: global rank and world size.
+        device: the torch.device this rank computes on.
+        backend: the process-group backend ("gloo" or "nccl").
+    """
+
+    def __init__(self, mesh: DeviceMesh, device: torch.device, backend: str):
+        if tuple(mesh.mesh_dim_names or ()) != MESH_DIM_NAMES:
+            raise ValueError(f"Layout needs a mesh with dims {MESH_DIM_NAMES}, got {mesh.mesh_dim_names}")
+        self.mesh = mesh
+        self.device = device
+        self.backend = backend
+        self.pp, self.dp, self.tp = (int(s) for s in mesh.shape)
+        self.pp_rank, self.dp_rank, self.tp_rank = (int(c) for c in mesh.get_coordinate())
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+
+    @property
+    def coordinate(self) -> tuple[int, int, int]:
+        """(pp_rank, dp_rank, tp_rank)."""
+        return (self.pp_rank, self.dp_rank, self.tp_rank)
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        """The process group of this rank along one mesh dim ("pp", "dp" or "tp")."""
+        return self.mesh.get_group(dim)
+
+    def group_ranks(self, dim: str) -> list[int]:
+        """Global ranks of this rank's group along one mesh dim, in mesh order."""
+        return dist.get_process_group_ranks(self.group(dim))
+
+    def __repr__(self) -> str:
+        return (
+            f"Layout(pp={self.pp}, dp={self.dp}, tp={self.tp}, rank={self.rank}/{self.world_size}, "
+            f"coordinate=(pp {self.pp_rank}, dp {self.dp_rank}, tp {self.tp_rank}), "
+            f"device={self.device}, backend={self.backend})"
+        )
+
+
+def resolve_sizes(pp: int, dp: int, tp: int, world_size: int) -> tuple[int, int, int]:
+    """Check (pp, dp, tp) against the world size and resolve dp=-1 to "the rest of the world".
+
+    Pure arithmetic, no communication, so every rank raises the same error before any collective.
+    """
+    where = f"pp={pp}, dp={dp}, tp={tp}, world size={world_size}"
+    for name, size in (("pp", pp), ("dp", dp), ("tp", tp)):
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise ValueError(f"build_mesh: {name} must be an int, got {size!r} ({where})")
+    if pp < 1 or tp < 1:
+        raise ValueError(f"build_mesh: pp and tp must be >= 1 ({where})")
+    if dp == -1:
+        if world_size % (pp * tp) != 0:
+            raise ValueError(
+                f"build_mesh: dp=-1 takes the rest of the world, but pp*tp={pp * tp} does not divide "
+                f"the world size ({where}); choose pp and tp whose product divides {world_size}"
+            )
+        dp = world_size // (pp * tp)
+    elif dp < 1:
+        raise ValueError(f"build_mesh: dp must be >= 1, or -1 for the rest of the world ({where})")
+    if pp * dp * tp != world_size:
+        raise ValueError(
+            f"build_mesh: pp*dp*tp={pp * dp * tp} does not equal the world size ({where}); "
+            f"choose sizes whose product is {world_size}, or pass dp=-1"
+        )
+    return pp, dp, tp
+
+
+def _world_size_before_init() -> int:
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _pick_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("build_mesh: device='cuda' was asked for, but CUDA is not available here")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    elif device.type != "cpu":
+        raise ValueError(f"build_mesh: device must be 'cpu' or 'cuda', got {device}")
+    return device
+
+
+def _init_default_group(backend: str, device: torch.device, timeout: timedelta | None) -> None:
+    device_id = device if device.type == "cuda" else None
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        # Started by torchrun (or anything that sets its environment variables).
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
+    else:
+        # A plain single process: a private in-memory store, no ports, no environment needed.
+        dist.init_process_group(
+            backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=device_id
+        )
+
+
+def _check_same_sizes_everywhere(sizes: tuple[int, int, int], device: torch.device) -> None:
+    """Ranks that asked for different layouts would build misaligned groups and hang later."""
+    world_size = dist.get_world_size()
+    if world_size == 1:
+        return
+    mine = torch.tensor(sizes, dtype=torch.int64, device=device)
+    gathered = torch.empty(world_size * 3, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(gathered, mine)
+    everyone = [tuple(row) for row in gathered.view(world_size, 3).tolist()]
+    if any(s != everyone[0] for s in everyone):
+        listing = ", ".join(f"rank {r}: pp={p} dp={d} tp={t}" for r, (p, d, t) in enumerate(everyone))
+        raise ValueError(f"build_mesh: ranks asked for different layouts ({listing}); pass the same sizes on every rank")
+
+
+def build_mesh(
+    pp: int = 1,
+    dp: int = -1,
+    tp: int = 1,
+    *,
+    device: str | torch.device | None = None,
+    backend: str | None = None,
+    timeout: timedelta | None = None,
+) -> Layout:
+    """Build the ("pp", "dp", "tp") device mesh and return this rank's Layout.
+
+    Starts the default process group from the torchrun environment when none exists, or as a
+    private world of one when there is no torchrun environment. Picks CUDA+NCCL when GPUs are
+    present and CPU+gloo otherwise; `device` and `backend` override that.
+
+    Args:
+        pp: pipeline-parallel degree (outermost dim).
+        dp: data-parallel degree; -1 takes the rest of the world.
+        tp: tensor-parallel degree (innermost dim: a tp group is consecutive global ranks).
+        device: "cpu" or "cuda"; default: CUDA when available.
+        backend: process-group backend; default: "nccl" for CUDA, "gloo" for CPU.
+        timeout: collective timeout of the default process group, when this call starts it.
+
+    Raises:
+        ValueError: sizes below 1, a dp=-1 that does not divide, or a product that is not the world
+            size (raised on every rank before any collective), or ranks that asked for different
+            sizes (raised on every rank, after one small all-gather).
+    """
+    pp, dp, tp = resolve_sizes(pp, dp, tp, _world_size_before_init())
+    device = _pick_device(device)
+    if backend is None:
+        backend = _BACKEND_FOR_DEVICE[device.type]
+    if not dist.is_initialized():
+        _init_default_group(backend, device, timeout)
+    else:
+        backend = dist.get_backend()
+    _check_same_sizes_everywhere((pp, dp, tp), device)
+    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIM_NAMES)
+    return Layout(mesh, device, backend)

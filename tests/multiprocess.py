@@ -1,0 +1,137 @@
+"""Run a test function on N ranks in real processes (gloo, CPU) with a hard timeout.
+
+`run_on_ranks(fn, world_size, *args)` starts `world_size` processes with the environment torchrun
+would give them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), calls `fn(*args)` in
+each, and returns the list of the ranks' return values. If any rank raises, it fails with that
+rank's traceback (and every other failing rank's); if ranks are still running when the timeout
+expires, or a few seconds after another rank failed (they are then usually stuck in a
+collective), it kills them and fails naming them. A deadlock therefore costs seconds, not CI's
+90 minutes.
+
+Processes come from a fork server that has imported torch once, so a launch costs a fork, not a
+fresh `import torch` per rank; `fn` must be importable (defined at module level).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+# Ranks that are still running this long after another rank failed are treated as stuck.
+GRACE_AFTER_FAILURE_S = 5.0
+
+_context = None
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised, or did not finish in time."""
+
+
+def _mp_context():
+    global _context
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(["torch", "torch.distributed", "numpy", "einops"])
+    return _context
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn: Callable, args: tuple, rank: int, env: dict, results: Any) -> None:
+    os.environ.update(env)
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        value = fn(*args)
+        results.put((rank, "ok", value))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - teardown of a broken group must not mask the result
+            pass
+
+
+def run_on_ranks(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run `fn(*args)` on `world_size` ranks; return each rank's result, indexed by rank."""
+    ctx = _mp_context()
+    results = ctx.Queue()
+    port = _free_port()
+    procs = []
+    for rank in range(world_size):
+        rank_env = {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+            **(env or {}),
+        }
+        proc = ctx.Process(target=_rank_main, args=(fn, args, rank, rank_env, results), daemon=True)
+        proc.start()
+        procs.append(proc)
+
+    outcome: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    first_failure_at = None
+    try:
+        while len(outcome) < world_size:
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if first_failure_at is not None and now - first_failure_at >= GRACE_AFTER_FAILURE_S:
+                break
+            try:
+                rank, status, value = results.get(timeout=0.1)
+            except queue.Empty:
+                # A rank that died without reporting (segfault, os._exit) counts as failed now.
+                for rank, proc in enumerate(procs):
+                    if rank not in outcome and not proc.is_alive() and proc.exitcode not in (None, 0):
+                        outcome[rank] = ("error", f"process exited with code {proc.exitcode} without reporting")
+                        first_failure_at = first_failure_at or time.monotonic()
+                continue
+            outcome[rank] = (status, value)
+            if status == "error" and first_failure_at is None:
+                first_failure_at = time.monotonic()
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in procs:
+            proc.join(timeout=5)
+        results.close()
+
+    failed = sorted(r for r, (status, _) in outcome.items() if status == "error")
+    stuck = [r for r in range(world_size) if r not in outcome]
+    if failed or stuck:
+        parts = []
+        if stuck:
+            why = f"after rank {failed[0]} failed" if failed else f"within the {timeout:.0f} s timeout"
+            parts.append(f"ranks {stuck} of {world_size} did not finish {why} (killed)")
+        for r in failed:
+            parts.append(f"--- rank {r} raised:\n{outcome[r][1]}")
+        raise RankFailure(f"{fn.__name__} on {world_size} ranks failed: " + "\n".join(parts))
+    return [outcome[r][1] for r in range(world_size)]
