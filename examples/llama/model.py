@@ -1,0 +1,221 @@
+"""A LLaMA-style decoder that follows mesh3d's model protocol (see docs/model_protocol.md).
+
+- Repeated blocks live in `self.layers`, an nn.ModuleDict keyed "0".."L-1".
+- `tok_embeddings` is registered before `layers` (first stage); `norm` and `output` after (last).
+- `forward` tolerates any of those being None and `layers` holding only some keys, so the same
+  class runs the whole model or one pipeline stage.
+- Head counts come from tensor shapes at run time, so one code path runs full or TP-local heads.
+- Rotary embeddings use the rotate-half convention of Hugging Face's Llama (no complex numbers).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from examples.llama.config import ModelArgs
+
+INIT_STD = 0.02
+
+
+def rope_cache(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
+    """cos and sin of every position, shape (max_seq_len, 2, head_dim), rotate-half layout."""
+    half = torch.arange(0, args.head_dim, 2, dtype=torch.float64, device=device) / args.head_dim
+    inv_freq = 1.0 / (args.rope_theta**half)
+    if args.rope_scaling is not None:
+        inv_freq = _llama3_scaled(inv_freq, args.rope_scaling)
+    positions = torch.arange(args.max_seq_len, dtype=torch.float64, device=device)
+    angles = torch.outer(positions, inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return torch.stack([angles.cos(), angles.sin()], dim=1).float()
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, scaling) -> torch.Tensor:
+    """Llama 3.1's rule: keep high frequencies, divide low ones by `factor`, blend in between."""
+    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    middle = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return torch.where(middle, blended, scaled)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        q, k, v = (rearrange(w(x), "b s (h d) -> b h s d", d=self.head_dim) for w in (self.wq, self.wk, self.wv))
+        cos, sin = rope[: q.shape[-2]].unbind(1)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(rearrange(out, "b h s d -> b s (h d)"))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """LLaMA-style decoder: embeddings -> blocks -> RMSNorm -> output head, optionally tied."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Derived from the config, never saved: rebuilt whenever the model gets real memory.
+        self.register_buffer("rope", rope_cache(args), persistent=False)
+        self.tp_plan = llama_tp_plan()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids (batch, seq) -> logits (batch, seq, vocab); a middle stage maps hidden -> hidden."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    def to_empty(self, *, device, recurse: bool = True) -> "Transformer":
+        """Materialize from meta; the rotary table is recomputed, parameters stay uninitialized.
+
+        nn.Module.to_empty gives every module its own new Parameter, which silently unties a
+        shared weight: the tie is restored here.
+        """
+        super().to_empty(device=device, recurse=recurse)
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+        self.init_buffers()
+        return self
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        self.rope = rope_cache(self.args, device=self.rope.device)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialize every parameter this (possibly partial) model holds, deterministically.
+
+        Each parameter draws from its own generator, seeded by `seed` and the parameter's name in
+        the whole model, so a pipeline stage gets exactly the values the unsplit model would.
+        A tied output head draws the embedding's values.
+        """
+        self.init_buffers()
+        for name, param in self.named_parameters():
+            key = "tok_embeddings.weight" if self.args.tie_embeddings and name == "output.weight" else name
+            generator = torch.Generator().manual_seed(_seed_for(seed, key))
+            values = torch.empty(param.shape, dtype=torch.float32)
+            if key.endswith("norm.weight"):
+                values.fill_(1.0)
+            elif key.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                # Residual-branch outputs shrink with depth so the residual stream keeps its scale.
+                std = INIT_STD / math.sqrt(2 * self.args.n_layers)
+                nn.init.trunc_normal_(values, std=std, a=-3 * std, b=3 * std, generator=generator)
+            else:
+                nn.init.trunc_normal_(values, std=INIT_STD, a=-3 * INIT_STD, b=3 * INIT_STD, generator=generator)
+            _copy_full_into(param, values)
+
+
+def _seed_for(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    if isinstance(param, DTensor):
+        # Every rank holds the same full values, so each takes its own shard without communication.
+        full = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(full)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position of the microbatch."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def llama_tp_plan(loss_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """Tensor-parallel plan with sequence parallel: module-name patterns -> torch ParallelStyles.
+
+    Activations between blocks (and between pipeline stages) are sharded along the sequence;
+    embedding and output head both shard the vocabulary, so a tied weight has aligned shards.
+    """
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "layers.*.attention_norm": SequenceParallel(),
+        "layers.*.attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+        ),
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.ffn_norm": SequenceParallel(),
+        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of distinct parameters (a tied weight counts once); works on the meta device."""
+    return sum(p.numel() for p in model.parameters())
