@@ -7,6 +7,7 @@ consecutive (one node, fast links) and the pipeline axis is the one that crosses
 
 from __future__ import annotations
 
+import operator
 import os
 from datetime import timedelta
 
@@ -68,9 +69,15 @@ def resolve_sizes(pp: int, dp: int, tp: int, world_size: int) -> tuple[int, int,
     Pure arithmetic, no communication, so every rank raises the same error before any collective.
     """
     where = f"pp={pp}, dp={dp}, tp={tp}, world size={world_size}"
+    sizes = []
     for name, size in (("pp", pp), ("dp", dp), ("tp", tp)):
-        if isinstance(size, bool) or not isinstance(size, int):
-            raise ValueError(f"build_mesh: {name} must be an int, got {size!r} ({where})")
+        try:
+            if isinstance(size, bool):
+                raise TypeError
+            sizes.append(operator.index(size))
+        except TypeError:
+            raise ValueError(f"build_mesh: {name} must be an int, got {size!r} ({where})") from None
+    pp, dp, tp = sizes
     if pp < 1 or tp < 1:
         raise ValueError(f"build_mesh: pp and tp must be >= 1 ({where})")
     if dp == -1:
@@ -90,10 +97,14 @@ def resolve_sizes(pp: int, dp: int, tp: int, world_size: int) -> tuple[int, int,
     return pp, dp, tp
 
 
+def _launched_by_torchrun() -> bool:
+    return bool(os.environ.get("RANK")) and bool(os.environ.get("WORLD_SIZE"))
+
+
 def _world_size_before_init() -> int:
     if dist.is_initialized():
         return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return int(os.environ["WORLD_SIZE"]) if _launched_by_torchrun() else 1
 
 
 def _pick_device(device: str | torch.device | None) -> torch.device:
@@ -103,8 +114,14 @@ def _pick_device(device: str | torch.device | None) -> torch.device:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("build_mesh: device='cuda' was asked for, but CUDA is not available here")
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        if device.index is None:
+            local_rank = int(os.environ.get("LOCAL_RANK") or 0)
+            if local_rank >= torch.cuda.device_count():
+                raise ValueError(
+                    f"build_mesh: LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} GPUs; "
+                    f"start at most one process per GPU (torchrun --nproc-per-node)"
+                )
+            device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     elif device.type != "cpu":
         raise ValueError(f"build_mesh: device must be 'cpu' or 'cuda', got {device}")
@@ -113,7 +130,7 @@ def _pick_device(device: str | torch.device | None) -> torch.device:
 
 def _init_default_group(backend: str, device: torch.device, timeout: timedelta | None) -> None:
     device_id = device if device.type == "cuda" else None
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+    if _launched_by_torchrun():
         # Started by torchrun (or anything that sets its environment variables).
         dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
     else:
@@ -128,10 +145,9 @@ def _check_same_sizes_everywhere(sizes: tuple[int, int, int], device: torch.devi
     world_size = dist.get_world_size()
     if world_size == 1:
         return
-    mine = torch.tensor(sizes, dtype=torch.int64, device=device)
-    gathered = torch.empty(world_size * 3, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(gathered, mine)
-    everyone = [tuple(row) for row in gathered.view(world_size, 3).tolist()]
+    gathered = [torch.empty(3, dtype=torch.int64, device=device) for _ in range(world_size)]
+    dist.all_gather(gathered, torch.tensor(sizes, dtype=torch.int64, device=device))
+    everyone = [tuple(t.tolist()) for t in gathered]
     if any(s != everyone[0] for s in everyone):
         listing = ", ".join(f"rank {r}: pp={p} dp={d} tp={t}" for r, (p, d, t) in enumerate(everyone))
         raise ValueError(f"build_mesh: ranks asked for different layouts ({listing}); pass the same sizes on every rank")
@@ -164,6 +180,10 @@ def build_mesh(
         ValueError: sizes below 1, a dp=-1 that does not divide, or a product that is not the world
             size (raised on every rank before any collective), or ranks that asked for different
             sizes (raised on every rank, after one small all-gather).
+
+    A rank whose own sizes are invalid raises at once while ranks with valid (different) sizes go
+    on to start the process group; under torchrun, the failed rank ends the job. Pass the same
+    sizes on every rank.
     """
     pp, dp, tp = resolve_sizes(pp, dp, tp, _world_size_before_init())
     device = _pick_device(device)
@@ -172,7 +192,13 @@ def build_mesh(
     if not dist.is_initialized():
         _init_default_group(backend, device, timeout)
     else:
-        backend = dist.get_backend()
+        existing = dist.get_backend()  # may be a per-device list such as "cpu:gloo,cuda:nccl"
+        if backend not in existing:
+            raise ValueError(
+                f"build_mesh: the process group already runs backend {existing!r}, which does not match "
+                f"{backend!r} (for device {device}); pass device=/backend= that match the existing group"
+            )
+        backend = existing
     _check_same_sizes_everywhere((pp, dp, tp), device)
     mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIM_NAMES)
     return Layout(mesh, device, backend)

@@ -97,6 +97,13 @@ def run_on_ranks(
     outcome: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout
     first_failure_at = None
+
+    def record(rank: int, status: str, value: Any) -> None:
+        nonlocal first_failure_at
+        outcome.setdefault(rank, (status, value))  # the first word on a rank stands
+        if status == "error" and first_failure_at is None:
+            first_failure_at = time.monotonic()
+
     try:
         while len(outcome) < world_size:
             now = time.monotonic()
@@ -105,17 +112,21 @@ def run_on_ranks(
             if first_failure_at is not None and now - first_failure_at >= GRACE_AFTER_FAILURE_S:
                 break
             try:
-                rank, status, value = results.get(timeout=0.1)
-            except queue.Empty:
-                # A rank that died without reporting (segfault, os._exit) counts as failed now.
-                for rank, proc in enumerate(procs):
-                    if rank not in outcome and not proc.is_alive() and proc.exitcode not in (None, 0):
-                        outcome[rank] = ("error", f"process exited with code {proc.exitcode} without reporting")
-                        first_failure_at = first_failure_at or time.monotonic()
+                record(*results.get(timeout=0.1))
                 continue
-            outcome[rank] = (status, value)
-            if status == "error" and first_failure_at is None:
-                first_failure_at = time.monotonic()
+            except queue.Empty:
+                pass
+            # A rank that exited without reporting (crash, os._exit, killed) has failed. Its report,
+            # if any, was flushed before it exited: drain the queue once more before judging.
+            silent = [r for r, p in enumerate(procs) if r not in outcome and not p.is_alive()]
+            if silent:
+                try:
+                    while True:
+                        record(*results.get_nowait())
+                except queue.Empty:
+                    pass
+                for r in silent:
+                    record(r, "error", f"process exited with code {procs[r].exitcode} without reporting")
     finally:
         for proc in procs:
             if proc.is_alive():

@@ -81,7 +81,10 @@ def test_pre_tokenized_files(tmp_path, stream):
 def test_samples_are_shifted_windows(stream):
     ds = TokenDataset(stream, seq_len=16)
     assert len(ds) == (10_000 - 1) // 16
+    single_in, single_tgt = ds[3]
+    assert single_in.shape == single_tgt.shape == (16,)
     inputs, targets = ds.batch([0, 3])
+    assert torch.equal(inputs[1], single_in) and torch.equal(targets[1], single_tgt)
     assert inputs.dtype == torch.int64 and inputs.shape == (2, 16)
     assert torch.equal(inputs[1], torch.from_numpy(stream[48:64].astype(np.int64)))
     assert torch.equal(targets[1], torch.from_numpy(stream[49:65].astype(np.int64)))

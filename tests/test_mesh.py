@@ -2,6 +2,7 @@
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -51,8 +52,9 @@ def _every_layout(world_size):
             "backend": layout.backend,
             "repr": repr(layout),
         }
-    # dp=-1 takes the rest of the world.
-    rest = mesh3d.build_mesh(pp=1, tp=world_size)
+    # dp=-1 takes the rest of the world; numpy ints are ints.
+    pp = 2 if world_size >= 4 else 1
+    rest = mesh3d.build_mesh(pp=pp, tp=np.int64(world_size // pp // 2 or 1))
     seen["dp=-1"] = (rest.pp, rest.dp, rest.tp)
     return seen
 
@@ -79,7 +81,9 @@ def test_every_factorization(world_size):
             assert got["device"] == "cpu" and got["backend"] == "gloo"
             assert f"pp={pp}, dp={dp}, tp={tp}" in got["repr"]
             assert f"coordinate=(pp {coordinate[0]}, dp {coordinate[1]}, tp {coordinate[2]})" in got["repr"]
-    assert all(seen["dp=-1"] == (1, 1, world_size) for seen in per_rank)
+    pp = 2 if world_size >= 4 else 1
+    tp = world_size // pp // 2 or 1
+    assert all(seen["dp=-1"] == (pp, world_size // (pp * tp), tp) for seen in per_rank)
 
 
 def test_single_plain_process():
@@ -109,25 +113,23 @@ BAD_SIZES = [
 ]
 
 
+def _error_of(kwargs):
+    try:
+        mesh3d.build_mesh(**kwargs)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _bad_sizes_everywhere():
     """Each bad config must raise ValueError before the process group even exists."""
     messages = []
     for kwargs, _ in BAD_SIZES:
-        try:
-            mesh3d.build_mesh(**kwargs)
-        except ValueError as e:
-            messages.append(str(e))
-        else:
-            messages.append(None)
+        messages.append(_error_of(kwargs))
         assert not dist.is_initialized(), f"{kwargs}: the process group was started before the error"
     # The same errors once a process group exists.
     mesh3d.build_mesh(pp=1, dp=-1, tp=1)
-    again = []
-    for kwargs, _ in BAD_SIZES:
-        try:
-            mesh3d.build_mesh(**kwargs)
-        except ValueError as e:
-            again.append(str(e))
+    again = [_error_of(kwargs) for kwargs, _ in BAD_SIZES]
     return messages, again
 
 
@@ -142,13 +144,9 @@ def test_bad_sizes_raise_on_every_rank():
 
 
 def _mismatched_layouts():
-    rank = dist.get_rank() if dist.is_initialized() else int(__import__("os").environ["RANK"])
-    sizes = (2, 1, 1) if rank == 0 else (1, 2, 1)
-    try:
-        mesh3d.build_mesh(*sizes)
-    except ValueError as e:
-        return str(e)
-    return None
+    rank = int(__import__("os").environ["RANK"])
+    pp, dp = (2, 1) if rank == 0 else (1, 2)
+    return _error_of(dict(pp=pp, dp=dp, tp=1))
 
 
 def test_mismatched_layouts_raise_on_every_rank():
@@ -177,6 +175,24 @@ def _hang_on_rank_two():
     if int(__import__("os").environ["RANK"]) == 2:
         time.sleep(3600)
     return "fine"
+
+
+def _exit_silently_on_rank_one(code):
+    import os
+
+    if int(os.environ["RANK"]) == 1:
+        os._exit(code)
+    return "fine"
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_harness_reports_a_rank_that_dies_without_reporting(code):
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=f"rank 1 raised:\nprocess exited with code {code} without reporting"):
+        run_on_ranks(_exit_silently_on_rank_one, 2, code, timeout=30)
+    assert time.monotonic() - start < 10
 
 
 def test_harness_reports_traceback_of_failing_rank():

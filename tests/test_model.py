@@ -124,13 +124,63 @@ def test_rotary_scores_depend_only_on_relative_position():
     torch.testing.assert_close(score(0, 0), torch.dot(q, k), rtol=1e-6, atol=1e-6)
 
 
-def test_llama3_rope_scaling_keeps_high_and_divides_low_frequencies():
-    args = TINY.with_(dim=512, n_heads=4, n_kv_heads=4, rope_theta=500000.0, max_seq_len=2)
-    plain = rope_cache(args)[1, 0]  # angle of position 1 = the inverse frequencies (via cos)
-    scaled = rope_cache(args.with_(rope_scaling=RopeScaling(factor=8.0)))[1, 0]
-    assert plain[0] == scaled[0]  # highest frequency untouched
-    lowest_plain, lowest_scaled = torch.acos(plain[63]), torch.acos(scaled[63])
-    torch.testing.assert_close(lowest_scaled, lowest_plain / 8, rtol=1e-4, atol=0)
+def llama31_scaled_frequencies_reference(head_dim, theta, factor, low, high, original):
+    """Llama 3.1's published rule, written out frequency by frequency."""
+    out = []
+    for i in range(0, head_dim, 2):
+        freq = 1.0 / theta ** (i / head_dim)
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            out.append(freq)
+        elif wavelen > original / low:
+            out.append(freq / factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append((1 - smooth) * freq / factor + smooth * freq)
+    return out
+
+
+@pytest.mark.parametrize("factor", [8.0, 32.0])
+def test_llama3_rope_scaling_matches_the_published_rule(factor):
+    args = TINY.with_(dim=2048, n_heads=16, n_kv_heads=16, rope_theta=500000.0, max_seq_len=2,
+                      rope_scaling=RopeScaling(factor=factor))
+    table = rope_cache(args)
+    # Position 1's angles are the frequencies; recover them from cos and sin without ambiguity.
+    angles = torch.atan2(table[1, 1, : args.head_dim // 2].double(), table[1, 0, : args.head_dim // 2].double())
+    expected = llama31_scaled_frequencies_reference(args.head_dim, 500000.0, factor, 1.0, 4.0, 8192)
+    torch.testing.assert_close(angles, torch.tensor(expected, dtype=torch.float64), rtol=1e-6, atol=1e-9)
+    blended = [i for i, f in enumerate(expected) if 8192 / 4 <= 2 * math.pi / f <= 8192]
+    assert blended, "the test must cover the blended middle band"
+
+
+def test_bf16_forward_and_backward():
+    model = real_model(TINY).to(torch.bfloat16)
+    tokens = torch.randint(0, TINY.vocab_size, (2, 16))
+    logits = model(tokens)
+    assert logits.dtype == torch.bfloat16
+    loss_fn(logits, tokens).backward()
+    assert model.layers["0"].attention.wq.weight.grad.dtype == torch.bfloat16
+
+
+def test_init_ignores_wrapper_prefixes_in_parameter_names():
+    """Activation-checkpoint wrappers rename parameters; init must still match the plain model."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    plain = real_model(TINY, seed=4)
+    wrapped = meta_model(TINY)
+    for key in list(wrapped.layers.keys()):
+        wrapped.layers[key] = checkpoint_wrapper(wrapped.layers[key])
+    wrapped.to_empty(device="cpu")
+    wrapped.init_weights(seed=4)
+    assert any("_checkpoint_wrapped_module" in n for n, _ in wrapped.named_parameters())
+    for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_sequence_longer_than_max_seq_len_is_a_clear_error():
+    model = real_model(TINY)
+    with pytest.raises(ValueError, match="sequence length 40 exceeds the model's max_seq_len=32"):
+        model(torch.zeros(1, 40, dtype=torch.long))
 
 
 def test_grouped_query_attention_matches_repeated_kv_heads():

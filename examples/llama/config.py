@@ -59,31 +59,32 @@ class ModelArgs:
         return replace(self, **changes)
 
 
-_LLAMA3_ROPE = dict(rope_theta=500000.0, vocab_size=128256, norm_eps=1e-5)
+_LLAMA3_COMMON = dict(rope_theta=500000.0, vocab_size=128256, norm_eps=1e-5)
 
 CONFIGS: dict[str, ModelArgs] = {
-    # Byte-level vocabulary (256) so it trains on the default corpus; every size divides by tp <= 8.
+    # Byte-level vocabulary (256) so it trains on the default corpus. Heads (16), kv heads (8),
+    # FFN width (352) and vocabulary all divide by every tp <= 8; 8 layers fill pp=4 x v=2 stages.
     "debug": ModelArgs(
-        dim=128, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=256, multiple_of=32,
+        dim=128, n_layers=8, n_heads=16, n_kv_heads=8, vocab_size=256, multiple_of=32,
         rope_theta=10000.0, max_seq_len=1024, tie_embeddings=False,
     ),
     # Llama 3.2 1B and 3B (tied embeddings, rope scaling factor 32).
     "1B": ModelArgs(
         dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
-        rope_scaling=RopeScaling(factor=32.0), max_seq_len=131072, tie_embeddings=True, **_LLAMA3_ROPE,
+        rope_scaling=RopeScaling(factor=32.0), max_seq_len=131072, tie_embeddings=True, **_LLAMA3_COMMON,
     ),
     "3B": ModelArgs(
         dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256,
-        rope_scaling=RopeScaling(factor=32.0), max_seq_len=131072, tie_embeddings=True, **_LLAMA3_ROPE,
+        rope_scaling=RopeScaling(factor=32.0), max_seq_len=131072, tie_embeddings=True, **_LLAMA3_COMMON,
     ),
     # Llama 3.1 8B and 70B.
     "8B": ModelArgs(
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
-        rope_scaling=RopeScaling(factor=8.0), max_seq_len=131072, **_LLAMA3_ROPE,
+        rope_scaling=RopeScaling(factor=8.0), max_seq_len=131072, **_LLAMA3_COMMON,
     ),
     "70B": ModelArgs(
         dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
-        rope_scaling=RopeScaling(factor=8.0), max_seq_len=131072, **_LLAMA3_ROPE,
+        rope_scaling=RopeScaling(factor=8.0), max_seq_len=131072, **_LLAMA3_COMMON,
     ),
 }
 

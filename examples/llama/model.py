@@ -38,9 +38,9 @@ def rope_cache(args: ModelArgs, device: torch.device | str | None = None) -> tor
     if args.rope_scaling is not None:
         inv_freq = _llama3_scaled(inv_freq, args.rope_scaling)
     positions = torch.arange(args.max_seq_len, dtype=torch.float64, device=device)
-    angles = torch.outer(positions, inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return torch.stack([angles.cos(), angles.sin()], dim=1).float()
+    angles = torch.outer(positions, inv_freq)  # float64: exact angles at large positions
+    cos, sin = angles.cos().float(), angles.sin().float()
+    return torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)], dim=1)
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, scaling) -> torch.Tensor:
@@ -58,8 +58,9 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + d/2) of the last dim; computed in the table's precision, returned in x's."""
     first, second = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-second, first], dim=-1) * sin
+    return (x * cos + torch.cat([-second, first], dim=-1) * sin).type_as(x)
 
 
 class Attention(nn.Module):
@@ -73,7 +74,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         q, k, v = (rearrange(w(x), "b s (h d) -> b h s d", d=self.head_dim) for w in (self.wq, self.wk, self.wv))
-        cos, sin = rope[: q.shape[-2]].unbind(1)
+        seq_len = q.shape[-2]
+        if seq_len > rope.shape[0]:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds the model's max_seq_len={rope.shape[0]}; "
+                f"build the model with max_seq_len >= {seq_len}"
+            )
+        cos, sin = rope[:seq_len].unbind(1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         return self.wo(rearrange(out, "b h s d -> b s (h d)"))
@@ -156,6 +163,7 @@ class Transformer(nn.Module):
         """
         self.init_buffers()
         for name, param in self.named_parameters():
+            name = canonical_name(name)
             key = "tok_embeddings.weight" if self.args.tie_embeddings and name == "output.weight" else name
             generator = torch.Generator().manual_seed(_seed_for(seed, key))
             values = torch.empty(param.shape, dtype=torch.float32)
@@ -168,6 +176,17 @@ class Transformer(nn.Module):
             else:
                 nn.init.trunc_normal_(values, std=INIT_STD, a=-3 * INIT_STD, b=3 * INIT_STD, generator=generator)
             _copy_full_into(param, values)
+
+
+# Wrappers (activation checkpointing, torch.compile, FSDP1) insert these into parameter names.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name in the plain, unwrapped model."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
 def _seed_for(seed: int, name: str) -> int:

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mesh3d  # noqa: E402
 from examples.llama.config import CONFIGS, get_config  # noqa: E402
-from examples.llama.model import Transformer, loss_fn  # noqa: E402
-from mesh3d.data import DistributedLoader, TokenDataset  # noqa: E402
+from examples.llama.model import Transformer, count_parameters, loss_fn  # noqa: E402
+from mesh3d.data import ByteTokenizer, DistributedLoader, TokenDataset  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -33,12 +33,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", default="debug", choices=sorted(CONFIGS))
     p.add_argument("--n-layers", type=int, default=None, help="override the config's number of layers")
     p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None, help="tie embedding and output")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=200)
     p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step, all ranks together")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of the peak")
-    p.add_argument("--warmup", type=int, default=30, help="linear warmup steps")
+    p.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm; 0 disables clipping")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
@@ -67,6 +67,16 @@ def build_dataset(args) -> TokenDataset:
     return TokenDataset.from_stdlib(args.seq_len)
 
 
+def build_optimizer(model: torch.nn.Module, args) -> torch.optim.AdamW:
+    """AdamW; matrices decay, norm gains (1-D) do not."""
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+
+
 def build_model(args, device: torch.device) -> Transformer:
     overrides = {"max_seq_len": max(args.seq_len, 1)}
     if args.n_layers is not None:
@@ -74,6 +84,11 @@ def build_model(args, device: torch.device) -> Transformer:
     if args.tied is not None:
         overrides["tie_embeddings"] = args.tied
     config = get_config(args.config, **overrides)
+    if not args.token_file and config.vocab_size < ByteTokenizer.vocab_size:
+        raise SystemExit(
+            f"config {args.config} has vocab_size={config.vocab_size}, fewer than the byte tokenizer's "
+            f"{ByteTokenizer.vocab_size}; train it on a --token-file of its own vocabulary"
+        )
     with torch.device("meta"):
         model = Transformer(config)
     model.to_empty(device=device)
@@ -93,8 +108,8 @@ def main(argv=None) -> list[dict]:
     dataset = build_dataset(args)
     loader = DistributedLoader.for_layout(dataset, args.global_batch, layout, seed=args.seed)
     model = build_model(args, layout.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
-    n_params = sum(p.numel() for p in model.parameters())
+    optimizer = build_optimizer(model, args)
+    n_params = count_parameters(model)
     if is_main:
         print(
             f"{layout}\nmodel {args.config}: {n_params / 1e6:.2f}M parameters, "
@@ -142,6 +157,7 @@ def main(argv=None) -> list[dict]:
             )
     if metrics_file:
         metrics_file.close()
+    torch.distributed.destroy_process_group()
     return history
 
 

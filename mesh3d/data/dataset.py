@@ -33,7 +33,9 @@ class TokenDataset:
         return (len(self.tokens) - 1) // self.seq_len
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.batch([index])
+        """(inputs, targets) of sample `index`, each int64 of shape (seq_len,)."""
+        inputs, targets = self.batch([index])
+        return inputs[0], targets[0]
 
     def batch(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
         """Stack the samples at `indices`: (inputs, targets), each int64 of shape (len, seq_len)."""
