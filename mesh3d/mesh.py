@@ -172,7 +172,7 @@ def build_mesh(
         pp: pipeline-parallel degree (outermost dim).
         dp: data-parallel degree; -1 takes the rest of the world.
         tp: tensor-parallel degree (innermost dim: a tp group is consecutive global ranks).
-        device: "cpu" or "cuda"; default: CUDA when available.
+        device: "cpu", "cuda" (cuda:LOCAL_RANK) or "cuda:N"; default: CUDA when available.
         backend: process-group backend; default: "nccl" for CUDA, "gloo" for CPU.
         timeout: collective timeout of the default process group, when this call starts it.
 
