@@ -1,6 +1,7 @@
 """build_mesh over every factorization of 1, 2, 4 and 8 ranks, and its errors on every rank."""
 
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -93,8 +94,6 @@ def test_single_plain_process():
 
 
 def _plain_process_layout():
-    import os
-
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(var, None)
     layout = mesh3d.build_mesh()
@@ -144,7 +143,7 @@ def test_bad_sizes_raise_on_every_rank():
 
 
 def _mismatched_layouts():
-    rank = int(__import__("os").environ["RANK"])
+    rank = int(os.environ["RANK"])
     pp, dp = (2, 1) if rank == 0 else (1, 2)
     return _error_of(dict(pp=pp, dp=dp, tp=1))
 
@@ -164,7 +163,7 @@ def test_resolve_sizes_pure():
 
 
 def _raise_on_rank_one():
-    if int(__import__("os").environ["RANK"]) == 1:
+    if int(os.environ["RANK"]) == 1:
         raise RuntimeError("boom on rank one")
     return "fine"
 
@@ -172,14 +171,12 @@ def _raise_on_rank_one():
 def _hang_on_rank_two():
     import time
 
-    if int(__import__("os").environ["RANK"]) == 2:
+    if int(os.environ["RANK"]) == 2:
         time.sleep(3600)
     return "fine"
 
 
 def _exit_silently_on_rank_one(code):
-    import os
-
     if int(os.environ["RANK"]) == 1:
         os._exit(code)
     return "fine"

@@ -25,16 +25,19 @@ def _tp_against_single_process():
     """On 8 ranks: for tp in 2, 4, 8, tied and untied, the worst relative error of logits, loss, grads."""
     torch.manual_seed(0)
     tokens = torch.randint(0, 256, (2, 32))
+    references = {}
+    for tied in (False, True):
+        args = get_config("debug", n_layers=2, max_seq_len=64, tie_embeddings=tied)
+        reference = Transformer(args)
+        reference.init_weights(SEED)
+        ref_logits = reference(tokens)
+        loss_fn(ref_logits, tokens).backward()
+        references[tied] = (args, ref_logits, dict(reference.named_parameters()))
     worst = {}
     for tp in (2, 4, 8):
         layout = mesh3d.build_mesh(pp=1, dp=-1, tp=tp)
         for tied in (False, True):
-            args = get_config("debug", n_layers=2, max_seq_len=64, tie_embeddings=tied)
-            reference = Transformer(args)
-            reference.init_weights(SEED)
-            ref_logits = reference(tokens)
-            loss_fn(ref_logits, tokens).backward()
-
+            args, ref_logits, ref_params = references[tied]
             with torch.device("meta"):
                 model = Transformer(args)
             parallelize_module(model, layout.mesh["tp"], model.tp_plan)
@@ -43,7 +46,6 @@ def _tp_against_single_process():
             logits = model(tokens)
             loss_fn(logits, tokens).backward()
 
-            ref_params = dict(reference.named_parameters())
             errors = {"logits": relative_error(logits, ref_logits)}
             for name, param in model.named_parameters():
                 errors[name] = max(relative_error(param, ref_params[name]), relative_error(param.grad, ref_params[name].grad))

@@ -159,9 +159,8 @@ class Transformer(nn.Module):
 
         Each parameter draws from its own generator, seeded by `seed` and the parameter's name in
         the whole model, so a pipeline stage gets exactly the values the unsplit model would.
-        A tied output head draws the embedding's values.
+        A tied output head draws the embedding's values. Buffers are `to_empty`'s job.
         """
-        self.init_buffers()
         for name, param in self.named_parameters():
             name = canonical_name(name)
             key = "tok_embeddings.weight" if self.args.tie_embeddings and name == "output.weight" else name
