@@ -1,0 +1,36 @@
+"""Draw the schedule timelines used in the docs into docs/images/ and print what each costs.
+
+Run from anywhere: python bench/draw_schedules.py (needs matplotlib: pip install "mesh3d[draw]").
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mesh3d.pipeline import draw
+
+IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
+
+FIGURES = [
+    ("gpipe", 4, 8, 1),
+    ("1f1b", 4, 8, 1),
+    ("interleaved_1f1b", 4, 8, 2),
+    ("interleaved_1f1b", 4, 5, 2),  # microbatches not a multiple of pp: uneven rounds
+]
+
+
+def main() -> None:
+    IMAGES.mkdir(parents=True, exist_ok=True)
+    for name, pp, microbatches, v in FIGURES:
+        suffix = f"_v{v}" if v > 1 else ""
+        path = IMAGES / f"{name}_pp{pp}_m{microbatches}{suffix}.png"
+        report = draw(name, pp, microbatches, v, path=path)
+        print(
+            f"{path.name}: bubble {report.bubble_fraction:.2%}, "
+            f"peak activations per rank {report.peak_activations}, makespan {report.makespan:g}, "
+            f"{path.stat().st_size // 1024} KB"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""ParallelModel: this rank's part of a parallelized model, and the calls a training loop makes on it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mesh3d.mesh import Layout
+from mesh3d.pipeline.runtime import PipelineRuntime
+from mesh3d.pipeline.schedules import Schedule
+from mesh3d.pipeline.tied import TiedWeights
+
+
+class ParallelModel:
+    """What `mesh3d.parallelize` returns: the stages this rank owns, wired into a pipeline schedule.
+
+    Parameter names are always those of the unsplit model. Build an optimizer over
+    `pm.parameters()`; call `pm.step(inputs, targets)` for a whole pipelined forward and backward.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        stages: dict[int, nn.Module],
+        stage_layers: list[range],
+        schedule: Schedule,
+        runtime: PipelineRuntime,
+        tied: TiedWeights,
+        state_owner: dict[str, int],
+        state_specs: dict[str, tuple[torch.Size, torch.dtype]],
+    ):
+        self.layout = layout
+        self.stages = stages
+        self.stage_layers = stage_layers
+        self.schedule = schedule
+        self.runtime = runtime
+        self.tied = tied
+        self._state_owner = state_owner  # every state_dict key of the unsplit model -> stage holding it
+        self._state_specs = state_specs
+
+    # -- running ------------------------------------------------------------------------------
+
+    def _check_batch(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> None:
+        m = self.schedule.microbatches
+        if inputs.dim() == 0 or inputs.shape[0] % m != 0:
+            raise ValueError(
+                f"a batch of {inputs.shape[0] if inputs.dim() else 0} samples does not split into "
+                f"microbatches={m} equal microbatches (dim 0); use a batch size that is a multiple of {m}"
+            )
+        if targets is not None and targets.shape[0] != inputs.shape[0]:
+            raise ValueError(f"inputs have {inputs.shape[0]} samples but targets have {targets.shape[0]}")
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every microbatch; gradients accumulate into `.grad`.
+
+        Gradients equal those of one process computing loss_fn(model(inputs), targets).backward()
+        on the whole batch. Returns the mean loss, a 0-dim tensor with the same value on every rank.
+        """
+        self._check_batch(inputs, targets)
+        for stage in self.stages.values():
+            stage.train()
+        local_sum = self.runtime.run(inputs, targets, train=True)
+        self.tied.sync_grads()
+        return self._mean_loss(local_sum)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean loss of a forward pass only (no gradients), the same on every rank."""
+        self._check_batch(inputs, targets)
+        for stage in self.stages.values():
+            stage.eval()
+        return self._mean_loss(self.runtime.run(inputs, targets, train=False))
+
+    def _mean_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
+        total = local_sum.detach().float().clone()
+        if self.layout.pp > 1:
+            dist.all_reduce(total, group=self.layout.group("pp"))  # only the last stage's rank adds to it
+        return total / self.schedule.microbatches
+
+    @property
+    def peak_live_activations(self) -> int:
+        """Most stage-microbatch forwards this rank held for their backward during the last step."""
+        return self.runtime.counters.peak_live_activations
+
+    # -- parameters ---------------------------------------------------------------------------
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the unsplit model's names (a shared tensor once)."""
+        seen: set[int] = set()
+        for index in sorted(self.stages):
+            for name, param in self.stages[index].named_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield name, param
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters; pass them to the optimizer."""
+        for _, param in self.named_parameters():
+            yield param
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for stage in self.stages.values():
+            stage.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale gradients so the whole model's gradient norm is at most `max_norm`.
+
+        The norm is over every parameter of the unsplit model, each counted once (a tied weight
+        too), and is the same on every rank. Returns the norm before clipping.
+        """
+        norm_type = float(norm_type)
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        counted = [p.grad for p in self.parameters() if p.grad is not None and not self.tied.is_secondary_copy(p)]
+        device = self.layout.device
+        if math.isinf(norm_type):
+            local = max((g.abs().max() for g in counted), default=torch.zeros((), device=device)).float()
+            op = dist.ReduceOp.MAX
+        else:
+            local = sum((g.float().norm(norm_type) ** norm_type for g in counted), torch.zeros((), device=device))
+            op = dist.ReduceOp.SUM
+        total = local.clone()
+        if self.layout.pp > 1:
+            dist.all_reduce(total, op=op, group=self.layout.group("pp"))
+        if not math.isinf(norm_type):
+            total = total ** (1.0 / norm_type)
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
+        return total
+
+    # -- whole-model state ----------------------------------------------------------------------
+
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = {}
+        for index in sorted(self.stages):
+            for name, tensor in self.stages[index].state_dict(keep_vars=True).items():
+                state.setdefault(name, tensor)
+        return state
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsplit model's state_dict (both names of a tied weight), on CPU, on every rank."""
+        local = self._local_state()
+        group = self.layout.group("pp") if self.layout.pp > 1 else None
+        ranks = self.layout.group_ranks("pp")
+        full = {}
+        for name, stage in self._state_owner.items():
+            owner = self.schedule.stage_rank(stage)
+            if owner == self.layout.pp_rank:
+                tensor = local[name].detach().contiguous()
+            else:
+                shape, dtype = self._state_specs[name]
+                tensor = torch.empty(shape, dtype=dtype, device=self.layout.device)
+            if group is not None:
+                dist.broadcast(tensor, src=ranks[owner], group=group)
+            full[name] = tensor.cpu().clone()
+        return full
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load the unsplit model's state_dict (every rank passes all of it; each keeps its part)."""
+        missing = [k for k in self._state_owner if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in self._state_owner]
+        if missing or unexpected:
+            raise ValueError(
+                f"load_full_state_dict: the state_dict does not fit the model: missing {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+            )
+        for name, (shape, _) in self._state_specs.items():
+            if tuple(state_dict[name].shape) != tuple(shape):
+                raise ValueError(
+                    f"load_full_state_dict: {name} has shape {tuple(state_dict[name].shape)}, the model expects {tuple(shape)}"
+                )
+        for name, tensor in self._local_state().items():
+            tensor.copy_(state_dict[name])
+        self.tied.sync_values()
+
+    def __repr__(self) -> str:
+        s = self.schedule
+        mine = {i: f"layers {r.start}..{r.stop - 1}" for i, r in enumerate(self.stage_layers) if i in self.stages}
+        return (
+            f"ParallelModel({self.layout!r}, schedule={s.name}, microbatches={s.microbatches}, "
+            f"virtual_stages={s.virtual_stages}, stages here={mine})"
+        )
+
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

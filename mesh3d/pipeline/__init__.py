@@ -1,0 +1,21 @@
+"""The pipeline engine: stage builder, schedule IR, lowering and simulation, runtime, tied weights, drawing."""
+
+from mesh3d.pipeline.draw import chrome_trace, draw
+from mesh3d.pipeline.lower import LoweredSchedule, ScheduleError, SimulationReport, lower, simulate, simulate_schedule
+from mesh3d.pipeline.schedules import SCHEDULES, Action, Kind, Schedule, build_schedule
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "Kind",
+    "LoweredSchedule",
+    "Schedule",
+    "ScheduleError",
+    "SimulationReport",
+    "build_schedule",
+    "chrome_trace",
+    "draw",
+    "lower",
+    "simulate",
+    "simulate_schedule",
+]

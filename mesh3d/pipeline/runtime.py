@@ -1,0 +1,225 @@
+"""The interpreter: runs one rank's lowered action list on real tensors.
+
+Per step it splits the batch into microbatches, and for each action:
+RECV posts an irecv into a buffer whose shape is known in advance (the stages were run on meta
+tensors, locally); F runs a stage (the last stage adds the loss, scaled by 1/m) and keeps what
+its backward needs; SEND posts an isend of the activation or input gradient; B runs the stage's
+backward with the received output gradient. Receives are waited on just before the compute that
+uses them, sends once at the end of the step. Stages on the same rank hand tensors over in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mesh3d.pipeline.lower import LoweredSchedule, lower
+from mesh3d.pipeline.schedules import Kind
+
+ACTIVATION_CHECKPOINT_MODES = ("never", "always", "except_last")
+
+
+@dataclass
+class RuntimeCounters:
+    """What the last step did on this rank (reset at the start of every step)."""
+
+    live_activations: int = 0  # stage-microbatch forwards held for their backward, right now
+    peak_live_activations: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+    recomputed_forwards: int = 0  # forwards run under activation checkpointing
+    backwards_by_stage: dict[int, int] = field(default_factory=dict)
+
+
+class PipelineRuntime:
+    """Executes a lowered schedule for one pp rank.
+
+    Args:
+        stages: this rank's stage modules, by stage index.
+        meta_stages: every stage of the model on the meta device, used to learn boundary shapes.
+        lowered: the lowered schedule (every rank's list; this runtime runs `pp_rank`'s).
+        pp_rank: this rank's position on the pp axis.
+        pp_global_ranks: global rank of every pp rank in this rank's pp group.
+        group: the pp process group.
+        loss_fn: loss_fn(output, target) -> mean loss of one microbatch.
+        activation_checkpoint: "never", "always" or "except_last" (the last microbatch is kept).
+        before_backward: called as before_backward(stage, is_last_backward_of_stage) before every
+            backward; data parallelism uses it to reduce gradients once, on the last one.
+    """
+
+    def __init__(
+        self,
+        stages: dict[int, nn.Module],
+        meta_stages: list[nn.Module],
+        lowered: LoweredSchedule,
+        pp_rank: int,
+        pp_global_ranks: list[int],
+        group: dist.ProcessGroup | None,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        device: torch.device,
+        activation_checkpoint: str = "never",
+        before_backward: Callable[[int, bool], None] | None = None,
+    ):
+        self.stages = stages
+        self.meta_stages = meta_stages
+        self.pp_rank = pp_rank
+        self.pp_global_ranks = pp_global_ranks
+        self.group = group
+        self.loss_fn = loss_fn
+        self.device = device
+        self.activation_checkpoint = activation_checkpoint
+        self.before_backward = before_backward
+        self.schedule = lowered.schedule
+        self.n_stages = self.schedule.n_stages
+        self.microbatches = self.schedule.microbatches
+        self.train_actions = lowered.actions[pp_rank]
+        self.eval_actions = lower(self.schedule.forward_only()).actions[pp_rank]
+        self.counters = RuntimeCounters()
+        self._boundary_specs: dict[tuple, list[tuple[torch.Size, torch.dtype]]] = {}
+        last_backward = {}
+        for index, action in enumerate(self.train_actions):
+            if action.kind == Kind.B:
+                last_backward[action.stage] = index
+        self._last_backward_index = set(last_backward.values())
+
+    def boundary_specs(self, microbatch: torch.Tensor) -> list[tuple[torch.Size, torch.dtype]]:
+        """Shape and dtype of every stage's output for this microbatch shape, from a meta run."""
+        key = (tuple(microbatch.shape), microbatch.dtype)
+        if key not in self._boundary_specs:
+            x = torch.empty(microbatch.shape, dtype=microbatch.dtype, device="meta")
+            specs = []
+            with torch.no_grad():
+                for stage in self.meta_stages:
+                    x = stage(x)
+                    if not isinstance(x, torch.Tensor):
+                        raise TypeError(
+                            f"a pipeline stage must return one tensor, got {type(x).__name__}; mesh3d sends one "
+                            "activation tensor between stages"
+                        )
+                    specs.append((x.shape, x.dtype))
+            self._boundary_specs[key] = specs
+        return self._boundary_specs[key]
+
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor | None, *, train: bool) -> torch.Tensor:
+        """Run every microbatch through this rank's actions; returns the sum of the microbatch
+        losses computed here (0 on ranks without the last stage)."""
+        m = self.microbatches
+        input_chunks = inputs.to(self.device).chunk(m)
+        target_chunks = targets.to(self.device).chunk(m) if targets is not None else None
+        specs = self.boundary_specs(input_chunks[0])
+        self.counters = RuntimeCounters()
+        step = _Step(self, input_chunks, target_chunks, specs, train)
+        for index, action in enumerate(self.train_actions if train else self.eval_actions):
+            step.execute(action, is_last_backward=index in self._last_backward_index)
+        return step.finish()
+
+    def tag(self, kind: Kind, producer_stage: int, microbatch: int) -> int:
+        """A tag unique to one message within a step (gloo matches on it; NCCL ignores it)."""
+        direction = 0 if kind in (Kind.SEND_F, Kind.RECV_F) else 1
+        return (direction * self.n_stages + producer_stage) * self.microbatches + microbatch
+
+
+class _Step:
+    """The state of one step: mailboxes, what backwards need, losses, pending sends."""
+
+    def __init__(self, runtime: PipelineRuntime, input_chunks, target_chunks, specs, train: bool):
+        self.rt = runtime
+        self.inputs = input_chunks
+        self.targets = target_chunks
+        self.specs = specs
+        self.train = train
+        self.inbox: dict[tuple[Kind, int, int], object] = {}  # (F or B, consumer stage, mb) -> tensor or pending
+        self.outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}  # (F or B, producer stage, mb) -> tensor
+        self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.losses: list[torch.Tensor] = []
+        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def execute(self, action, is_last_backward: bool) -> None:
+        kind, stage, mb = action.kind, action.stage, action.microbatch
+        if kind == Kind.F:
+            self.forward(stage, mb)
+        elif kind == Kind.B:
+            self.backward(stage, mb, is_last_backward)
+        elif kind in (Kind.RECV_F, Kind.RECV_B):
+            producer = stage - 1 if kind == Kind.RECV_F else stage + 1
+            shape, dtype = self.specs[producer if kind == Kind.RECV_F else stage]  # stage's own output for a grad
+            buffer = torch.empty(shape, dtype=dtype, device=self.rt.device)
+            source = self.rt.pp_global_ranks[action.peer]
+            work = dist.irecv(buffer, src=source, group=self.rt.group, tag=self.rt.tag(kind, producer, mb))
+            self.rt.counters.bytes_received += buffer.numel() * buffer.element_size()
+            self.inbox[(Kind.F if kind == Kind.RECV_F else Kind.B, stage, mb)] = (work, buffer)
+        else:
+            tensor = self.outbox.pop((Kind.F if kind == Kind.SEND_F else Kind.B, stage, mb)).contiguous()
+            target = self.rt.pp_global_ranks[action.peer]
+            work = dist.isend(tensor, dst=target, group=self.rt.group, tag=self.rt.tag(kind, stage, mb))
+            self.sends.append((work, tensor))
+            self.rt.counters.bytes_sent += tensor.numel() * tensor.element_size()
+            self.rt.counters.messages_sent += 1
+
+    def take(self, kind: Kind, stage: int, mb: int) -> torch.Tensor:
+        item = self.inbox.pop((kind, stage, mb))
+        if isinstance(item, tuple):
+            work, buffer = item
+            work.wait()
+            return buffer
+        return item
+
+    def hand_over(self, kind: Kind, producer: int, consumer: int, mb: int, tensor: torch.Tensor) -> None:
+        if self.rt.schedule.stage_rank(consumer) == self.rt.pp_rank:
+            self.inbox[(kind, consumer, mb)] = tensor
+        else:
+            self.outbox[(kind, producer, mb)] = tensor
+
+    def forward(self, stage: int, mb: int) -> None:
+        rt, last = self.rt, stage == self.rt.n_stages - 1
+        x = self.inputs[mb] if stage == 0 else self.take(Kind.F, stage, mb)
+        if self.train and stage > 0 and x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        module = rt.stages[stage]
+        recompute = self.train and (
+            rt.activation_checkpoint == "always" or (rt.activation_checkpoint == "except_last" and mb != rt.microbatches - 1)
+        )
+        with torch.set_grad_enabled(self.train):
+            if recompute:
+                out = checkpoint(module, x, use_reentrant=False)
+                rt.counters.recomputed_forwards += 1
+            else:
+                out = module(x)
+            if last:
+                loss = rt.loss_fn(out, self.targets[mb])
+                self.losses.append(loss.detach())
+                out = loss / rt.microbatches  # scaled before backward, so grads accumulate to the global mean
+        if self.train:
+            self.saved[(stage, mb)] = (x, out)
+            rt.counters.live_activations += 1
+            rt.counters.peak_live_activations = max(rt.counters.peak_live_activations, rt.counters.live_activations)
+        if not last:
+            self.hand_over(Kind.F, stage, stage + 1, mb, out.detach())
+
+    def backward(self, stage: int, mb: int, is_last_backward: bool) -> None:
+        rt = self.rt
+        x, out = self.saved.pop((stage, mb))
+        if rt.before_backward is not None:
+            rt.before_backward(stage, is_last_backward)
+        if stage == rt.n_stages - 1:
+            torch.autograd.backward(out)
+        else:
+            torch.autograd.backward(out, self.take(Kind.B, stage, mb))
+        rt.counters.live_activations -= 1
+        rt.counters.backwards_by_stage[stage] = rt.counters.backwards_by_stage.get(stage, 0) + 1
+        if stage > 0:
+            grad = x.grad if x.grad is not None else torch.zeros_like(x)
+            self.hand_over(Kind.B, stage, stage - 1, mb, grad)
+
+    def finish(self) -> torch.Tensor:
+        for work, _ in self.sends:
+            work.wait()
+        if self.losses:
+            return torch.stack(self.losses).sum()
+        return torch.zeros((), device=self.rt.device)

@@ -1,0 +1,86 @@
+"""Shared pieces of the pipeline tests: a tiny LLaMA, batches, and the single-process reference."""
+
+from __future__ import annotations
+
+import torch
+
+import mesh3d
+from examples.llama.config import ModelArgs
+from examples.llama.model import Transformer, loss_fn
+
+SEQ_LEN = 8
+VOCAB = 64
+STEPS = 3
+LR = 1e-4  # Adam amplifies fp32 rounding in near-zero grads by up to lr per element; see docs/testing.md
+MAX_NORM = 0.5  # small enough that clipping is active, so the norm must be right to match
+TOLERANCE = 1e-5  # fp32, relative (norm-relative for tensors)
+
+
+def tiny_args(tied: bool, n_layers: int = 8) -> ModelArgs:
+    return ModelArgs(
+        dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=16,
+        max_seq_len=SEQ_LEN, tie_embeddings=tied,
+    )
+
+
+def meta_model(tied: bool, n_layers: int = 8) -> Transformer:
+    with torch.device("meta"):
+        return Transformer(tiny_args(tied, n_layers))
+
+
+def batches(batch_size: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randint(0, VOCAB, (batch_size, SEQ_LEN), generator=generator),
+         torch.randint(0, VOCAB, (batch_size, SEQ_LEN), generator=generator))
+        for _ in range(STEPS)
+    ]
+
+
+def reference_run(tied: bool, data) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """One process, whole model, whole batch: losses, grad norms, final state_dict (as numpy arrays,
+    which pickle by value: tensors would travel to the ranks as shared-memory file descriptors)."""
+    model = Transformer(tiny_args(tied))
+    model.init_weights()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for inputs, targets in data:
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def pipeline_run(layout, tied: bool, data, **parallelize_kwargs):
+    """The same training through mesh3d.parallelize; returns losses, norms, full state, the pm."""
+    pm = mesh3d.parallelize(meta_model(tied), layout, loss_fn=loss_fn, **parallelize_kwargs)
+    optimizer = torch.optim.AdamW(pm.parameters(), lr=LR)
+    losses, norms = [], []
+    for inputs, targets in data:
+        losses.append(pm.step(inputs, targets).item())
+        norms.append(pm.clip_grad_norm_(MAX_NORM).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, norms, pm.full_state_dict(), pm
+
+
+def relative(got, want) -> float:
+    if isinstance(want, torch.Tensor):
+        return ((got - want).norm() / want.norm()).item()
+    return abs(got - want) / abs(want)
+
+
+def worst_error(result, reference) -> tuple[float, str]:
+    """The largest relative error over losses, grad norms and every state_dict entry, and where."""
+    losses, norms, state, _ = result
+    ref_losses, ref_norms, ref_state = reference
+    if sorted(state) != sorted(ref_state):
+        return float("inf"), f"keys differ: {sorted(set(state) ^ set(ref_state))}"
+    errors = {f"loss {i}": relative(a, b) for i, (a, b) in enumerate(zip(losses, ref_losses))}
+    errors |= {f"grad norm {i}": relative(a, b) for i, (a, b) in enumerate(zip(norms, ref_norms))}
+    errors |= {name: relative(state[name], torch.from_numpy(ref_state[name])) for name in ref_state}
+    where = max(errors, key=errors.get)
+    return errors[where], where

@@ -1,0 +1,90 @@
+"""ParallelModel around the schedule: names, whole-model state, evaluation, ties, a CPU-built model."""
+
+import torch
+
+import mesh3d
+from examples.llama.model import Transformer, loss_fn
+from multiprocess import run_on_ranks
+from pipeline_cases import TOLERANCE, batches, meta_model, pipeline_run, reference_run, relative, tiny_args, worst_error
+
+
+def _state_and_names(tied):
+    """pp=2 on a model built on CPU: its values are kept; names and state are the unsplit model's."""
+    layout = mesh3d.build_mesh(pp=2, dp=1, tp=1)
+    model = Transformer(tiny_args(tied))
+    model.init_weights(5)
+    pm = mesh3d.parallelize(model, layout, schedule="1f1b", microbatches=2, loss_fn=loss_fn)
+    full = pm.full_state_dict()
+    same = sorted(full) == sorted(model.state_dict()) and all(torch.equal(full[k], v) for k, v in model.state_dict().items())
+    names = [n for n, _ in pm.named_parameters()]
+    on_cpu = all(t.device.type == "cpu" for t in full.values())
+
+    inputs, targets = batches(4)[0]
+    loss = pm.evaluate(inputs, targets).item()
+    with torch.no_grad():
+        want = loss_fn(model(inputs), targets).item()
+    no_grads = all(p.grad is None for p in pm.parameters())
+
+    # A state whose two tied names disagree: the copies end up with the first name's values.
+    other = Transformer(tiny_args(tied))
+    other.init_weights(6)
+    state = other.state_dict()
+    if tied:
+        state["output.weight"] = torch.zeros_like(state["output.weight"])
+    pm.load_full_state_dict(state)
+    reloaded = pm.full_state_dict()
+    reloaded_ok = all(torch.equal(reloaded[k], other.state_dict()[k]) for k in state if k != "output.weight")
+    tie_synced = torch.equal(reloaded["output.weight"], reloaded["tok_embeddings.weight"]) if tied else True
+    return same, on_cpu, names, relative(loss, want), no_grads, reloaded_ok, tie_synced
+
+
+def test_state_names_and_evaluation_on_two_ranks():
+    for tied in (False, True):
+        per_rank = run_on_ranks(_state_and_names, 2, tied, timeout=60)
+        every_name = {n for n, _ in Transformer(tiny_args(tied)).named_parameters(remove_duplicate=False)}
+        names = [set(r[2]) for r in per_rank]
+        assert names[0] | names[1] == every_name, tied
+        assert not names[0] & names[1]
+        if tied:
+            assert "tok_embeddings.weight" in names[0] and "output.weight" in names[1]
+        for rank, (same, on_cpu, _, eval_error, no_grads, reloaded_ok, tie_synced) in enumerate(per_rank):
+            assert same and on_cpu, (rank, tied)
+            assert eval_error <= TOLERANCE and no_grads, (rank, tied, eval_error)
+            assert reloaded_ok and tie_synced, (rank, tied)
+
+
+def _one_rank_interleaved(reference):
+    """pp=1 with two stages on the one rank: ties are shared in memory, nothing is sent."""
+    layout = mesh3d.build_mesh(pp=1, dp=1, tp=1)
+    result = pipeline_run(layout, True, batches(6), schedule="interleaved_1f1b", microbatches=3, virtual_stages=2)
+    pm = result[-1]
+    tie = pm.tied.ties[0]
+    shared = pm.stages[0].tok_embeddings.weight is pm.stages[1].output.weight
+    return worst_error(result, reference), tie.group is None, tie.ranks, shared, pm.runtime.counters.messages_sent
+
+
+def test_tie_on_one_rank_is_shared_not_sent():
+    reference = reference_run(True, batches(6))
+    (error, where), no_group, ranks, shared, messages = run_on_ranks(_one_rank_interleaved, 1, reference, timeout=60)[0]
+    assert error <= TOLERANCE, where
+    assert no_group and ranks == [0] and shared and messages == 0
+
+
+def _defaults_and_counters():
+    layout = mesh3d.build_mesh(pp=2, dp=1, tp=1)
+    pm = mesh3d.parallelize(meta_model(tied=False), layout)  # defaults: interleaved, v=2, m=pp
+    inputs, targets = batches(4)[0]
+    pm.step(inputs, targets)
+    c = pm.runtime.counters
+    return pm.schedule.name, pm.schedule.virtual_stages, pm.schedule.microbatches, c.bytes_sent, c.messages_sent, repr(pm)
+
+
+def test_defaults_and_bytes_on_the_wire():
+    per_rank = run_on_ranks(_defaults_and_counters, 2, timeout=60)
+    for name, v, m, bytes_sent, messages, text in per_rank:
+        assert (name, v, m) == ("interleaved_1f1b", 2, 2)
+        # 4 stages, 3 boundaries; each rank sends forward or backward across each: fp32 (2, 8, 32) per microbatch
+        activation = 2 * 8 * 32 * 4
+        assert messages * activation == bytes_sent
+        assert "interleaved_1f1b" in text
+    assert sum(r[4] for r in per_rank) == 2 * 3 * 2  # 3 boundaries x (activation + gradient) x 2 microbatches
