@@ -41,6 +41,13 @@ class Layout:
         self.pp_rank, self.dp_rank, self.tp_rank = (int(c) for c in mesh.get_coordinate())
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        # The mesh's own groups serve any subgroup that spans an axis. Every rank records every
+        # axis group (None where it is not a member), so all ranks agree on which are new.
+        self._subgroups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        for dim in MESH_DIM_NAMES:
+            for ranks in self.axis_groups(dim):
+                mine = mesh.get_group(dim) if self.rank in ranks else None
+                self._subgroups.setdefault(tuple(sorted(ranks)), mine)
 
     @property
     def coordinate(self) -> tuple[int, int, int]:
@@ -54,6 +61,23 @@ class Layout:
     def group_ranks(self, dim: str) -> list[int]:
         """Global ranks of this rank's group along one mesh dim, in mesh order."""
         return dist.get_process_group_ranks(self.group(dim))
+
+    def axis_groups(self, dim: str) -> list[list[int]]:
+        """Every group of the mesh along `dim`, as lists of global ranks (one per other coordinate)."""
+        axis = MESH_DIM_NAMES.index(dim)
+        ranks = self.mesh.mesh.movedim(axis, -1)
+        return ranks.reshape(-1, ranks.shape[-1]).tolist()
+
+    def subgroup(self, members: list[int]) -> dist.ProcessGroup | None:
+        """A process group over `members` (global ranks), created once per Layout and then reused.
+
+        Creating one is a collective over the whole world: every rank must ask for the same new
+        member lists in the same order. Returns None on ranks outside `members`.
+        """
+        key = tuple(sorted(members))
+        if key not in self._subgroups:
+            self._subgroups[key] = dist.new_group(list(key))
+        return self._subgroups[key] if self.rank in key else None  # new_group gives non-members a marker
 
     def __repr__(self) -> str:
         return (

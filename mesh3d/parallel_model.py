@@ -61,19 +61,31 @@ class ParallelModel:
         on the whole batch. Returns the mean loss, a 0-dim tensor with the same value on every rank.
         """
         self._check_batch(inputs, targets)
-        for stage in self.stages.values():
-            stage.train()
+        self.tied.set_aside_grads()
         local_sum = self.runtime.run(inputs, targets, train=True)
         self.tied.sync_grads()
         return self._mean_loss(local_sum)
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean loss of a forward pass only (no gradients), the same on every rank."""
+        """Mean loss of a forward pass only (no gradients, modules in eval mode), the same on every rank."""
         self._check_batch(inputs, targets)
+        modes = {m: m.training for stage in self.stages.values() for m in stage.modules()}
+        self.eval()
+        try:
+            return self._mean_loss(self.runtime.run(inputs, targets, train=False))
+        finally:
+            for module, training in modes.items():
+                module.training = training
+
+    def train(self, mode: bool = True) -> ParallelModel:
+        """Set train/eval mode on every local stage (dropout and the like), as nn.Module.train does."""
         for stage in self.stages.values():
-            stage.eval()
-        return self._mean_loss(self.runtime.run(inputs, targets, train=False))
+            stage.train(mode)
+        return self
+
+    def eval(self) -> ParallelModel:
+        return self.train(False)
 
     def _mean_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
         total = local_sum.detach().float().clone()

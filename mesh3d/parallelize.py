@@ -105,13 +105,12 @@ def parallelize(
     plan = build_schedule(schedule, layout.pp, microbatches, virtual_stages)
     lowered = lower(plan)
 
-    _check_same_config_everywhere(
-        layout, f"{schedule} m={microbatches} v={virtual_stages} ac={activation_checkpoint} stages={ranges}"
-    )
-
     # Split. Meta copies of every stage tell each rank the boundary shapes and who owns what.
     meta_model = model if _on_meta(model) else meta_copy(model)
     meta_stages = [build_stage(meta_model, s, n_stages, ranges[s]) for s in range(n_stages)]
+    _check_same_config_everywhere(
+        layout, f"{schedule} m={microbatches} v={virtual_stages} ac={activation_checkpoint} stages={ranges}"
+    )
     state_owner, state_specs = {}, {}
     for s, stage in enumerate(meta_stages):
         for name, tensor in stage.state_dict(keep_vars=True).items():
@@ -128,12 +127,11 @@ def parallelize(
     # Tensor and data parallelism go here, per stage, once built (dp = tp = 1 for now).
 
     stage_names = {s: {n for n, _ in st.named_parameters(remove_duplicate=False)} for s, st in enumerate(meta_stages)}
-    pp_groups = layout.mesh.mesh.permute(1, 2, 0).reshape(-1, layout.pp).tolist()
-    tied = TiedWeights(find_ties(model), stage_names, plan.stage_rank, layout.pp_rank, pp_groups, layout.group_ranks("pp"))
+    tied = TiedWeights(find_ties(model), stage_names, plan.stage_rank, layout)
     tied.tie_locally(stages)
     if materialize:
-        for stage in stages.values():
-            _initialize(stage)
+        for index, stage in stages.items():
+            _initialize(stage, index, layout.device)
     tied.sync_values()
 
     runtime = PipelineRuntime(
@@ -165,14 +163,21 @@ def _on_meta(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def _initialize(stage: nn.Module) -> None:
-    """Fresh values for a stage materialized from meta: the model's own init_weights() if it has one."""
-    if callable(getattr(stage, "init_weights", None)):
-        stage.init_weights()
-        return
-    for module in stage.modules():
-        if callable(getattr(module, "reset_parameters", None)):
-            module.reset_parameters()
+def _initialize(stage: nn.Module, index: int, device: torch.device) -> None:
+    """Fresh values for a stage materialized from meta: the model's own init_weights() if it has one.
+
+    Each stage draws from the global RNG reseeded with (initial seed + stage index), so stages
+    on different ranks, which start from the same RNG state, do not get identical layers.
+    """
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(torch.initial_seed() + index)
+        if callable(getattr(stage, "init_weights", None)):
+            stage.init_weights()
+            return
+        for module in stage.modules():
+            if callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
 
 
 def _check_same_config_everywhere(layout: Layout, config: str) -> None:

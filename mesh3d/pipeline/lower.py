@@ -4,11 +4,10 @@
   schedule that cannot finish (a rank waits on something that never comes) is rejected here.
 - `lower()` inserts SEND/RECV actions. Every rank lists its messages in the order of the
   simulated send times (ties broken by one global key), so the two ends of every rank pair see
-  their shared messages in the same order: NCCL's in-order P2P per pair cannot cross-wait,
-  and gloo matches them by tag anyway.
-- `check_lowered()` replays the lowered lists with only their order (no costs): receives must
-  be posted before the compute that uses them, messages of one rank pair complete in order, and
-  every rank must reach its end. A lowered schedule that passes runs under any real timing.
+  their shared messages in the same order (gloo also matches them by tag).
+- `check_lowered()` replays the lowered lists with only their order (no costs), with each
+  rank's communication completing in issue order (NCCL, one stream), and requires every rank to
+  reach its end. A lowered schedule that passes runs under any real timing.
 - `simulate()` is the user-facing report: makespan, bubble fraction, peak live activations.
 """
 
@@ -171,9 +170,11 @@ def lower(schedule: Schedule) -> LoweredSchedule:
 def check_lowered(lowered: LoweredSchedule) -> None:
     """Replay the lowered lists by order alone and raise ScheduleError if any rank cannot finish.
 
-    Semantics: SEND and RECV only post (non-blocking); a message completes once both ends posted
-    it and every earlier message between the same two ranks completed; a compute waits for the
-    messages it consumes. Sends are waited at the end of the step.
+    The model is the strictest a real backend imposes (NCCL with one communicator for the whole
+    pp group): each rank runs its list in order; SEND and RECV are issued without blocking the
+    rank, but the operations a rank issued complete one after the other, in issue order, each
+    only when the other end has issued its half; a compute waits for the messages it consumes.
+    Lists that finish here also finish with per-pair streams and with gloo, whatever the timing.
     """
     schedule = lowered.schedule
     n_stages = schedule.n_stages
@@ -187,25 +188,30 @@ def check_lowered(lowered: LoweredSchedule) -> None:
         if seen_low != seen_high:
             raise ScheduleError(f"ranks {low} and {high} list their messages in different orders")
 
-    posted: dict[Message, set[int]] = defaultdict(set)
+    issued: list[list[Action]] = [[] for _ in range(schedule.pp)]
+    head = [0] * schedule.pp  # per rank: the first issued operation not yet completed
     completed: set[Message] = set()
     position = [0] * schedule.pp
     done: set[Action] = set()
 
-    next_in_pair = dict.fromkeys(pair_order, 0)
-
     def settle() -> None:
-        for pair, (messages, _) in pair_order.items():
-            i = next_in_pair[pair]
-            while i < len(messages) and len(posted[messages[i]]) == 2:
-                completed.add(messages[i])
-                i += 1
-            next_in_pair[pair] = i
+        matched = True
+        while matched:
+            matched = False
+            for rank in range(schedule.pp):
+                if head[rank] == len(issued[rank]):
+                    continue
+                action = issued[rank][head[rank]]
+                peer = action.peer
+                if head[peer] < len(issued[peer]) and _message_of(issued[peer][head[peer]]) == _message_of(action):
+                    completed.add(_message_of(action))
+                    head[rank] += 1
+                    head[peer] += 1
+                    matched = True
 
     progress = True
     while progress:
         progress = False
-        settle()
         for rank, actions in enumerate(lowered.actions):
             while position[rank] < len(actions):
                 action = actions[position[rank]]
@@ -218,15 +224,17 @@ def check_lowered(lowered: LoweredSchedule) -> None:
                         break
                     done.add(action)
                 else:
-                    posted[_message_of(action)].add(rank)
+                    issued[rank].append(action)
                 position[rank] += 1
                 progress = True
             settle()
     stuck = [(r, acts[position[r]]) for r, acts in enumerate(lowered.actions) if position[r] < len(acts)]
-    pending = [m for m in posted if m not in completed]
+    pending = [issued[r][head[r]] for r in range(schedule.pp) if head[r] < len(issued[r])]
     if stuck or pending:
         where = "; ".join(f"rank {r} stuck at {a}" for r, a in stuck)
-        raise ScheduleError(f"lowered schedule {schedule.name!r} cannot finish: {where or 'unmatched messages ' + str(pending[:3])}")
+        raise ScheduleError(
+            f"lowered schedule {schedule.name!r} cannot finish: {where or 'operations never matched: ' + ', '.join(map(str, pending))}"
+        )
 
 
 def _produced_message(dependency: Action) -> Message:

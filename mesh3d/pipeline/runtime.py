@@ -80,7 +80,8 @@ class PipelineRuntime:
         self.microbatches = self.schedule.microbatches
         self.train_actions = lowered.actions[pp_rank]
         self.eval_actions = lower(self.schedule.forward_only()).actions[pp_rank]
-        self.counters = RuntimeCounters()
+        self.counters = RuntimeCounters()  # of the last training step
+        self.eval_counters = RuntimeCounters()  # of the last evaluation
         self._boundary_specs: dict[tuple, list[tuple[torch.Size, torch.dtype]]] = {}
         last_backward = {}
         for index, action in enumerate(self.train_actions):
@@ -88,33 +89,55 @@ class PipelineRuntime:
                 last_backward[action.stage] = index
         self._last_backward_index = set(last_backward.values())
 
-    def boundary_specs(self, microbatch: torch.Tensor) -> list[tuple[torch.Size, torch.dtype]]:
-        """Shape and dtype of every stage's output for this microbatch shape, from a meta run."""
-        key = (tuple(microbatch.shape), microbatch.dtype)
+    def boundary_specs(self, microbatch: torch.Tensor, target: torch.Tensor | None) -> list[tuple[torch.Size, torch.dtype]]:
+        """Shape and dtype of every stage's output for this microbatch shape, from a meta run.
+
+        The loss runs on the meta output too, so a target that does not fit the output fails on
+        every rank here, not on the last stage's rank alone in the middle of the schedule.
+        """
+        key = (tuple(microbatch.shape), microbatch.dtype, None if target is None else (tuple(target.shape), target.dtype))
         if key not in self._boundary_specs:
             x = torch.empty(microbatch.shape, dtype=microbatch.dtype, device="meta")
             specs = []
             with torch.no_grad():
-                for stage in self.meta_stages:
+                for index, stage in enumerate(self.meta_stages):
                     x = stage(x)
                     if not isinstance(x, torch.Tensor):
                         raise TypeError(
-                            f"a pipeline stage must return one tensor, got {type(x).__name__}; mesh3d sends one "
-                            "activation tensor between stages"
+                            f"pipeline stage {index} returned {type(x).__name__}; mesh3d sends exactly one "
+                            "activation tensor between stages, so a stage's forward must return one tensor"
                         )
                     specs.append((x.shape, x.dtype))
+                if target is not None:
+                    try:
+                        self.loss_fn(x, torch.empty(target.shape, dtype=target.dtype, device="meta"))
+                    except Exception as error:
+                        raise ValueError(
+                            f"loss_fn fails on the model's output {tuple(x.shape)} {x.dtype} and a target microbatch "
+                            f"{tuple(target.shape)} {target.dtype}: {error}"
+                        ) from error
             self._boundary_specs[key] = specs
         return self._boundary_specs[key]
 
     def run(self, inputs: torch.Tensor, targets: torch.Tensor | None, *, train: bool) -> torch.Tensor:
         """Run every microbatch through this rank's actions; returns the sum of the microbatch
         losses computed here (0 on ranks without the last stage)."""
+        if torch.is_autocast_enabled(self.device.type):
+            raise ValueError(
+                "pm.step/evaluate ran under torch.autocast, which mesh3d does not support yet: stage-boundary "
+                "dtypes are fixed before the step from a meta run, which autocast does not change. Cast the "
+                "model to the dtype you want instead (e.g. model.to(torch.bfloat16))"
+            )
         m = self.microbatches
         input_chunks = inputs.to(self.device).chunk(m)
         target_chunks = targets.to(self.device).chunk(m) if targets is not None else None
-        specs = self.boundary_specs(input_chunks[0])
-        self.counters = RuntimeCounters()
-        step = _Step(self, input_chunks, target_chunks, specs, train)
+        specs = self.boundary_specs(input_chunks[0], None if target_chunks is None else target_chunks[0])
+        counters = RuntimeCounters()
+        if train:
+            self.counters = counters
+        else:
+            self.eval_counters = counters
+        step = _Step(self, input_chunks, target_chunks, specs, train, counters)
         for index, action in enumerate(self.train_actions if train else self.eval_actions):
             step.execute(action, is_last_backward=index in self._last_backward_index)
         return step.finish()
@@ -128,8 +151,9 @@ class PipelineRuntime:
 class _Step:
     """The state of one step: mailboxes, what backwards need, losses, pending sends."""
 
-    def __init__(self, runtime: PipelineRuntime, input_chunks, target_chunks, specs, train: bool):
+    def __init__(self, runtime: PipelineRuntime, input_chunks, target_chunks, specs, train: bool, counters: RuntimeCounters):
         self.rt = runtime
+        self.counters = counters
         self.inputs = input_chunks
         self.targets = target_chunks
         self.specs = specs
@@ -152,15 +176,23 @@ class _Step:
             buffer = torch.empty(shape, dtype=dtype, device=self.rt.device)
             source = self.rt.pp_global_ranks[action.peer]
             work = dist.irecv(buffer, src=source, group=self.rt.group, tag=self.rt.tag(kind, producer, mb))
-            self.rt.counters.bytes_received += buffer.numel() * buffer.element_size()
+            self.counters.bytes_received += buffer.numel() * buffer.element_size()
             self.inbox[(Kind.F if kind == Kind.RECV_F else Kind.B, stage, mb)] = (work, buffer)
         else:
             tensor = self.outbox.pop((Kind.F if kind == Kind.SEND_F else Kind.B, stage, mb)).contiguous()
+            shape, dtype = self.specs[stage if kind == Kind.SEND_F else stage - 1]
+            if tensor.shape != shape or tensor.dtype != dtype:
+                what = "output" if kind == Kind.SEND_F else "input gradient"
+                raise RuntimeError(
+                    f"stage {stage} produced an {what} of {tuple(tensor.shape)} {tensor.dtype} for microbatch {mb}, "
+                    f"but the meta run gave {tuple(shape)} {dtype}: a stage's output must depend only on its input's "
+                    "shape and dtype"
+                )
             target = self.rt.pp_global_ranks[action.peer]
             work = dist.isend(tensor, dst=target, group=self.rt.group, tag=self.rt.tag(kind, stage, mb))
             self.sends.append((work, tensor))
-            self.rt.counters.bytes_sent += tensor.numel() * tensor.element_size()
-            self.rt.counters.messages_sent += 1
+            self.counters.bytes_sent += tensor.numel() * tensor.element_size()
+            self.counters.messages_sent += 1
 
     def take(self, kind: Kind, stage: int, mb: int) -> torch.Tensor:
         item = self.inbox.pop((kind, stage, mb))
@@ -188,7 +220,7 @@ class _Step:
         with torch.set_grad_enabled(self.train):
             if recompute:
                 out = checkpoint(module, x, use_reentrant=False)
-                rt.counters.recomputed_forwards += 1
+                self.counters.recomputed_forwards += 1
             else:
                 out = module(x)
             if last:
@@ -197,8 +229,8 @@ class _Step:
                 out = loss / rt.microbatches  # scaled before backward, so grads accumulate to the global mean
         if self.train:
             self.saved[(stage, mb)] = (x, out)
-            rt.counters.live_activations += 1
-            rt.counters.peak_live_activations = max(rt.counters.peak_live_activations, rt.counters.live_activations)
+            self.counters.live_activations += 1
+            self.counters.peak_live_activations = max(self.counters.peak_live_activations, self.counters.live_activations)
         if not last:
             self.hand_over(Kind.F, stage, stage + 1, mb, out.detach())
 
@@ -207,12 +239,11 @@ class _Step:
         x, out = self.saved.pop((stage, mb))
         if rt.before_backward is not None:
             rt.before_backward(stage, is_last_backward)
-        if stage == rt.n_stages - 1:
-            torch.autograd.backward(out)
-        else:
-            torch.autograd.backward(out, self.take(Kind.B, stage, mb))
-        rt.counters.live_activations -= 1
-        rt.counters.backwards_by_stage[stage] = rt.counters.backwards_by_stage.get(stage, 0) + 1
+        grad = None if stage == rt.n_stages - 1 else self.take(Kind.B, stage, mb)
+        if out.requires_grad:  # a stage with everything frozen up to here has nothing to do
+            torch.autograd.backward(out, grad)
+        self.counters.live_activations -= 1
+        self.counters.backwards_by_stage[stage] = self.counters.backwards_by_stage.get(stage, 0) + 1
         if stage > 0:
             grad = x.grad if x.grad is not None else torch.zeros_like(x)
             self.hand_over(Kind.B, stage, stage - 1, mb, grad)

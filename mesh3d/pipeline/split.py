@@ -104,17 +104,39 @@ def build_stage(model: nn.Module, stage: int, n_stages: int, layer_range: range,
     """A copy of `model` holding only layer_range (and the ends if first/last), on the model's device."""
     before, after = end_modules(model, attr)
     layers = getattr(model, attr)
-    dropped = [m for key, m in layers.items() if int(key) not in layer_range]
+    edges = [(layers, key, f"{attr}.{key}") for key in layers.keys() if int(key) not in layer_range]
     if stage != 0:
-        dropped += [model._modules[name] for name in before]
+        edges += [(model, name, name) for name in before]
     if stage != n_stages - 1:
-        dropped += [model._modules[name] for name in after]
-    memo = {id(module): None for module in dropped if module is not None}
+        edges += [(model, name, name) for name in after]
+    cut = {(id(parent), name) for parent, name, _ in edges}
+    dropped = {id(parent._modules[name]): label for parent, name, label in edges if parent._modules[name] is not None}
+    _check_not_shared(model, cut, dropped)
+    memo = dict.fromkeys(dropped, None)
     stage_module = copy.deepcopy(model, memo)
     stage_layers = getattr(stage_module, attr)
     for key in [k for k, m in stage_layers._modules.items() if m is None]:
         del stage_layers._modules[key]
     return stage_module
+
+
+def _check_not_shared(model: nn.Module, cut: set[tuple[int, str]], dropped: dict[int, str]) -> None:
+    """A module this stage drops must not also be reachable through a part it keeps."""
+    seen: set[int] = set()
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    while stack:
+        path, module = stack.pop()
+        for name, child in module._modules.items():
+            if child is None or (id(module), name) in cut or id(child) in seen:
+                continue
+            where = f"{path}{name}"
+            if id(child) in dropped:
+                raise ValueError(
+                    f"module {dropped[id(child)]!r} is also registered as {where!r}, and the two land on different "
+                    "pipeline stages; share Parameters between stages (ties are supported), not whole modules"
+                )
+            seen.add(id(child))
+            stack.append((where + ".", child))
 
 
 def meta_copy(model: nn.Module) -> nn.Module:

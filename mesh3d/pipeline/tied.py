@@ -2,9 +2,10 @@
 
 The engine finds ties itself: names in the unsplit model that share one Parameter. After the split
 each rank that holds any of those names keeps one copy, shared by all its local stages. When
-copies live on several pp ranks they start identical (broadcast from the rank holding the earliest
-stage), their gradients are summed among exactly those ranks after the schedule, and the gradient
-norm counts the weight once (on that earliest rank). With every end on one rank nothing is sent.
+copies live on several pp ranks they start identical (broadcast from the lowest of those pp
+ranks, the primary), the gradients a step adds are summed among exactly those ranks after the
+schedule, and the gradient norm counts the weight once (on the primary). With every end on one
+rank nothing is sent.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from mesh3d.mesh import Layout
 
 
 def find_ties(model: nn.Module) -> list[list[str]]:
@@ -64,28 +67,26 @@ class TiedWeights:
         ties: list[list[str]],
         stage_names: dict[int, set[str]],
         stage_rank: Callable[[int], int],
-        pp_rank: int,
-        pp_groups: list[list[int]],
-        my_pp_group: list[int],
+        layout: Layout,
     ):
         """
         ties: groups of tied names; stage_names: every stage's parameter names; stage_rank: stage
-        -> pp rank; pp_groups: every pp group of the mesh as global ranks (one per dp/tp
-        coordinate), so that all ranks create the same subgroups in the same order;
-        my_pp_group: this rank's pp group.
+        -> pp rank. Tie groups come from layout.subgroup: created once, by every rank for every pp
+        group of the mesh in the same order, and reused by later calls.
         """
-        self.pp_rank = pp_rank
+        self.pp_rank = layout.pp_rank
         self.ties: list[TiedWeight] = []
         for names in ties:
             ranks = sorted({stage_rank(s) for s, held in stage_names.items() if held & set(names)})
             tie = TiedWeight(names, ranks)
             if len(ranks) > 1:
-                for pp_group in pp_groups:
+                for pp_group in layout.axis_groups("pp"):
                     members = [pp_group[r] for r in ranks]
-                    group = dist.new_group(members)  # a collective over the world: every rank calls it
-                    if pp_group == my_pp_group and pp_rank in ranks:
+                    group = layout.subgroup(members)
+                    if group is not None:
                         tie.group, tie.group_ranks = group, members
             self.ties.append(tie)
+        self._earlier_grads: list[torch.Tensor | None] = []
 
     def tie_locally(self, stages: dict[int, nn.Module]) -> None:
         """Make every local stage holding a tied name use one Parameter (the first stage's)."""
@@ -114,12 +115,25 @@ class TiedWeights:
             if tie.group is not None:
                 dist.broadcast(tie.param.data, src=tie.group_ranks[0], group=tie.group)
 
+    def set_aside_grads(self) -> None:
+        """Before a step: keep the gradients earlier steps accumulated out of the coming sum."""
+        self._earlier_grads = []
+        for tie in self.ties:
+            grad = tie.param.grad if tie.group is not None else None
+            self._earlier_grads.append(grad)
+            if grad is not None:
+                tie.param.grad = None
+
     @torch.no_grad()
     def sync_grads(self) -> None:
-        """Each copy's gradient becomes the sum of all copies' gradients (run after the schedule)."""
-        for tie in self.ties:
-            if tie.group is None:
+        """After a step: every copy adds the sum of the gradients this step gave all copies."""
+        earlier = self._earlier_grads or [None] * len(self.ties)
+        for tie, before in zip(self.ties, earlier):
+            if tie.group is None or not tie.param.requires_grad:
                 continue
             if tie.param.grad is None:
                 tie.param.grad = torch.zeros_like(tie.param)
             dist.all_reduce(tie.param.grad, group=tie.group)
+            if before is not None:
+                tie.param.grad += before
+        self._earlier_grads = []
