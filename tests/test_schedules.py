@@ -154,3 +154,15 @@ def test_config_errors(args, match):
 
 def test_gpipe_accepts_fewer_microbatches_than_stages():
     assert simulate("gpipe", 4, 2).peak_activations == [2] * 4
+
+
+def test_every_builtin_schedule_passes_the_single_stream_check():
+    """lower() runs check_lowered (each rank's communication completes in issue order)."""
+    count = 0
+    for name, virtual in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved_1f1b", (1, 2, 3))):
+        for p in range(1, 9):
+            for m in range(1 if name == "gpipe" else p, 3 * p + 2):
+                for v in virtual:
+                    lower(build_schedule(name, p, m, v))
+                    count += 1
+    assert count > 400
