@@ -73,11 +73,11 @@ def test_tie_on_one_rank_is_shared_not_sent():
 
 
 def _defaults_and_counters():
-    layout = mesh3d.build_mesh(pp=2, dp=1, tp=1)
-    pm = mesh3d.parallelize(meta_model(tied=False), layout)  # defaults: interleaved, v=2, m=pp
+    pm = mesh3d.parallelize(meta_model(tied=False), pp=2)  # the mesh from keywords; interleaved, v=2, m=pp
     inputs, targets = batches(4)[0]
     pm.step(inputs, targets)
     c = pm.runtime.counters
+    assert (pm.layout.pp, pm.layout.dp, pm.layout.tp) == (2, 1, 1)
     return pm.schedule.name, pm.schedule.virtual_stages, pm.schedule.microbatches, c.bytes_sent, c.messages_sent, repr(pm)
 
 
