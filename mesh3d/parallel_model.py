@@ -61,6 +61,7 @@ class ParallelModel:
         on the whole batch. Returns the mean loss, a 0-dim tensor with the same value on every rank.
         """
         self._check_batch(inputs, targets)
+        self.runtime.check(inputs, targets)  # fail before tied gradients are set aside
         self.tied.set_aside_grads()
         local_sum = self.runtime.run(inputs, targets, train=True)
         self.tied.sync_grads()

@@ -135,7 +135,9 @@ def _edge_cases(reference_grads):
     frozen.step(*data[0])
     out["frozen"] = [(n, p.grad is None) for n, p in frozen.named_parameters()]
 
-    # Errors that only the last stage could see, and autocast, fail on every rank before any message.
+    # Errors that only the last stage could see, and autocast, fail on every rank before any message,
+    # and leave the accumulated gradients (tied ones included) as they were.
+    grads_before = {n: p.grad.clone() for n, p in pm.named_parameters()}
     errors = {}
     for name, call in {
         "bad targets": lambda: pm.step(data[0][0], data[0][1][:, :3]),
@@ -149,6 +151,29 @@ def _edge_cases(reference_grads):
             errors[name] = str(error)
         dist.barrier()
     out["errors"] = errors
+    out["grads kept"] = all(p.grad is not None and torch.equal(p.grad, grads_before[n]) for n, p in pm.named_parameters())
+
+    # Losses that cannot run on meta tensors are not rejected by the up-front check.
+    weight = torch.rand(64)
+
+    def weighted(output, target):
+        return torch.nn.functional.cross_entropy(output.flatten(0, 1), target.flatten(), weight=weight)
+
+    def masked(output, target):
+        keep = target.flatten() != 0
+        return torch.nn.functional.cross_entropy(output.flatten(0, 1)[keep], target.flatten()[keep])
+
+    out["meta-hostile losses"] = []
+    for loss in (weighted, masked):
+        other = mesh3d.parallelize(meta_model(tied=False), layout, schedule="1f1b", microbatches=2, loss_fn=loss)
+        out["meta-hostile losses"].append(torch.isfinite(other.step(*data[0])).item())
+
+    # Freezing one rank's copy of a tied weight (by its local name) must not mismatch collectives.
+    for name, param in pm.named_parameters():
+        if name == "tok_embeddings.weight":
+            param.requires_grad_(False)
+    pm.zero_grad()
+    out["one copy frozen"] = torch.isfinite(pm.step(*data[0])).item()
 
     # Without init_weights, each stage draws its own values (ranks start from the same RNG state).
     toy = mesh3d.parallelize(Toy().to("meta"), layout, schedule="gpipe", microbatches=2, loss_fn=torch.nn.functional.mse_loss)
@@ -187,3 +212,6 @@ def test_edge_cases_on_two_ranks():
         assert "torch.autocast, which mesh3d does not support yet" in errors["autocast"], errors
         assert "module 'layers.7' is also registered as 'layers.0'" in errors["shared block"], errors
         assert out["distinct init"], rank
+        assert out["grads kept"], rank
+        assert out["meta-hostile losses"] == [True, True], rank
+        assert out["one copy frozen"], rank

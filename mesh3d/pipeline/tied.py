@@ -126,14 +126,19 @@ class TiedWeights:
 
     @torch.no_grad()
     def sync_grads(self) -> None:
-        """After a step: every copy adds the sum of the gradients this step gave all copies."""
+        """After a step: every copy adds the sum of the gradients this step gave all copies.
+
+        Every rank holding a copy joins the all-reduce, frozen or not: `requires_grad` is set per
+        copy, so ranks may disagree on it, and skipping would mismatch the collectives.
+        """
         earlier = self._earlier_grads or [None] * len(self.ties)
         for tie, before in zip(self.ties, earlier):
-            if tie.group is None or not tie.param.requires_grad:
+            if tie.group is None:
                 continue
-            if tie.param.grad is None:
-                tie.param.grad = torch.zeros_like(tie.param)
-            dist.all_reduce(tie.param.grad, group=tie.group)
-            if before is not None:
-                tie.param.grad += before
+            grad = tie.param.grad if tie.param.grad is not None else torch.zeros_like(tie.param)
+            dist.all_reduce(grad, group=tie.group)
+            if not tie.param.requires_grad:
+                tie.param.grad = before  # a frozen copy keeps what it had
+            else:
+                tie.param.grad = grad if before is None else grad + before
         self._earlier_grads = []
