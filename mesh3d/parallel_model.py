@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -200,6 +200,3 @@ class ParallelModel:
             f"ParallelModel({self.layout!r}, schedule={s.name}, microbatches={s.microbatches}, "
             f"virtual_stages={s.virtual_stages}, stages here={mine})"
         )
-
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
