@@ -127,8 +127,9 @@ class ParallelModel:
         too), and is the same on every rank. Returns the norm before clipping.
         """
         norm_type = float(norm_type)
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        counted = [p.grad for p in self.parameters() if p.grad is not None and not self.tied.is_secondary_copy(p)]
+        with_grad = [p for p in self.parameters() if p.grad is not None]
+        grads = [p.grad for p in with_grad]
+        counted = [p.grad for p in with_grad if not self.tied.is_secondary_copy(p)]
         device = self.layout.device
         if math.isinf(norm_type):
             local = max((g.abs().max() for g in counted), default=torch.zeros((), device=device)).float()

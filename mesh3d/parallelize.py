@@ -106,7 +106,8 @@ def parallelize(
     lowered = lower(plan)
 
     # Split. Meta copies of every stage tell each rank the boundary shapes and who owns what.
-    meta_model = model if _on_meta(model) else meta_copy(model)
+    materialize = _on_meta(model)
+    meta_model = model if materialize else meta_copy(model)
     meta_stages = [build_stage(meta_model, s, n_stages, ranges[s]) for s in range(n_stages)]
     _check_same_config_everywhere(
         layout, f"{schedule} m={microbatches} v={virtual_stages} ac={activation_checkpoint} stages={ranges}"
@@ -118,7 +119,6 @@ def parallelize(
                 state_owner[name], state_specs[name] = s, (tensor.shape, tensor.dtype)
     ordered = [k for k in meta_model.state_dict(keep_vars=True) if k in state_owner]
     state_owner = {k: state_owner[k] for k in ordered}
-    materialize = _on_meta(model)
     stages = {}
     for s in plan.local_stages(layout.pp_rank):
         stage = build_stage(model, s, n_stages, ranges[s])

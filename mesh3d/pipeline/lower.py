@@ -82,20 +82,15 @@ def timeline(schedule: Schedule, f_cost: float = 1.0, b_cost: float = 2.0, comm_
         for rank, actions in enumerate(schedule.actions):
             while position[rank] < len(actions):
                 action = actions[position[rank]]
-                ready = free_at[rank]
-                for dep in dependencies(action, schedule.n_stages):
-                    if dep not in finished:
-                        break
-                    across = schedule.stage_rank(dep.stage) != rank
-                    ready = max(ready, finished[dep] + (comm_cost if across else 0.0))
-                else:
-                    end = ready + cost[action.kind]
-                    finished[action] = free_at[rank] = end
-                    timed.append(TimedAction(rank, action, ready, end))
-                    position[rank] += 1
-                    progress = True
-                    continue
-                break
+                deps = dependencies(action, schedule.n_stages)
+                if any(dep not in finished for dep in deps):
+                    break
+                arrivals = [finished[d] + (comm_cost if schedule.stage_rank(d.stage) != rank else 0.0) for d in deps]
+                start = max([free_at[rank], *arrivals])
+                finished[action] = free_at[rank] = start + cost[action.kind]
+                timed.append(TimedAction(rank, action, start, free_at[rank]))
+                position[rank] += 1
+                progress = True
     stuck = [(r, acts[position[r]]) for r, acts in enumerate(schedule.actions) if position[r] < len(acts)]
     if stuck:
         waits = "; ".join(

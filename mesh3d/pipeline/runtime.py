@@ -11,7 +11,7 @@ uses them, sends once at the end of the step. Stages on the same rank hand tenso
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,6 @@ class RuntimeCounters:
     bytes_received: int = 0
     messages_sent: int = 0
     recomputed_forwards: int = 0  # forwards run under activation checkpointing
-    backwards_by_stage: dict[int, int] = field(default_factory=dict)
 
 
 class PipelineRuntime:
@@ -253,7 +252,6 @@ class _Step:
         if out.requires_grad:  # a stage with everything frozen up to here has nothing to do
             torch.autograd.backward(out, grad)
         self.counters.live_activations -= 1
-        self.counters.backwards_by_stage[stage] = self.counters.backwards_by_stage.get(stage, 0) + 1
         if stage > 0:
             grad = x.grad if x.grad is not None else torch.zeros_like(x)
             self.hand_over(Kind.B, stage, stage - 1, mb, grad)
