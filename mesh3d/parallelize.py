@@ -5,10 +5,12 @@ Order of work, the same on every rank:
    error before any collective);
 2. one small all-gather that every rank asked for the same configuration;
 3. split: stages on the meta device for all stages (to learn boundary shapes and who owns
-   which name), real stages for this rank's own;
-4. tensor and data axes (not yet: dp = tp = 1);
-5. tied weights, materialization, initialization;
-6. the pipeline runtime.
+   which name; they carry the tp plan too, so the shapes are local ones), real stages for this
+   rank's own;
+4. materialization, initialization, tied copies made equal along pp, replicas along tp and dp;
+5. tensor parallelism per stage (then ties re-made: parallelize_module replaces parameters);
+6. data parallelism per stage (FSDP2 or DDP over dp);
+7. the pipeline runtime, with the once-per-step gradient sync as its backward hook.
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
+from mesh3d.data.parallel import (
+    GradientSync,
+    apply_data_parallel,
+    check_data_parallel_config,
+    make_replicas_identical,
+)
 from mesh3d.mesh import Layout, build_mesh
 from mesh3d.parallel_model import ParallelModel
 from mesh3d.pipeline.lower import lower
@@ -33,7 +42,8 @@ from mesh3d.pipeline.split import (
     layer_parameter_counts,
     meta_copy,
 )
-from mesh3d.pipeline.tied import TiedWeights, find_ties
+from mesh3d.pipeline.tied import TiedWeights, find_ties, get_parameter
+from mesh3d.tensor import apply_tensor_parallel, check_plan, loss_context, model_plan, uses_sequence_parallel
 
 STAGE_BALANCE = ("layers", "params")
 
@@ -58,6 +68,10 @@ def parallelize(
     layers_per_stage: Sequence[int] | None = None,
     stage_balance: str = "layers",
     end_weight: float = 0.0,
+    dp_mode: str = "fsdp",
+    tp_plan: dict[str, ParallelStyle] | None = None,
+    reshard_after_forward: bool | None = None,
+    loss_parallel: bool = False,
 ) -> ParallelModel:
     """Split `model` into pipeline stages, keep this rank's, and return a ParallelModel.
 
@@ -78,14 +92,23 @@ def parallelize(
             count), used when layers_per_stage is not given.
         end_weight: with stage_balance="layers", the embedding and the output head each count as
             this many layers (so the first and last stages may get fewer blocks).
+        dp_mode: "fsdp" (FSDP2 `fully_shard` per block and per stage over the dp axis) or "ddp"
+            (full replicas, one gradient all-reduce per stage per step). Unused when dp == 1.
+        tp_plan: {module-name pattern (fnmatch over the unsplit model's names): ParallelStyle};
+            default the model's `tp_plan` attribute. Unused when tp == 1.
+        reshard_after_forward: FSDP only: free gathered parameters after each forward (and gather
+            again for backward). Default False when pp > 1 (microbatches reuse them), else True.
+        loss_parallel: keep the logits vocab-sharded and compute the loss under torch's
+            loss_parallel(); the tp plan must leave the output head's result a DTensor sharded on
+            its last dim. Unused when tp == 1.
     """
     layers = find_layers(model)
     layout = _resolve_layout(layout, pp, dp, tp)
-    if layout.dp != 1 or layout.tp != 1:
-        raise NotImplementedError(
-            f"parallelize runs the pipeline axis only for now (dp=1, tp=1), got {layout!r}; data and tensor "
-            "parallelism inside the pipeline are not built yet"
-        )
+    check_data_parallel_config(dp_mode, reshard_after_forward)
+    if reshard_after_forward is None:
+        reshard_after_forward = layout.pp == 1
+    plan = check_plan(model, model_plan(model, tp_plan), layout.tp) if layout.tp > 1 else {}
+    loss_parallel = loss_parallel and layout.tp > 1
     if microbatches is None:
         microbatches = layout.pp
     if virtual_stages is None:
@@ -102,15 +125,18 @@ def parallelize(
         ranges = assign_layers(len(layers), n_stages, layer_costs=per_layer, first_cost=first, last_cost=last, layers_per_stage=layers_per_stage)
     else:
         ranges = assign_layers(len(layers), n_stages, first_cost=end_weight, last_cost=end_weight, layers_per_stage=layers_per_stage)
-    plan = build_schedule(schedule, layout.pp, microbatches, virtual_stages)
-    lowered = lower(plan)
+    steps = build_schedule(schedule, layout.pp, microbatches, virtual_stages)
+    lowered = lower(steps)
 
     # Split. Meta copies of every stage tell each rank the boundary shapes and who owns what.
     materialize = _on_meta(model)
     meta_model = model if materialize else meta_copy(model)
     meta_stages = [build_stage(meta_model, s, n_stages, ranges[s]) for s in range(n_stages)]
+    plan_summary = sorted((pattern, type(style).__name__) for pattern, style in plan.items())
     _check_same_config_everywhere(
-        layout, f"{schedule} m={microbatches} v={virtual_stages} ac={activation_checkpoint} stages={ranges}"
+        layout,
+        f"{schedule} m={microbatches} v={virtual_stages} ac={activation_checkpoint} stages={ranges} "
+        f"dp_mode={dp_mode} reshard={reshard_after_forward} plan={plan_summary} loss_parallel={loss_parallel}",
     )
     state_owner, state_specs = {}, {}
     for s, stage in enumerate(meta_stages):
@@ -119,20 +145,35 @@ def parallelize(
                 state_owner[name], state_specs[name] = s, (tensor.shape, tensor.dtype)
     ordered = [k for k in meta_model.state_dict(keep_vars=True) if k in state_owner]
     state_owner = {k: state_owner[k] for k in ordered}
+    ties = find_ties(model)
+    if plan:
+        for stage in meta_stages:  # the same plan on meta: boundary shapes become local shapes
+            apply_tensor_parallel(stage, plan, layout.mesh["tp"])
+        _check_ties_sharded_alike(ties, meta_stages)
     stages = {}
-    for s in plan.local_stages(layout.pp_rank):
+    for s in steps.local_stages(layout.pp_rank):
         stage = build_stage(model, s, n_stages, ranges[s])
         stages[s] = stage.to_empty(device=layout.device) if materialize else stage.to(layout.device)
 
-    # Tensor and data parallelism go here, per stage, once built (dp = tp = 1 for now).
-
     stage_names = {s: {n for n, _ in st.named_parameters(remove_duplicate=False)} for s, st in enumerate(meta_stages)}
-    tied = TiedWeights(find_ties(model), stage_names, plan.stage_rank, layout)
+    tied = TiedWeights(ties, stage_names, steps.stage_rank, layout)
     tied.tie_locally(stages)
     if materialize:
         for index, stage in stages.items():
             _initialize(stage, index, layout.device)
     tied.sync_values()
+    make_replicas_identical(stages, layout)
+
+    if plan:
+        for stage in stages.values():
+            apply_tensor_parallel(stage, plan, layout.mesh["tp"])
+        tied.tie_locally(stages)  # parallelize_module gave each end of a local tie its own parameter
+    grad_sync = None
+    if layout.dp > 1:
+        for stage in stages.values():
+            apply_data_parallel(stage, stage.layers, layout, dp_mode, reshard_after_forward)
+        tied.tie_locally(stages)  # now the sharded parameters
+        grad_sync = GradientSync(stages)
 
     runtime = PipelineRuntime(
         stages,
@@ -144,8 +185,13 @@ def parallelize(
         loss_fn or cross_entropy_loss,
         layout.device,
         activation_checkpoint,
+        before_backward=grad_sync.before_backward if grad_sync is not None else None,
+        loss_context=loss_context(loss_parallel),
     )
-    return ParallelModel(layout, stages, ranges, plan, runtime, tied, state_owner, state_specs)
+    return ParallelModel(
+        layout, stages, ranges, steps, runtime, tied, state_owner, state_specs,
+        grad_sync=grad_sync, sequence_parallel=uses_sequence_parallel(plan), loss_parallel=loss_parallel,
+    )
 
 
 def _resolve_layout(layout: Layout | None, pp: int | None, dp: int | None, tp: int | None) -> Layout:
@@ -156,6 +202,23 @@ def _resolve_layout(layout: Layout | None, pp: int | None, dp: int | None, tp: i
     if clash:
         raise ValueError(f"parallelize: got a layout {layout!r} and different sizes {clash}; pass one or the other")
     return layout
+
+
+def _check_ties_sharded_alike(ties: list[list[str]], meta_stages: list[nn.Module]) -> None:
+    """The tie all-reduce adds local shards: every copy must be split the same way by the tp plan."""
+    for names in ties:
+        layouts = {}
+        for stage in meta_stages:
+            for name in names:
+                param = get_parameter(stage, name)
+                if param is not None:
+                    layouts[name] = tuple(getattr(param, "placements", ()))
+        if len(set(layouts.values())) > 1:
+            raise ValueError(
+                f"tied weights are sharded differently by the tp plan ({layouts}); give both modules styles that "
+                "split the shared weight along the same dim (e.g. RowwiseParallel embedding and ColwiseParallel head "
+                "both split the vocabulary)"
+            )
 
 
 def _on_meta(model: nn.Module) -> bool:

@@ -23,9 +23,17 @@ def tiny_args(tied: bool, n_layers: int = 8) -> ModelArgs:
     )
 
 
-def meta_model(tied: bool, n_layers: int = 8) -> Transformer:
+def tp_args(tied: bool, n_layers: int = 8) -> ModelArgs:
+    """Every size tensor parallelism splits (16 heads, 8 kv heads, FFN 176, vocab 64, seq 8) divides tp <= 8."""
+    return ModelArgs(
+        dim=64, n_layers=n_layers, n_heads=16, n_kv_heads=8, vocab_size=VOCAB, multiple_of=16,
+        max_seq_len=SEQ_LEN, tie_embeddings=tied,
+    )
+
+
+def meta_model(tied: bool, n_layers: int = 8, args: ModelArgs | None = None) -> Transformer:
     with torch.device("meta"):
-        return Transformer(tiny_args(tied, n_layers))
+        return Transformer(args or tiny_args(tied, n_layers))
 
 
 def batches(batch_size: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -37,10 +45,10 @@ def batches(batch_size: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Te
     ]
 
 
-def reference_run(tied: bool, data) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+def reference_run(tied: bool, data, args: ModelArgs | None = None) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """One process, whole model, whole batch: losses, grad norms, final state_dict (as numpy arrays,
     which pickle by value: tensors would travel to the ranks as shared-memory file descriptors)."""
-    model = Transformer(tiny_args(tied))
+    model = Transformer(args or tiny_args(tied))
     model.init_weights()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms = [], []
@@ -54,13 +62,16 @@ def reference_run(tied: bool, data) -> tuple[list[float], list[float], dict[str,
     return losses, norms, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
 
-def pipeline_run(layout, tied: bool, data, **parallelize_kwargs):
-    """The same training through mesh3d.parallelize; returns losses, norms, full state, the pm."""
-    pm = mesh3d.parallelize(meta_model(tied), layout, loss_fn=loss_fn, **parallelize_kwargs)
+def pipeline_run(layout, tied: bool, data, args: ModelArgs | None = None, **parallelize_kwargs):
+    """The same training through mesh3d.parallelize; returns losses, norms, full state, the pm.
+
+    Each data-parallel rank steps on its own contiguous share of every global batch."""
+    pm = mesh3d.parallelize(meta_model(tied, args=args), layout, loss_fn=loss_fn, **parallelize_kwargs)
     optimizer = torch.optim.AdamW(pm.parameters(), lr=LR)
     losses, norms = [], []
     for inputs, targets in data:
-        losses.append(pm.step(inputs, targets).item())
+        share = slice(layout.dp_rank * len(inputs) // layout.dp, (layout.dp_rank + 1) * len(inputs) // layout.dp)
+        losses.append(pm.step(inputs[share], targets[share]).item())
         norms.append(pm.clip_grad_norm_(MAX_NORM).item())
         optimizer.step()
         optimizer.zero_grad()

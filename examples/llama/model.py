@@ -137,6 +137,11 @@ class Transformer(nn.Module):
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
 
+    def tensor_parallel_sizes(self) -> dict[str, int]:
+        """Sizes the tensor-parallel degree must divide (mesh3d checks them before sharding)."""
+        a = self.args
+        return {"n_heads": a.n_heads, "n_kv_heads": a.kv_heads, "ffn_hidden_dim": a.ffn_hidden_dim, "vocab_size": a.vocab_size}
+
     def to_empty(self, *, device, recurse: bool = True) -> "Transformer":
         """Materialize from meta; the rotary table is recomputed, parameters stay uninitialized.
 

@@ -10,12 +10,15 @@ uses them, sends once at the end of the step. Stages on the same rank hand tenso
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from mesh3d.pipeline.lower import LoweredSchedule, lower
@@ -50,6 +53,12 @@ class PipelineRuntime:
         activation_checkpoint: "never", "always" or "except_last" (the last microbatch is kept).
         before_backward: called as before_backward(stage, is_last_backward_of_stage) before every
             backward; data parallelism uses it to reduce gradients once, on the last one.
+        loss_context: a factory of the context the last stage's loss and its backward run in
+            (tensor parallelism's loss_parallel).
+
+    Stages may be tensor-parallel: what crosses a stage boundary is then the local shard of the
+    activation (with sequence parallel, 1/tp of it), and the meta stages carry the same plan, so
+    the shapes learned from them are local shapes.
     """
 
     def __init__(
@@ -64,6 +73,7 @@ class PipelineRuntime:
         device: torch.device,
         activation_checkpoint: str = "never",
         before_backward: Callable[[int, bool], None] | None = None,
+        loss_context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
     ):
         self.stages = stages
         self.meta_stages = meta_stages
@@ -74,6 +84,7 @@ class PipelineRuntime:
         self.device = device
         self.activation_checkpoint = activation_checkpoint
         self.before_backward = before_backward
+        self.loss_context = loss_context
         self.schedule = lowered.schedule
         self.n_stages = self.schedule.n_stages
         self.microbatches = self.schedule.microbatches
@@ -82,6 +93,8 @@ class PipelineRuntime:
         self.counters = RuntimeCounters()  # of the last training step
         self.eval_counters = RuntimeCounters()  # of the last evaluation
         self._boundary_specs: dict[tuple, list[tuple[torch.Size, torch.dtype]]] = {}
+        self.output_placements = None  # the model output's DTensor placements (tensor parallel), from the meta run
+        self.output_ndim = 0
         last_backward = {}
         for index, action in enumerate(self.train_actions):
             if action.kind == Kind.B:
@@ -108,10 +121,18 @@ class PipelineRuntime:
                             f"pipeline stage {index} returned {type(x).__name__}; mesh3d sends exactly one "
                             "activation tensor between stages, so a stage's forward must return one tensor"
                         )
-                    specs.append((x.shape, x.dtype))
+                    if isinstance(x, DTensor) and index < self.n_stages - 1:
+                        raise TypeError(
+                            f"pipeline stage {index} returned a DTensor ({x.placements}); stages hand each other "
+                            "plain local tensors, so the tp plan's last style in a stage must use use_local_output=True"
+                        )
+                    specs.append((x.to_local().shape if isinstance(x, DTensor) else x.shape, x.dtype))
+                self.output_placements = tuple(x.placements) if isinstance(x, DTensor) else None
+                self.output_ndim = x.ndim
                 if target is not None:
                     try:
-                        self.loss_fn(x, torch.empty(target.shape, dtype=target.dtype, device="meta"))
+                        with self.loss_context():
+                            self.loss_fn(x, torch.empty(target.shape, dtype=target.dtype, device="meta"))
                     except Exception as error:
                         # No meta kernel, data-dependent ops (.item(), masks) or real tensors mixed in:
                         # this check cannot tell, the real run will. Anything else is the loss's verdict.
@@ -233,8 +254,9 @@ class _Step:
             else:
                 out = module(x)
             if last:
-                loss = rt.loss_fn(out, self.targets[mb])
-                self.losses.append(loss.detach())
+                with rt.loss_context():
+                    loss = rt.loss_fn(out, self.targets[mb])
+                self.losses.append((loss.to_local() if isinstance(loss, DTensor) else loss).detach())
                 out = loss / rt.microbatches  # scaled before backward, so grads accumulate to the global mean
         if self.train:
             self.saved[(stage, mb)] = (x, out)
@@ -250,7 +272,8 @@ class _Step:
             rt.before_backward(stage, is_last_backward)
         grad = None if stage == rt.n_stages - 1 else self.take(Kind.B, stage, mb)
         if out.requires_grad:  # a stage with everything frozen up to here has nothing to do
-            torch.autograd.backward(out, grad)
+            with rt.loss_context() if grad is None else contextlib.nullcontext():
+                torch.autograd.backward(out, grad)
         self.counters.live_activations -= 1
         if stage > 0:
             grad = x.grad if x.grad is not None else torch.zeros_like(x)

@@ -17,8 +17,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mesh3d.mesh import Layout
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (sharing its storage), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def find_ties(model: nn.Module) -> list[list[str]]:
@@ -113,7 +119,7 @@ class TiedWeights:
         """Copies take the primary's values (after init and after every load)."""
         for tie in self.ties:
             if tie.group is not None:
-                dist.broadcast(tie.param.data, src=tie.group_ranks[0], group=tie.group)
+                dist.broadcast(local_tensor(tie.param.data), src=tie.group_ranks[0], group=tie.group)
 
     def set_aside_grads(self) -> None:
         """Before a step: keep the gradients earlier steps accumulated out of the coming sum."""
@@ -136,7 +142,7 @@ class TiedWeights:
             if tie.group is None:
                 continue
             grad = tie.param.grad if tie.param.grad is not None else torch.zeros_like(tie.param)
-            dist.all_reduce(grad, group=tie.group)
+            dist.all_reduce(local_tensor(grad), group=tie.group)
             if not tie.param.requires_grad:
                 tie.param.grad = before  # a frozen copy keeps what it had
             else:

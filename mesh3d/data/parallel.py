@@ -1,0 +1,102 @@
+"""Data parallelism over the mesh's dp axis: FSDP2 or DDP per pipeline stage, synced once per step.
+
+Both modes use torch's composable data-parallel APIs, applied per block and then to the stage
+(the stage is the root): `fully_shard` (FSDP2) shards parameters, gradients and optimizer state
+over dp; `replicate` (DDP built on the same machinery) keeps full replicas and all-reduces
+gradients. Both expose `set_requires_gradient_sync`, so inside the pipeline schedule every
+backward but the last of each stage only accumulates locally, and the last one reduces.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from mesh3d.mesh import Layout
+
+DP_MODES = ("fsdp", "ddp")
+
+
+def check_data_parallel_config(dp_mode: str, reshard_after_forward: bool | None) -> None:
+    """Pure argument checks, the same on every rank."""
+    if dp_mode not in DP_MODES:
+        raise ValueError(f"dp_mode={dp_mode!r}; choose one of {list(DP_MODES)}")
+    if dp_mode == "ddp" and reshard_after_forward is not None:
+        raise ValueError(
+            f"reshard_after_forward={reshard_after_forward} was given with dp_mode='ddp', which keeps full "
+            "replicas and never reshards; drop reshard_after_forward or use dp_mode='fsdp'"
+        )
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward must be True, False or None, got {reshard_after_forward!r}")
+
+
+@torch.no_grad()
+def make_replicas_identical(stages: dict[int, nn.Module], layout: Layout) -> None:
+    """Every rank of a (dp, tp) replica group takes the values of the group's first rank.
+
+    Runs before sharding, on plain tensors, so that FSDP (which keeps each rank's own slice) and
+    TP (which takes values as they are) start from one model even if ranks initialized differently.
+    One flat broadcast per dtype per stage along tp, then along dp.
+    """
+    for dim in ("tp", "dp"):
+        if getattr(layout, dim) == 1:
+            continue
+        group, source = layout.group(dim), layout.group_ranks(dim)[0]
+        for index in sorted(stages):
+            tensors = [t for t in stages[index].state_dict(keep_vars=True).values()]
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for tensor in {id(t): t for t in tensors}.values():
+                by_dtype.setdefault(tensor.dtype, []).append(tensor)
+            for same_dtype in by_dtype.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in same_dtype])
+                dist.broadcast(flat, src=source, group=group)
+                for tensor, values in zip(same_dtype, flat.split([t.numel() for t in same_dtype])):
+                    tensor.detach().copy_(values.view_as(tensor))
+
+
+def apply_data_parallel(
+    stage: nn.Module, blocks: nn.ModuleDict, layout: Layout, dp_mode: str, reshard_after_forward: bool
+) -> None:
+    """Wrap each block of the stage, then the stage itself, for data parallelism over layout's dp dim."""
+    mesh = layout.mesh["dp"]
+    if dp_mode == "fsdp":
+        wrap = partial(fully_shard, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    else:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        wrap = partial(replicate, mesh=mesh)
+    for block in blocks.values():
+        wrap(block)
+    wrap(stage)
+
+
+class GradientSync:
+    """Reduces each stage's gradients over dp once per step, on the stage's last backward.
+
+    `before_backward` is the pipeline runtime's hook: the runtime knows which backward of a stage
+    is its last in the step; every earlier one accumulates unreduced gradients (and, under FSDP,
+    keeps parameters unsharded until the last one).
+    """
+
+    def __init__(self, stages: dict[int, nn.Module]):
+        self.stages = stages
+        self.synced_backwards = 0  # backwards that reduced gradients, over the life of the model
+
+    def before_backward(self, stage: int, is_last: bool) -> None:
+        module = self.stages[stage]
+        module.set_is_last_backward(is_last)
+        module.set_requires_gradient_sync(is_last)
+        module.set_reshard_after_backward(is_last)
+        self.synced_backwards += int(is_last)
+
+    def reshard(self) -> None:
+        """Free unsharded parameters left after a forward-only pass (eval) or an aborted step, so
+        the optimizer's update of the shards is what the next forward gathers."""
+        for stage in self.stages.values():
+            for module in stage.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()

@@ -1,0 +1,101 @@
+"""Tensor-parallel plans: module-name patterns -> torch ParallelStyles, resolved and checked.
+
+A plan is a dict such as {"layers.*.attention.wq": ColwiseParallel(), ...}. Patterns are fnmatch
+patterns over the unsplit model's module names (FQNs). Everything here is arithmetic on the meta
+model, so every rank raises the same error before any collective.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+
+
+def model_plan(model: nn.Module, tp_plan: dict[str, ParallelStyle] | None) -> dict[str, ParallelStyle]:
+    """The plan to use: `tp_plan` when given, else the model's `tp_plan` attribute."""
+    plan = tp_plan if tp_plan is not None else getattr(model, "tp_plan", None)
+    if plan is None:
+        raise ValueError(
+            f"tp > 1 needs a tensor-parallel plan: give {type(model).__name__} a `tp_plan` attribute or pass "
+            "tp_plan={module-name pattern: ParallelStyle} to parallelize (docs/parallelize.md)"
+        )
+    if not isinstance(plan, dict) or not all(isinstance(s, ParallelStyle) for s in plan.values()):
+        raise TypeError("tp_plan must be a dict from module-name patterns (str) to torch ParallelStyle objects")
+    return plan
+
+
+def resolve_plan(module: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """{module FQN: style} for every module of `module` that a pattern matches.
+
+    A module matched by two patterns is an error: the styles would fight over its parameters.
+    """
+    resolved: dict[str, ParallelStyle] = {}
+    matched_by: dict[str, str] = {}
+    for name, _ in module.named_modules():
+        if not name:
+            continue
+        for pattern, style in plan.items():
+            if fnmatchcase(name, pattern):
+                if name in matched_by:
+                    raise ValueError(
+                        f"tp_plan: module '{name}' matches two patterns, '{matched_by[name]}' and '{pattern}'; "
+                        "make the patterns disjoint"
+                    )
+                resolved[name], matched_by[name] = style, pattern
+    return resolved
+
+
+def check_plan(model: nn.Module, plan: dict[str, ParallelStyle], tp: int) -> dict[str, ParallelStyle]:
+    """Check the plan against the whole (meta) model for tensor-parallel degree `tp`; return it resolved.
+
+    Raises ValueError naming the module and the sizes when a pattern matches nothing, when tp does
+    not divide a sharded weight dimension, or when it does not divide one of the sizes the model
+    declares in `tensor_parallel_sizes()` (heads, kv heads, FFN width, vocabulary, ...).
+    """
+    resolved = resolve_plan(model, plan)
+    unused = [p for p in plan if not any(fnmatchcase(name, p) for name in resolved)]
+    if unused:
+        raise ValueError(f"tp_plan: patterns {unused} match no module of {type(model).__name__}; check their spelling")
+    declared = model.tensor_parallel_sizes() if callable(getattr(model, "tensor_parallel_sizes", None)) else {}
+    for what, size in declared.items():
+        if size % tp != 0:
+            raise ValueError(
+                f"tp={tp} does not divide {what}={size} of {type(model).__name__}; choose tp among "
+                f"{_common_divisors(declared.values())}"
+            )
+    for name, style in resolved.items():
+        sharded = _sharded_weight_dim(model.get_submodule(name), style)
+        if sharded is not None:
+            dim, size = sharded
+            if size % tp != 0:
+                raise ValueError(
+                    f"tp={tp} does not divide dim {dim} (size {size}) of '{name}.weight', which "
+                    f"{type(style).__name__} shards; choose tp dividing {size}"
+                )
+    return resolved
+
+
+def uses_sequence_parallel(plan: dict[str, ParallelStyle]) -> bool:
+    """Whether activations between blocks (and stages) are sharded along the sequence."""
+    return any(isinstance(style, SequenceParallel) for style in plan.values())
+
+
+def _sharded_weight_dim(module: nn.Module, style: ParallelStyle) -> tuple[int, int] | None:
+    """Which weight dim the style splits over tp (torch's rules for Linear and Embedding)."""
+    weight = getattr(module, "weight", None)
+    if weight is None or not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        return None
+    colwise = isinstance(style, ColwiseParallel)
+    if isinstance(module, nn.Embedding):
+        dim = 1 if colwise else 0
+    else:
+        dim = 0 if colwise else 1
+    return dim, int(weight.shape[dim])
+
+
+def _common_divisors(sizes) -> list[int]:
+    sizes = list(sizes)
+    smallest = min(sizes)
+    return [d for d in range(1, smallest + 1) if all(s % d == 0 for s in sizes)]

@@ -1,0 +1,95 @@
+"""pp x dp x tp training equals one process: losses, clipped grad norms and parameters after 3 AdamW steps.
+
+Every (pp, dp, tp) whose product is 1, 2, 4 or 8, tied and untied, FSDP over dp, interleaved 1F1B
+(the default schedule); DDP on every layout with dp > 1; 1F1B, GPipe, other microbatch counts,
+activation checkpointing, reshard_after_forward=True and loss parallel on a subset. Each data-parallel
+rank steps on its share of the global batch; the reference is one process on the whole batch.
+One process-group launch per world size (two for 8) runs all its cases.
+"""
+
+import pytest
+
+import mesh3d
+from examples.llama.model import llama_tp_plan
+from multiprocess import run_on_ranks
+from pipeline_cases import TOLERANCE, batches, pipeline_run, reference_run, tp_args, worst_error
+
+GLOBAL_BATCH = 16
+
+LAYOUTS = {
+    1: [(1, 1, 1)],
+    2: [(2, 1, 1), (1, 2, 1), (1, 1, 2)],
+    4: [(4, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1), (2, 1, 2), (1, 2, 2)],
+    8: [(8, 1, 1), (1, 8, 1), (1, 1, 8), (4, 2, 1), (4, 1, 2), (2, 4, 1), (1, 4, 2), (2, 1, 4), (1, 2, 4), (2, 2, 2)],
+}
+
+# (layout, tied, parallelize options) beyond FSDP + interleaved 1F1B
+EXTRA = {
+    4: [
+        ((2, 2, 1), True, {"schedule": "1f1b"}),
+        ((2, 1, 2), False, {"schedule": "gpipe", "microbatches": 4}),
+        ((1, 2, 2), True, {"loss_parallel": True}),
+    ],
+    8: [
+        ((2, 2, 2), True, {"schedule": "1f1b", "microbatches": 4}),
+        ((2, 2, 2), False, {"schedule": "gpipe"}),
+        ((4, 1, 2), False, {"schedule": "1f1b", "microbatches": 8}),
+        ((8, 1, 1), True, {"schedule": "gpipe", "microbatches": 8}),
+        ((2, 2, 2), True, {"reshard_after_forward": True, "activation_checkpoint": "always"}),
+        ((2, 2, 2), False, {"loss_parallel": True, "microbatches": 4}),
+        ((4, 2, 1), True, {"virtual_stages": 2, "microbatches": 2 * 4, "activation_checkpoint": "except_last"}),
+    ],
+}
+
+
+def cases(world: int, part: str = "all") -> list[tuple]:
+    fsdp = [(layout, tied, {}) for layout in LAYOUTS[world] for tied in (False, True)]
+    with_dp = [layout for layout in LAYOUTS[world] if layout[1] > 1]
+    ddp = [(layout, i % 2 == 0, {"dp_mode": "ddp"}) for i, layout in enumerate(with_dp)]
+    chosen = {"fsdp": fsdp, "other": ddp + EXTRA.get(world, []), "all": fsdp + ddp + EXTRA.get(world, [])}[part]
+    return chosen
+
+
+def describe(layout, tied, options) -> str:
+    extra = " ".join(f"{k}={v}" for k, v in options.items())
+    return f"(pp,dp,tp)={layout} tied={tied} {extra}".strip()
+
+
+def _run_cases(world, part, references):
+    layouts = {}
+    outcome = {}
+    for layout_sizes, tied, options in cases(world, part):
+        if layout_sizes not in layouts:
+            pp, dp, tp = layout_sizes
+            layouts[layout_sizes] = mesh3d.build_mesh(pp=pp, dp=dp, tp=tp)
+        kwargs = dict(options)
+        if kwargs.get("loss_parallel"):
+            kwargs["tp_plan"] = llama_tp_plan(loss_parallel=True)
+        result = pipeline_run(layouts[layout_sizes], tied, batches(GLOBAL_BATCH), args=tp_args(tied), **kwargs)
+        outcome[describe(layout_sizes, tied, options)] = worst_error(result, references[tied])
+    return outcome
+
+
+def _check(world, part):
+    references = {tied: reference_run(tied, batches(GLOBAL_BATCH), tp_args(tied)) for tied in (False, True)}
+    per_rank = run_on_ranks(_run_cases, world, world, part, references, timeout=600)
+    failures = []
+    for rank, outcome in enumerate(per_rank):
+        assert len(outcome) == len(cases(world, part))
+        for case, (error, where) in outcome.items():
+            if error > TOLERANCE:
+                failures.append(f"rank {rank} {case}: relative error {error:.2e} at {where}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_layout_matches_single_process(world):
+    _check(world, "all")
+
+
+def test_every_8_rank_layout_with_fsdp_matches_single_process():
+    _check(8, "fsdp")
+
+
+def test_8_rank_ddp_schedules_and_options_match_single_process():
+    _check(8, "other")
