@@ -1,0 +1,166 @@
+"""How the tensor and data axes behave inside the pipeline, beyond parity (test_composition_parity.py).
+
+- data-parallel gradients are reduced once per step per FSDP/DDP group, never per microbatch,
+  counted at the collective itself;
+- with sequence parallel each P2P message carries 1/tp of the stage-boundary activation;
+- evaluate, full_state_dict and load_full_state_dict work on sharded (DTensor) parameters;
+- bad tensor/data-parallel configurations raise the same clear error on every rank, without hanging.
+"""
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.parallel import ColwiseParallel
+
+import mesh3d
+from examples.llama.config import ModelArgs
+from examples.llama.model import Transformer, loss_fn
+from mesh3d.pipeline.schedules import Kind
+from multiprocess import run_on_ranks
+from pipeline_cases import SEQ_LEN, batches, meta_model, tp_args
+
+GLOBAL_BATCH = 16
+
+
+def _count_dp_reductions(layout, fn):
+    """Run fn() and count the gradient reductions (reduce-scatter or all-reduce) issued on the dp group."""
+    dp_ranks = layout.group_ranks("dp")
+    counts = {"reduce_scatter": 0, "all_reduce": 0}
+    originals = {"reduce_scatter": dist.reduce_scatter_single, "all_reduce": dist.all_reduce}
+
+    def counting(kind):
+        def call(*args, **kwargs):
+            group = kwargs.get("group")
+            if group is not None and dist.get_process_group_ranks(group) == dp_ranks:
+                counts[kind] += 1
+            return originals[kind](*args, **kwargs)
+
+        return call
+
+    dist.reduce_scatter_single, dist.all_reduce = counting("reduce_scatter"), counting("all_reduce")
+    try:
+        fn()
+    finally:
+        dist.reduce_scatter_single, dist.all_reduce = originals["reduce_scatter"], originals["all_reduce"]
+    return counts
+
+
+def _sync_bytes_and_state():
+    layout = mesh3d.build_mesh(pp=2, dp=2, tp=2)
+    inputs, targets = batches(GLOBAL_BATCH)[0]
+    share = slice(layout.dp_rank * GLOBAL_BATCH // 2, (layout.dp_rank + 1) * GLOBAL_BATCH // 2)
+    inputs, targets = inputs[share], targets[share]
+    m = 4
+    results = {}
+    for dp_mode in ("fsdp", "ddp"):
+        pm = mesh3d.parallelize(meta_model(True, args=tp_args(True)), layout, loss_fn=loss_fn, microbatches=m, dp_mode=dp_mode)
+        # Groups that own parameters directly: every block, and a stage root holding the embedding or the head.
+        groups = sum(len(stage.layers) + int(index in (0, pm.schedule.n_stages - 1)) for index, stage in pm.stages.items())
+        evaluated = pm.evaluate(inputs, targets).item()
+        counts = _count_dp_reductions(layout, lambda: pm.step(inputs, targets))
+        counters = pm.runtime.counters
+        sends = sum(1 for a in pm.runtime.train_actions if a.kind in (Kind.SEND_F, Kind.SEND_B))
+        receives = sum(1 for a in pm.runtime.train_actions if a.kind in (Kind.RECV_F, Kind.RECV_B))
+        # One microbatch's boundary activation is (batch/m, seq, dim) fp32; sequence parallel sends 1/tp of it.
+        message_bytes = (len(inputs) // m) * SEQ_LEN * tp_args(True).dim * 4 // layout.tp
+        results[dp_mode] = {
+            "reductions": counts["reduce_scatter" if dp_mode == "fsdp" else "all_reduce"],
+            "groups": groups,
+            "synced_backwards": pm.grad_sync.synced_backwards,
+            "local_stages": len(pm.stages),
+            "bytes": (counters.bytes_sent, counters.bytes_received, counters.messages_sent),
+            "expected_bytes": (sends * message_bytes, receives * message_bytes, sends),
+            "evaluate_then_step": (evaluated, pm.runtime.counters.peak_live_activations > 0),
+        }
+    # Whole-model state through DTensor shards: read, change, load, read back; the tie follows the load.
+    state = pm.full_state_dict()
+    changed = {k: v + 1.0 for k, v in state.items()}
+    changed["output.weight"] = changed["tok_embeddings.weight"]
+    pm.load_full_state_dict(changed)
+    back = pm.full_state_dict()
+    results["state_roundtrip"] = max((back[k] - changed[k]).abs().max().item() for k in changed)
+    results["tied_equal"] = torch.equal(back["output.weight"], back["tok_embeddings.weight"])
+    return results
+
+
+def test_dp_reduction_once_per_step_and_sequence_parallel_bytes():
+    per_rank = run_on_ranks(_sync_bytes_and_state, 8, timeout=300)
+    for rank, results in enumerate(per_rank):
+        for dp_mode in ("fsdp", "ddp"):
+            r = results[dp_mode]
+            # Per microbatch would be m times as many (m = 4).
+            assert r["reductions"] == r["groups"] > 0, (rank, dp_mode, r)
+            assert r["synced_backwards"] == r["local_stages"], (rank, dp_mode, r)
+            assert r["bytes"] == r["expected_bytes"], (rank, dp_mode, r)
+            assert r["evaluate_then_step"][1]
+        assert results["state_roundtrip"] == 0.0, rank
+        assert results["tied_equal"], rank
+
+
+def _bad_configs():
+    layout = mesh3d.build_mesh(pp=1, dp=1, tp=4)
+    layout_dp = mesh3d.build_mesh(pp=1, dp=2, tp=2)
+
+    def model(**changes):
+        base = dict(dim=64, n_layers=2, n_heads=16, n_kv_heads=8, vocab_size=64, multiple_of=16, max_seq_len=16)
+        with torch.device("meta"):
+            return Transformer(ModelArgs(**(base | changes)))
+
+    cases = {
+        "kv heads": lambda: mesh3d.parallelize(model(n_kv_heads=2), layout),
+        "heads": lambda: mesh3d.parallelize(model(dim=48, n_heads=6, n_kv_heads=6), layout),
+        "ffn width": lambda: mesh3d.parallelize(model(multiple_of=10), layout),
+        "vocab": lambda: mesh3d.parallelize(model(vocab_size=66), layout),
+        "pattern matches nothing": lambda: mesh3d.parallelize(model(), layout, tp_plan={"layers.*.attn.wq": ColwiseParallel()}),
+        "weight dim": lambda: _weight_dim_case(layout),
+        "ddp with reshard": lambda: mesh3d.parallelize(model(), layout_dp, dp_mode="ddp", reshard_after_forward=True),
+        "unknown dp mode": lambda: mesh3d.parallelize(model(), layout_dp, dp_mode="zero3"),
+    }
+    messages = {}
+    for name, build in cases.items():
+        try:
+            build()
+            messages[name] = None
+        except ValueError as error:
+            messages[name] = str(error)
+        dist.barrier()
+    for name, options, seq in (("sequence not divisible", {}, 6), ("loss parallel without sharded output", {"loss_parallel": True}, 8)):
+        pm = mesh3d.parallelize(model(), layout, loss_fn=loss_fn, **options)
+        tokens = torch.zeros(2, seq, dtype=torch.long)
+        try:
+            pm.step(tokens, tokens)
+            messages[name] = None
+        except ValueError as error:
+            messages[name] = str(error)
+        dist.barrier()
+    messages["still works"] = torch.isfinite(pm.evaluate(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))).item()
+    return messages
+
+
+def _weight_dim_case(layout):
+    """A plan that shards a 6-wide Linear over tp=4 (no model-declared size catches it)."""
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(8, 6)})
+    return mesh3d.parallelize(model, layout, tp_plan={"layers.0": ColwiseParallel()})
+
+
+EXPECTED = {
+    "kv heads": "tp=4 does not divide n_kv_heads=2 of Transformer; choose tp among [1, 2]",
+    "heads": "tp=4 does not divide n_heads=6 of Transformer",
+    "ffn width": "tp=4 does not divide ffn_hidden_dim=170 of Transformer",
+    "vocab": "tp=4 does not divide vocab_size=66 of Transformer",
+    "pattern matches nothing": "tp_plan: patterns ['layers.*.attn.wq'] match no module of Transformer",
+    "weight dim": "tp=4 does not divide dim 0 (size 6) of 'layers.0.weight', which ColwiseParallel shards",
+    "ddp with reshard": "reshard_after_forward=True was given with dp_mode='ddp'",
+    "unknown dp mode": "dp_mode='zero3'; choose one of ['fsdp', 'ddp']",
+    "sequence not divisible": "sequence length 6 is not divisible by tp=4",
+    "loss parallel without sharded output": "loss_parallel=True needs the model output to stay a vocab-sharded DTensor",
+}
+
+
+def test_tensor_and_data_errors_on_every_rank_without_hanging():
+    per_rank = run_on_ranks(_bad_configs, 4, timeout=120)
+    for rank, messages in enumerate(per_rank):
+        assert messages.pop("still works") is True
+        for name, expected in EXPECTED.items():
+            assert messages[name] is not None, f"rank {rank}: {name} did not raise"
+            assert expected in messages[name], f"rank {rank}: {name}: {messages[name]}"
