@@ -1,11 +1,15 @@
 """Train a LLaMA-style model on the default corpus (the Python standard library's sources).
 
-    python examples/llama/train.py                   # debug config, one process, CPU
+    # 8 processes on one machine (CPU + gloo here; CUDA + NCCL where there are GPUs):
+    torchrun --standalone --nproc-per-node 8 examples/llama/train.py --pp 2 --dp 2 --tp 2
+    # one plain process:
     python examples/llama/train.py --steps 50 --metrics runs/debug.jsonl
 
-AdamW, linear warmup then cosine decay, gradient clipping; a progress line every --log-every
-steps and one JSON line of metrics per step. Today it runs one process (world size 1); the
-pipeline/data/tensor axes plug in through mesh3d.parallelize.
+The model is built on the meta device and handed to mesh3d.parallelize, which splits it into
+pipeline stages, shards each with the model's tensor-parallel plan and FSDP2 (or DDP) over the
+data-parallel ranks. AdamW, linear warmup then cosine decay, gradient clipping over all of
+pp, dp and tp; rank 0 prints a progress line every --log-every steps and writes one JSON line of
+metrics per step.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,12 +29,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mesh3d  # noqa: E402
 from examples.llama.config import CONFIGS, get_config  # noqa: E402
-from examples.llama.model import Transformer, count_parameters, loss_fn  # noqa: E402
+from examples.llama.model import Transformer, count_parameters, llama_tp_plan, loss_fn  # noqa: E402
 from mesh3d.data import ByteTokenizer, DistributedLoader, TokenDataset  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    p.add_argument("--dp", type=int, default=-1, help="data-parallel degree (-1: the rest of the world)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (consecutive ranks, one node)")
+    p.add_argument("--schedule", default="interleaved_1f1b", choices=sorted(mesh3d.pipeline.SCHEDULES))
+    p.add_argument("--microbatches", type=int, default=None, help="per step and dp rank (default: pp)")
+    p.add_argument("--virtual-stages", type=int, default=None, help="stages per pp rank (interleaved default: 2)")
+    p.add_argument("--dp-mode", default="fsdp", choices=["fsdp", "ddp"])
+    p.add_argument("--activation-checkpoint", default="never", choices=["never", "always", "except_last"])
+    p.add_argument("--loss-parallel", action="store_true", help="keep logits vocab-sharded over tp for the loss")
+    p.add_argument("--placement-report", default=None, help="rank 0 writes each rank's node and mesh coordinate here (JSON)")
     p.add_argument("--config", default="debug", choices=sorted(CONFIGS))
     p.add_argument("--n-layers", type=int, default=None, help="override the config's number of layers")
     p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None, help="tie embedding and output")
@@ -67,7 +82,7 @@ def build_dataset(args) -> TokenDataset:
     return TokenDataset.from_stdlib(args.seq_len)
 
 
-def build_optimizer(model: torch.nn.Module, args) -> torch.optim.AdamW:
+def build_optimizer(model: mesh3d.ParallelModel, args) -> torch.optim.AdamW:
     """AdamW; matrices decay, norm gains (1-D) do not."""
     params = list(model.parameters())
     groups = [
@@ -77,7 +92,8 @@ def build_optimizer(model: torch.nn.Module, args) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
 
 
-def build_model(args, device: torch.device) -> Transformer:
+def build_model(args) -> Transformer:
+    """The whole model on the meta device: no memory until parallelize materializes this rank's part."""
     overrides = {"max_seq_len": max(args.seq_len, 1)}
     if args.n_layers is not None:
         overrides["n_layers"] = args.n_layers
@@ -90,30 +106,64 @@ def build_model(args, device: torch.device) -> Transformer:
             f"{ByteTokenizer.vocab_size}; train it on a --token-file of its own vocabulary"
         )
     with torch.device("meta"):
-        model = Transformer(config)
-    model.to_empty(device=device)
-    model.init_weights(seed=args.seed)
-    return model
+        return Transformer(config)
+
+
+def parallelize(model: Transformer, layout, args) -> mesh3d.ParallelModel:
+    pm = mesh3d.parallelize(
+        model,
+        layout,
+        schedule=args.schedule,
+        microbatches=args.microbatches,
+        virtual_stages=args.virtual_stages,
+        loss_fn=loss_fn,
+        activation_checkpoint=args.activation_checkpoint,
+        dp_mode=args.dp_mode,
+        tp_plan=llama_tp_plan(loss_parallel=args.loss_parallel),
+        loss_parallel=args.loss_parallel,
+    )
+    if args.seed != 0:  # parallelize ran init_weights() with its default seed 0
+        for stage in pm.stages.values():
+            stage.init_weights(seed=args.seed)  # by parameter name: the same values for any layout
+    return pm
+
+
+def placement_report(layout) -> dict:
+    """Every rank's node (torchrun's GROUP_RANK) and mesh coordinate, and whether each tp group sits on one node."""
+    mine = {"rank": layout.rank, "node": int(os.environ.get("GROUP_RANK", 0)), "coordinate": list(layout.coordinate)}
+    everyone = [None] * layout.world_size
+    torch.distributed.all_gather_object(everyone, mine)
+    node_of = {r["rank"]: r["node"] for r in everyone}
+    tp_groups = layout.axis_groups("tp")
+    return {
+        "ranks": everyone,
+        "tp_groups": tp_groups,
+        "tp_groups_within_one_node": all(len({node_of[r] for r in group}) == 1 for group in tp_groups),
+    }
 
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    layout = mesh3d.build_mesh(pp=1, dp=-1, tp=1)
-    if layout.world_size != 1:
-        raise SystemExit(f"train.py runs in one process for now (got world size {layout.world_size})")
+    layout = mesh3d.build_mesh(pp=args.pp, dp=args.dp, tp=args.tp)
     is_main = layout.rank == 0
+    if args.placement_report:
+        report = placement_report(layout)
+        if is_main:
+            Path(args.placement_report).write_text(json.dumps(report))
 
     dataset = build_dataset(args)
     loader = DistributedLoader.for_layout(dataset, args.global_batch, layout, seed=args.seed)
-    model = build_model(args, layout.device)
-    optimizer = build_optimizer(model, args)
+    model = build_model(args)
     n_params = count_parameters(model)
+    pm = parallelize(model, layout, args)
+    optimizer = build_optimizer(pm, args)
     if is_main:
         print(
-            f"{layout}\nmodel {args.config}: {n_params / 1e6:.2f}M parameters, "
-            f"data: {len(dataset.tokens) / 1e6:.1f}M tokens ({len(dataset)} samples of {args.seq_len})",
+            f"{layout}\n{pm}\nmodel {args.config}: {n_params / 1e6:.2f}M parameters, "
+            f"data: {len(dataset.tokens) / 1e6:.1f}M tokens ({len(dataset)} samples of {args.seq_len}), "
+            f"global batch {args.global_batch} = dp {layout.dp} x {loader.local_batch_size}",
             flush=True,
         )
 
@@ -129,12 +179,11 @@ def main(argv=None) -> list[dict]:
         lr = lr_at(step, peak=args.lr, warmup=args.warmup, total=args.steps, min_ratio=args.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        inputs, targets = (t.to(layout.device) for t in next(loader))
-        loss = loss_fn(model(inputs), targets)
+        inputs, targets = next(loader)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = pm.step(inputs, targets)  # the global mean loss, on every rank
         max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        grad_norm = pm.clip_grad_norm_(max_norm)
         optimizer.step()
 
         record = {
@@ -146,7 +195,7 @@ def main(argv=None) -> list[dict]:
             "elapsed_s": time.perf_counter() - start,
         }
         history.append(record)
-        if metrics_file:
+        if metrics_file:  # rank 0 only
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
         if is_main and (step % args.log_every == 0 or step + 1 == args.steps):

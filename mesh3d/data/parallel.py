@@ -9,6 +9,7 @@ backward but the last of each stage only accumulates locally, and the last one r
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 
 import torch
@@ -62,6 +63,9 @@ def apply_data_parallel(
     stage: nn.Module, blocks: nn.ModuleDict, layout: Layout, dp_mode: str, reshard_after_forward: bool
 ) -> None:
     """Wrap each block of the stage, then the stage itself, for data parallelism over layout's dp dim."""
+    # FSDP2 warns when a root returns a view, because an in-place op on it would skip a hook. The
+    # pipeline runtime only detaches, sends and backpropagates stage outputs, never modifies them.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     mesh = layout.mesh["dp"]
     if dp_mode == "fsdp":
         wrap = partial(fully_shard, mesh=mesh, reshard_after_forward=reshard_after_forward)
