@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 import mesh3d  # noqa: E402
 from examples.llama.config import get_config  # noqa: E402
@@ -36,7 +37,8 @@ class SavedBytes:
         self.now = self.peak = 0
 
     def pack(self, tensor):
-        size = tensor.numel() * tensor.element_size()
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor  # a DTensor's numel is the global one
+        size = local.numel() * local.element_size()
         self.now += size
         self.peak = max(self.peak, self.now)
         return (tensor, size)

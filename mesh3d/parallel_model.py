@@ -123,6 +123,8 @@ class ParallelModel:
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean loss of a forward pass only (no gradients, modules in eval mode), the same on every rank."""
         self._check_batch(inputs, targets)
+        self.runtime.check(inputs, targets)
+        self._check_output_layout()
         modes = {m: m.training for stage in self.stages.values() for m in stage.modules()}
         self.eval()
         try:
