@@ -87,8 +87,12 @@ class ParallelModel:
         try:
             local_sum = self.runtime.run(inputs, targets, train=True)
         except BaseException:
+            # The step is lost. Drop what data parallelism holds unreduced (zero_grad cannot reach
+            # it) and give tied copies back their earlier gradients; .grad may still hold parts of
+            # the failed step, so call zero_grad() before the next one.
             if self.grad_sync is not None:
-                self.grad_sync.reshard()
+                self.grad_sync.abort()
+            self.tied.restore_set_aside()
             raise
         self._settle_tensor_parallel_grads()
         self.tied.sync_grads()

@@ -132,7 +132,7 @@ def parallelize(
     materialize = _on_meta(model)
     meta_model = model if materialize else meta_copy(model)
     meta_stages = [build_stage(meta_model, s, n_stages, ranges[s]) for s in range(n_stages)]
-    plan_summary = sorted((pattern, type(style).__name__) for pattern, style in plan.items())
+    plan_summary = sorted((pattern, _describe(style)) for pattern, style in plan.items())
     _check_same_config_everywhere(
         layout,
         f"{schedule} m={microbatches} v={virtual_stages} ac={activation_checkpoint} stages={ranges} "
@@ -170,10 +170,11 @@ def parallelize(
         tied.tie_locally(stages)  # parallelize_module gave each end of a local tie its own parameter
     grad_sync = None
     if layout.dp > 1:
+        tied.separate_stages(stages)  # each stage is its own FSDP/DDP root: no Parameter shared by two
         for stage in stages.values():
             apply_data_parallel(stage, stage.layers, layout, dp_mode, reshard_after_forward)
-        tied.tie_locally(stages)  # now the sharded parameters
-        grad_sync = GradientSync(stages)
+        tied.refresh(stages)  # now the sharded parameters
+        grad_sync = GradientSync(stages, reshard_between_backwards=dp_mode == "fsdp" and reshard_after_forward)
 
     runtime = PipelineRuntime(
         stages,
@@ -219,6 +220,12 @@ def _check_ties_sharded_alike(ties: list[list[str]], meta_stages: list[nn.Module
                 "split the shared weight along the same dim (e.g. RowwiseParallel embedding and ColwiseParallel head "
                 "both split the vocabulary)"
             )
+
+
+def _describe(style: ParallelStyle) -> str:
+    """A style's arguments where its repr shows them; its class otherwise (a default repr has an address)."""
+    text = repr(style)
+    return type(style).__name__ if " object at 0x" in text else text
 
 
 def _on_meta(model: nn.Module) -> bool:

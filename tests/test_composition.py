@@ -4,7 +4,8 @@
   counted at the collective itself;
 - with sequence parallel each P2P message carries 1/tp of the stage-boundary activation;
 - evaluate, full_state_dict and load_full_state_dict work on sharded (DTensor) parameters;
-- bad tensor/data-parallel configurations raise the same clear error on every rank, without hanging.
+- bad tensor/data-parallel configurations raise the same clear error on every rank, without hanging;
+- a step that fails midway leaves nothing behind in FSDP for the next step.
 """
 
 import torch
@@ -123,8 +124,9 @@ def _bad_configs():
         except ValueError as error:
             messages[name] = str(error)
         dist.barrier()
+    models = {}
     for name, options, seq in (("sequence not divisible", {}, 6), ("loss parallel without sharded output", {"loss_parallel": True}, 8)):
-        pm = mesh3d.parallelize(model(), layout, loss_fn=loss_fn, **options)
+        pm = models[name] = mesh3d.parallelize(model(), layout, loss_fn=loss_fn, **options)
         tokens = torch.zeros(2, seq, dtype=torch.long)
         try:
             pm.step(tokens, tokens)
@@ -132,8 +134,44 @@ def _bad_configs():
         except ValueError as error:
             messages[name] = str(error)
         dist.barrier()
+    messages["aborted step leaves no trace"] = _aborted_step_leaves_no_trace(layout_dp)
+    pm = models["sequence not divisible"]  # the failed step left it usable
     messages["still works"] = torch.isfinite(pm.evaluate(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))).item()
     return messages
+
+
+FAILING = {"calls": 0, "fail_at": None}
+
+
+def _failing_loss(output, target):
+    if output.is_meta:  # the engine's shape check before the schedule
+        return loss_fn(output, target)
+    FAILING["calls"] += 1
+    if FAILING["calls"] == FAILING["fail_at"]:
+        raise RuntimeError("loss failed on purpose")
+    return loss_fn(output, target)
+
+
+def _aborted_step_leaves_no_trace(layout) -> float:
+    """A step that fails in its second microbatch (after the first backward accumulated unreduced
+    FSDP gradients), then zero_grad and a clean step: gradients equal a fresh model's clean step."""
+    inputs, targets = batches(GLOBAL_BATCH)[0]
+    share = slice(layout.dp_rank * GLOBAL_BATCH // 2, (layout.dp_rank + 1) * GLOBAL_BATCH // 2)
+    inputs, targets = inputs[share], targets[share]
+    grads = []
+    for fail in (True, False):
+        pm = mesh3d.parallelize(meta_model(True, args=tp_args(True)), layout, loss_fn=_failing_loss, schedule="1f1b", microbatches=2)
+        if fail:
+            FAILING.update(calls=0, fail_at=2)
+            try:
+                pm.step(inputs, targets)
+            except RuntimeError:
+                pass
+            pm.zero_grad()
+        FAILING.update(fail_at=None)
+        pm.step(inputs, targets)
+        grads.append({n: p.grad.full_tensor() for n, p in pm.named_parameters()})
+    return max(((grads[0][n] - grads[1][n]).norm() / grads[1][n].norm()).item() for n in grads[1])
 
 
 def _weight_dim_case(layout):
@@ -161,6 +199,52 @@ def test_tensor_and_data_errors_on_every_rank_without_hanging():
     per_rank = run_on_ranks(_bad_configs, 4, timeout=120)
     for rank, messages in enumerate(per_rank):
         assert messages.pop("still works") is True
+        assert messages.pop("aborted step leaves no trace") < 1e-6, rank
         for name, expected in EXPECTED.items():
             assert messages[name] is not None, f"rank {rank}: {name} did not raise"
             assert expected in messages[name], f"rank {rank}: {name}: {messages[name]}"
+
+
+SGD_LR = 0.5  # large, plain SGD: a gradient or a stale shard shows in the parameters (Adam would normalize it away)
+SGD_CASES = [((1, 2, 2), "fsdp"), ((1, 4, 1), "fsdp"), ((1, 4, 1), "ddp"), ((2, 2, 1), "fsdp")]
+ODD_VOCAB = 66  # 66 rows (33 per tp rank) do not shard evenly over dp = 2 or 4: FSDP pads the tied weight
+
+
+def _sgd_run(model, step, data):
+    optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    for inputs, targets in data:
+        step(inputs, targets)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _sgd_reference():
+    model = Transformer(tp_args(True).with_(vocab_size=ODD_VOCAB))
+    model.init_weights()
+    _sgd_run(model, lambda x, y: loss_fn(model(x), y).backward(), batches(GLOBAL_BATCH))
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def _sgd_cases(reference):
+    errors = {}
+    for (pp, dp, tp), dp_mode in SGD_CASES:
+        layout = mesh3d.build_mesh(pp=pp, dp=dp, tp=tp)
+        pm = mesh3d.parallelize(
+            meta_model(True, args=tp_args(True).with_(vocab_size=ODD_VOCAB)), layout, loss_fn=loss_fn, dp_mode=dp_mode
+        )
+        share = slice(layout.dp_rank * GLOBAL_BATCH // dp, (layout.dp_rank + 1) * GLOBAL_BATCH // dp)
+        _sgd_run(pm, lambda x, y: pm.step(x[share], y[share]), batches(GLOBAL_BATCH))
+        state = pm.full_state_dict()
+        errors[((pp, dp, tp), dp_mode)] = max(
+            ((state[k] - torch.from_numpy(v)).norm() / torch.from_numpy(v).norm()).item() for k, v in reference.items()
+        )
+    return errors
+
+
+def test_tied_weight_with_padded_fsdp_shards_trains_like_one_process():
+    """Both tie ends on one rank (pp = 1, two stages per rank) or on two; the tied weight's rows do not
+    divide by dp, so FSDP pads its shards. Large-step SGD makes any stale copy visible."""
+    per_rank = run_on_ranks(_sgd_cases, 4, _sgd_reference(), timeout=180)
+    for rank, errors in enumerate(per_rank):
+        for case, error in errors.items():
+            assert error <= 1e-5, (rank, case, error)

@@ -12,7 +12,7 @@ import pytest
 import mesh3d
 from examples.llama.model import llama_tp_plan
 from multiprocess import run_on_ranks
-from pipeline_cases import TOLERANCE, batches, pipeline_run, reference_run, tp_args, worst_error
+from pipeline_cases import TOLERANCE, VOCAB, batches, pipeline_run, reference_run, tp_args, worst_error
 
 GLOBAL_BATCH = 16
 
@@ -23,9 +23,13 @@ LAYOUTS = {
     8: [(8, 1, 1), (1, 8, 1), (1, 1, 8), (4, 2, 1), (4, 1, 2), (2, 4, 1), (1, 4, 2), (2, 1, 4), (1, 2, 4), (2, 2, 2)],
 }
 
-# (layout, tied, parallelize options) beyond FSDP + interleaved 1F1B
+# (layout, tied, parallelize options) beyond FSDP + interleaved 1F1B. "vocab" changes the model:
+# 65 rows (66 over tp = 2) do not shard evenly over dp, so FSDP pads the tied weight (both tie ends on one rank at pp=1).
 EXTRA = {
+    2: [((1, 2, 1), True, {"vocab": 65})],
     4: [
+        ((1, 2, 2), True, {"vocab": 66}),
+        ((1, 4, 1), True, {"vocab": 66, "dp_mode": "ddp"}),
         ((2, 2, 1), True, {"schedule": "1f1b"}),
         ((2, 1, 2), False, {"schedule": "gpipe", "microbatches": 4}),
         ((1, 2, 2), True, {"loss_parallel": True}),
@@ -63,15 +67,22 @@ def _run_cases(world, part, references):
             pp, dp, tp = layout_sizes
             layouts[layout_sizes] = mesh3d.build_mesh(pp=pp, dp=dp, tp=tp)
         kwargs = dict(options)
+        vocab = kwargs.pop("vocab", VOCAB)
         if kwargs.get("loss_parallel"):
             kwargs["tp_plan"] = llama_tp_plan(loss_parallel=True)
-        result = pipeline_run(layouts[layout_sizes], tied, batches(GLOBAL_BATCH), args=tp_args(tied), **kwargs)
-        outcome[describe(layout_sizes, tied, options)] = worst_error(result, references[tied])
+        args = tp_args(tied).with_(vocab_size=vocab)
+        result = pipeline_run(layouts[layout_sizes], tied, batches(GLOBAL_BATCH), args=args, **kwargs)
+        outcome[describe(layout_sizes, tied, options)] = worst_error(result, references[(tied, vocab)])
     return outcome
 
 
 def _check(world, part):
-    references = {tied: reference_run(tied, batches(GLOBAL_BATCH), tp_args(tied)) for tied in (False, True)}
+    vocabs = {VOCAB} | {options.get("vocab", VOCAB) for _, _, options in cases(world, part)}
+    references = {
+        (tied, vocab): reference_run(tied, batches(GLOBAL_BATCH), tp_args(tied).with_(vocab_size=vocab))
+        for tied in (False, True)
+        for vocab in vocabs
+    }
     per_rank = run_on_ranks(_run_cases, world, world, part, references, timeout=600)
     failures = []
     for rank, outcome in enumerate(per_rank):

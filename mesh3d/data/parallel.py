@@ -9,6 +9,7 @@ backward but the last of each stage only accumulates locally, and the last one r
 
 from __future__ import annotations
 
+import functools
 import warnings
 from functools import partial
 
@@ -63,9 +64,7 @@ def apply_data_parallel(
     stage: nn.Module, blocks: nn.ModuleDict, layout: Layout, dp_mode: str, reshard_after_forward: bool
 ) -> None:
     """Wrap each block of the stage, then the stage itself, for data parallelism over layout's dp dim."""
-    # FSDP2 warns when a root returns a view, because an in-place op on it would skip a hook. The
-    # pipeline runtime only detaches, sends and backpropagates stage outputs, never modifies them.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    _ignore_view_warning()
     mesh = layout.mesh["dp"]
     if dp_mode == "fsdp":
         wrap = partial(fully_shard, mesh=mesh, reshard_after_forward=reshard_after_forward)
@@ -78,6 +77,13 @@ def apply_data_parallel(
     wrap(stage)
 
 
+@functools.cache
+def _ignore_view_warning() -> None:
+    # FSDP2 warns when a root returns a view, because an in-place op on it would skip a hook. The
+    # pipeline runtime only detaches, sends and backpropagates stage outputs, never modifies them.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
 class GradientSync:
     """Reduces each stage's gradients over dp once per step, on the stage's last backward.
 
@@ -86,21 +92,43 @@ class GradientSync:
     keeps parameters unsharded until the last one).
     """
 
-    def __init__(self, stages: dict[int, nn.Module]):
+    def __init__(self, stages: dict[int, nn.Module], reshard_between_backwards: bool = False):
         self.stages = stages
+        self.reshard_between_backwards = reshard_between_backwards  # FSDP with reshard_after_forward=True
         self.synced_backwards = 0  # backwards that reduced gradients, over the life of the model
 
     def before_backward(self, stage: int, is_last: bool) -> None:
         module = self.stages[stage]
         module.set_is_last_backward(is_last)
         module.set_requires_gradient_sync(is_last)
-        module.set_reshard_after_backward(is_last)
+        module.set_reshard_after_backward(is_last or self.reshard_between_backwards)
         self.synced_backwards += int(is_last)
 
     def reshard(self) -> None:
-        """Free unsharded parameters left after a forward-only pass (eval) or an aborted step, so
-        the optimizer's update of the shards is what the next forward gathers."""
+        """Free unsharded parameters left after a forward-only pass (eval), so the optimizer's
+        update of the shards is what the next forward gathers."""
         for stage in self.stages.values():
             for module in stage.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
+
+    def abort(self) -> None:
+        """After a step raised: drop everything the failed step left inside FSDP/DDP.
+
+        `reset_iter_state` (torch's recovery call on each root) waits for in-flight collectives,
+        reshards and clears the per-iteration state, but keeps the unreduced gradients earlier
+        backwards of the step accumulated on the unsharded parameters; the next step's last
+        backward would reduce them too, and `zero_grad` does not reach them. They are cleared
+        here through FSDP's internals (pinned torch; tests/test_composition.py checks it).
+        """
+        for stage in self.stages.values():
+            stage.reset_iter_state()
+            for module in stage.modules():
+                if not isinstance(module, FSDPModule):
+                    continue
+                for group in module._get_fsdp_state()._fsdp_param_groups:
+                    for fsdp_param in group.fsdp_params:
+                        fsdp_param.unsharded_accumulated_grad = None
+                        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                        if unsharded is not None:
+                            unsharded.grad = None

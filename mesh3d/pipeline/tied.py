@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -51,18 +51,27 @@ def get_parameter(module: nn.Module, name: str) -> nn.Parameter | None:
 
 @dataclass
 class TiedWeight:
-    """One tie: its names, the pp ranks holding a copy, and this rank's copy (if any)."""
+    """One tie: its names, the pp ranks holding a copy, and this rank's copies (if any)."""
 
     names: list[str]
     ranks: list[int]  # pp ranks holding a copy, ascending; ranks[0] is the primary
-    param: nn.Parameter | None = None
+    copies: list[nn.Parameter] = field(default_factory=list)  # this rank's: one, or one per local stage
     group: dist.ProcessGroup | None = None  # among the copies' ranks; None when only one holds it
     group_ranks: list[int] | None = None  # global ranks of `group`
 
     @property
+    def param(self) -> nn.Parameter | None:
+        """This rank's first copy (None when this rank holds none)."""
+        return self.copies[0] if self.copies else None
+
+    @property
     def counted_here(self) -> bool:
-        """Whether this rank's copy enters the gradient norm (only the primary's does)."""
-        return self.param is not None and (self.group is None or dist.get_rank() == self.group_ranks[0])
+        """Whether this rank's first copy enters the gradient norm (only the primary rank's does)."""
+        return bool(self.copies) and (self.group is None or dist.get_rank() == self.group_ranks[0])
+
+    @property
+    def needs_sync(self) -> bool:
+        return self.group is not None or len(self.copies) > 1
 
 
 class TiedWeights:
@@ -92,27 +101,63 @@ class TiedWeights:
                     if group is not None:
                         tie.group, tie.group_ranks = group, members
             self.ties.append(tie)
-        self._earlier_grads: list[torch.Tensor | None] = []
+        self._earlier_grads: list[list[torch.Tensor | None]] = []  # per tie, per local copy
 
     def tie_locally(self, stages: dict[int, nn.Module]) -> None:
         """Make every local stage holding a tied name use one Parameter (the first stage's)."""
         for tie in self.ties:
-            tie.param = None
+            shared = None
             for index in sorted(stages):
                 for name in tie.names:
                     param = get_parameter(stages[index], name)
                     if param is None:
                         continue
-                    if tie.param is None:
-                        tie.param = param
-                    elif param is not tie.param:
-                        set_parameter(stages[index], name, tie.param)
-            if tie.param is None and self.pp_rank in tie.ranks:
+                    if shared is None:
+                        shared = param
+                    elif param is not shared:
+                        set_parameter(stages[index], name, shared)
+            tie.copies = [shared] if shared is not None else []
+            if shared is None and self.pp_rank in tie.ranks:
                 raise RuntimeError(f"tied weight {tie.names} expected on pp rank {self.pp_rank} but not found")
 
+    def separate_stages(self, stages: dict[int, nn.Module]) -> None:
+        """Give each local stage its own copy of a tied weight, kept equal like copies on other ranks.
+
+        Data parallelism wraps every stage as its own FSDP/DDP root; one Parameter shared by two
+        roots would be managed twice (FSDP re-points a padded shard's storage, and the other root
+        keeps gathering the old one). Within a stage the names stay one Parameter.
+        """
+        for tie in self.ties:
+            first = True
+            for index in sorted(stages):
+                names = [n for n in tie.names if get_parameter(stages[index], n) is not None]
+                if not names:
+                    continue
+                if not first:
+                    original = get_parameter(stages[index], names[0])
+                    copy = nn.Parameter(original.detach().clone(), requires_grad=original.requires_grad)
+                    for name in names:
+                        set_parameter(stages[index], name, copy)
+                first = False
+        self.refresh(stages)
+
+    def refresh(self, stages: dict[int, nn.Module]) -> None:
+        """Find this rank's copies again (after data parallelism replaced the parameters), one per stage."""
+        for tie in self.ties:
+            tie.copies = []
+            for index in sorted(stages):
+                for name in tie.names:
+                    param = get_parameter(stages[index], name)
+                    if param is not None and all(param is not c for c in tie.copies):
+                        tie.copies.append(param)
+
     def is_secondary_copy(self, param: torch.Tensor) -> bool:
-        """A copy whose twin on another rank is the one the gradient norm counts."""
-        return any(t.param is param and not t.counted_here for t in self.ties)
+        """A copy whose twin (on this rank or another) is the one the gradient norm counts."""
+        for tie in self.ties:
+            for position, copy in enumerate(tie.copies):
+                if copy is param:
+                    return position > 0 or not tie.counted_here
+        return False
 
     @torch.no_grad()
     def sync_values(self) -> None:
@@ -120,15 +165,25 @@ class TiedWeights:
         for tie in self.ties:
             if tie.group is not None:
                 dist.broadcast(local_tensor(tie.param.data), src=tie.group_ranks[0], group=tie.group)
+            for copy in tie.copies[1:]:
+                local_tensor(copy.data).copy_(local_tensor(tie.param.data))
 
     def set_aside_grads(self) -> None:
         """Before a step: keep the gradients earlier steps accumulated out of the coming sum."""
         self._earlier_grads = []
         for tie in self.ties:
-            grad = tie.param.grad if tie.group is not None else None
-            self._earlier_grads.append(grad)
-            if grad is not None:
-                tie.param.grad = None
+            grads = [c.grad if tie.needs_sync else None for c in tie.copies]
+            self._earlier_grads.append(grads)
+            for copy, grad in zip(tie.copies, grads):
+                if grad is not None:
+                    copy.grad = None
+
+    def restore_set_aside(self) -> None:
+        """After a failed step: put back what set_aside_grads took (the step's own partial grads are dropped)."""
+        for tie, grads in zip(self.ties, self._earlier_grads):
+            for copy, grad in zip(tie.copies, grads):
+                copy.grad = grad
+        self._earlier_grads = []
 
     @torch.no_grad()
     def sync_grads(self) -> None:
@@ -137,14 +192,21 @@ class TiedWeights:
         Every rank holding a copy joins the all-reduce, frozen or not: `requires_grad` is set per
         copy, so ranks may disagree on it, and skipping would mismatch the collectives.
         """
-        earlier = self._earlier_grads or [None] * len(self.ties)
-        for tie, before in zip(self.ties, earlier):
-            if tie.group is None:
+        earlier = self._earlier_grads or [[None] * len(t.copies) for t in self.ties]
+        for tie, befores in zip(self.ties, earlier):
+            if not tie.needs_sync:
                 continue
-            grad = tie.param.grad if tie.param.grad is not None else torch.zeros_like(tie.param)
-            dist.all_reduce(local_tensor(grad), group=tie.group)
-            if not tie.param.requires_grad:
-                tie.param.grad = before  # a frozen copy keeps what it had
-            else:
-                tie.param.grad = grad if before is None else grad + before
+            total = None
+            for copy in tie.copies:
+                if copy.grad is not None:
+                    total = copy.grad.clone() if total is None else total + copy.grad
+            if total is None:
+                total = torch.zeros_like(tie.param)
+            if tie.group is not None:
+                dist.all_reduce(local_tensor(total), group=tie.group)
+            for copy, before in zip(tie.copies, befores):
+                if not copy.requires_grad:
+                    copy.grad = before  # a frozen copy keeps what it had
+                else:
+                    copy.grad = total.clone() if before is None else total + before
         self._earlier_grads = []
