@@ -137,7 +137,7 @@ class ParallelModel:
             for module, training in modes.items():
                 module.training = training
             if self.grad_sync is not None:
-                self.grad_sync.reshard()  # no backward came to reshard what the forwards gathered
+                self.grad_sync.end_forward_only()  # no backward came to reshard what the forwards gathered
 
     def train(self, mode: bool = True) -> ParallelModel:
         """Set train/eval mode on every local stage (dropout and the like), as nn.Module.train does."""

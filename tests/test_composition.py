@@ -58,15 +58,25 @@ def _sync_bytes_and_state():
         groups = sum(len(stage.layers) + int(index in (0, pm.schedule.n_stages - 1)) for index, stage in pm.stages.items())
         evaluated = pm.evaluate(inputs, targets).item()
         counts = _count_dp_reductions(layout, lambda: pm.step(inputs, targets))
+        synced_backwards = pm.grad_sync.synced_backwards
         counters = pm.runtime.counters
         sends = sum(1 for a in pm.runtime.train_actions if a.kind in (Kind.SEND_F, Kind.SEND_B))
         receives = sum(1 for a in pm.runtime.train_actions if a.kind in (Kind.RECV_F, Kind.RECV_B))
         # One microbatch's boundary activation is (batch/m, seq, dim) fp32; sequence parallel sends 1/tp of it.
         message_bytes = (len(inputs) // m) * SEQ_LEN * tp_args(True).dim * 4 // layout.tp
+        # Evaluation between steps must not leave gathered parameters for the next step to reuse stale.
+        optimizer = torch.optim.SGD(pm.parameters(), lr=0.5)
+        optimizer.step()
+        after_first_update = pm.evaluate(inputs, targets).item()
+        optimizer.step()  # the same gradients again: the parameters move on
+        optimizer.zero_grad()
+        stepped = pm.step(inputs, targets).item()
+        evaluated_again = pm.evaluate(inputs, targets).item()
         results[dp_mode] = {
+            "fresh_after_evaluate": (after_first_update, stepped, evaluated_again),
             "reductions": counts["reduce_scatter" if dp_mode == "fsdp" else "all_reduce"],
             "groups": groups,
-            "synced_backwards": pm.grad_sync.synced_backwards,
+            "synced_backwards": synced_backwards,
             "local_stages": len(pm.stages),
             "bytes": (counters.bytes_sent, counters.bytes_received, counters.messages_sent),
             "expected_bytes": (sends * message_bytes, receives * message_bytes, sends),
@@ -93,6 +103,8 @@ def test_dp_reduction_once_per_step_and_sequence_parallel_bytes():
             assert r["synced_backwards"] == r["local_stages"], (rank, dp_mode, r)
             assert r["bytes"] == r["expected_bytes"], (rank, dp_mode, r)
             assert r["evaluate_then_step"][1]
+            after_first_update, stepped, evaluated_again = r["fresh_after_evaluate"]
+            assert stepped != after_first_update and abs(stepped - evaluated_again) <= 1e-6 * abs(stepped), (rank, r)
         assert results["state_roundtrip"] == 0.0, rank
         assert results["tied_equal"], rank
 

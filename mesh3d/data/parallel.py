@@ -104,13 +104,12 @@ class GradientSync:
         module.set_reshard_after_backward(is_last or self.reshard_between_backwards)
         self.synced_backwards += int(is_last)
 
-    def reshard(self) -> None:
-        """Free unsharded parameters left after a forward-only pass (eval), so the optimizer's
-        update of the shards is what the next forward gathers."""
+    def end_forward_only(self) -> None:
+        """After a forward-only pass (eval): reshard what the forwards gathered, so the optimizer's
+        update of the shards is what the next forward gathers, and clear the per-iteration state
+        that only a last backward would otherwise clear (torch's `reset_iter_state` on each root)."""
         for stage in self.stages.values():
-            for module in stage.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
+            stage.reset_iter_state()
 
     def abort(self) -> None:
         """After a step raised: drop everything the failed step left inside FSDP/DDP.
@@ -121,8 +120,8 @@ class GradientSync:
         backward would reduce them too, and `zero_grad` does not reach them. They are cleared
         here through FSDP's internals (pinned torch; tests/test_composition.py checks it).
         """
+        self.end_forward_only()
         for stage in self.stages.values():
-            stage.reset_iter_state()
             for module in stage.modules():
                 if not isinstance(module, FSDPModule):
                     continue
