@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -67,11 +66,11 @@ def apply_data_parallel(
     _ignore_view_warning()
     mesh = layout.mesh["dp"]
     if dp_mode == "fsdp":
-        wrap = partial(fully_shard, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        wrap = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=reshard_after_forward)
     else:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
-        wrap = partial(replicate, mesh=mesh)
+        wrap = functools.partial(replicate, mesh=mesh)
     for block in blocks.values():
         wrap(block)
     wrap(stage)
