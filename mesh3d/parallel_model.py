@@ -90,9 +90,9 @@ class ParallelModel:
             # The step is lost. Drop what data parallelism holds unreduced (zero_grad cannot reach
             # it) and give tied copies back their earlier gradients; .grad may still hold parts of
             # the failed step, so call zero_grad() before the next one.
+            self.tied.restore_set_aside()
             if self.grad_sync is not None:
                 self.grad_sync.abort()
-            self.tied.restore_set_aside()
             raise
         self._settle_tensor_parallel_grads()
         self.tied.sync_grads()
@@ -263,6 +263,13 @@ class ParallelModel:
                 raise ValueError(
                     f"load_full_state_dict: {name} has shape {tuple(state_dict[name].shape)}, the model expects {tuple(shape)}"
                 )
+        for tie in self.tied.ties:  # one weight in the model: its names must agree
+            for name in tie.names[1:]:
+                if not torch.equal(state_dict[name], state_dict[tie.names[0]]):
+                    raise ValueError(
+                        f"load_full_state_dict: {name} and {tie.names[0]} are one tied weight in the model, but the "
+                        "state_dict gives them different values; pass the same tensor for both"
+                    )
         for name, tensor in self._local_state().items():
             value = state_dict[name].to(device=tensor.device, dtype=tensor.dtype)
             if isinstance(tensor, DTensor):  # every rank has the full value: each keeps its own shard

@@ -9,7 +9,8 @@ Order of work, the same on every rank:
    rank's own;
 4. materialization, initialization, tied copies made equal along pp, replicas along tp and dp;
 5. tensor parallelism per stage (then ties re-made: parallelize_module replaces parameters);
-6. data parallelism per stage (FSDP2 or DDP over dp);
+6. data parallelism per stage (FSDP2 or DDP over dp), after giving each local stage its own copy
+   of a tied weight (each stage is its own FSDP/DDP root);
 7. the pipeline runtime, with the once-per-step gradient sync as its backward hook.
 """
 

@@ -147,6 +147,7 @@ def _bad_configs():
             messages[name] = str(error)
         dist.barrier()
     messages["aborted step leaves no trace"] = _aborted_step_leaves_no_trace(layout_dp)
+    messages["tie edge cases"] = _tie_edge_cases(layout, mesh3d.build_mesh(pp=1, dp=4, tp=1))
     pm = models["sequence not divisible"]  # the failed step left it usable
     messages["still works"] = torch.isfinite(pm.evaluate(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))).item()
     return messages
@@ -186,6 +187,55 @@ def _aborted_step_leaves_no_trace(layout) -> float:
     return max(((grads[0][n] - grads[1][n]).norm() / grads[1][n].norm()).item() for n in grads[1])
 
 
+def _tie_edge_cases(layout_tp, layout_dp) -> dict:
+    """Ties held on one rank (pp = 1, two stages per rank): under tp alone one shared Parameter,
+    under dp one copy per stage."""
+    out = {}
+    inputs, targets = batches(GLOBAL_BATCH)[0]
+    share = slice(layout_dp.dp_rank * 4, layout_dp.dp_rank * 4 + 4)
+
+    # A failed step keeps the tied weight's earlier gradient, like every other parameter's.
+    pm = mesh3d.parallelize(meta_model(True, args=tp_args(True)), layout_tp, loss_fn=_failing_loss)
+    FAILING.update(fail_at=None)
+    pm.step(inputs, targets)
+    FAILING.update(calls=0, fail_at=1)
+    try:
+        pm.step(inputs, targets)
+    except RuntimeError:
+        pass
+    FAILING.update(fail_at=None)
+    out["tied grad kept"] = dict(pm.named_parameters())["tok_embeddings.weight"].grad is not None
+
+    # A stage that fails before the other stage ever ran: the user sees the real error.
+    pm = mesh3d.parallelize(meta_model(True, args=tp_args(True)), layout_dp, loss_fn=loss_fn)
+    try:
+        pm.step(torch.full((4, SEQ_LEN), 10_000), targets[share])
+        out["first failure"] = None
+    except Exception as error:
+        out["first failure"] = type(error).__name__
+    pm.zero_grad()
+    out["works after"] = torch.isfinite(pm.step(inputs[share], targets[share])).item()
+
+    # Freezing one name of a tied weight freezes the weight, as in the unsplit model.
+    pm = mesh3d.parallelize(meta_model(True, args=tp_args(True)), layout_dp, loss_fn=loss_fn)
+    dict(pm.named_parameters())["tok_embeddings.weight"].requires_grad_(False)
+    before = pm.full_state_dict()["tok_embeddings.weight"]
+    _sgd_run(pm, lambda x, y: pm.step(x[share], y[share]), batches(GLOBAL_BATCH)[:2])
+    after = pm.full_state_dict()
+    out["frozen tie unchanged"] = torch.equal(after["tok_embeddings.weight"], before) and torch.equal(after["output.weight"], before)
+
+    # A state dict whose tied names disagree is refused (on every rank, before any collective).
+    state = dict(after)
+    state["output.weight"] = state["output.weight"] + 1
+    try:
+        pm.load_full_state_dict(state)
+        out["disagreeing tie"] = None
+    except ValueError as error:
+        out["disagreeing tie"] = str(error)
+    dist.barrier()
+    return out
+
+
 def _weight_dim_case(layout):
     """A plan that shards a 6-wide Linear over tp=4 (no model-declared size catches it)."""
     model = torch.nn.Module()
@@ -212,6 +262,10 @@ def test_tensor_and_data_errors_on_every_rank_without_hanging():
     for rank, messages in enumerate(per_rank):
         assert messages.pop("still works") is True
         assert messages.pop("aborted step leaves no trace") < 1e-6, rank
+        ties = messages.pop("tie edge cases")
+        assert ties["tied grad kept"] and ties["works after"] and ties["frozen tie unchanged"], (rank, ties)
+        assert ties["first failure"] == "IndexError", (rank, ties)
+        assert "are one tied weight in the model" in (ties["disagreeing tie"] or ""), (rank, ties)
         for name, expected in EXPECTED.items():
             assert messages[name] is not None, f"rank {rank}: {name} did not raise"
             assert expected in messages[name], f"rank {rank}: {name}: {messages[name]}"

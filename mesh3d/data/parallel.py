@@ -108,7 +108,10 @@ class GradientSync:
         update of the shards is what the next forward gathers, and clear the per-iteration state
         that only a last backward would otherwise clear (torch's `reset_iter_state` on each root)."""
         for stage in self.stages.values():
-            stage.reset_iter_state()
+            # A root that never ran a forward has nothing to reset, and torch's reset fails on it
+            # (its lazy init has not run: the private `_is_root` is still None).
+            if stage._get_fsdp_state()._is_root is not None:
+                stage.reset_iter_state()
 
     def abort(self) -> None:
         """After a step raised: drop everything the failed step left inside FSDP/DDP.
@@ -117,7 +120,7 @@ class GradientSync:
         reshards and clears the per-iteration state, but keeps the unreduced gradients earlier
         backwards of the step accumulated on the unsharded parameters; the next step's last
         backward would reduce them too, and `zero_grad` does not reach them. They are cleared
-        here through FSDP's internals (pinned torch; tests/test_composition.py checks it).
+        here through FSDP's internals (torch is pinned to 2.13 in pyproject.toml; tests/test_composition.py checks it).
         """
         self.end_forward_only()
         for stage in self.stages.values():

@@ -1,7 +1,9 @@
 """Tied weights across pipeline stages.
 
 The engine finds ties itself: names in the unsplit model that share one Parameter. After the split
-each rank that holds any of those names keeps one copy, shared by all its local stages. When
+each rank that holds any of those names keeps one copy, shared by all its local stages (under
+data parallelism one copy per local stage instead, each stage being its own FSDP/DDP root, kept
+equal the same way as copies on other ranks). When
 copies live on several pp ranks they start identical (broadcast from the lowest of those pp
 ranks, the primary), the gradients a step adds are summed among exactly those ranks after the
 schedule, and the gradient norm counts the weight once (on the primary). With every end on one
@@ -181,6 +183,8 @@ class TiedWeights:
     def restore_set_aside(self) -> None:
         """After a failed step: put back what set_aside_grads took (the step's own partial grads are dropped)."""
         for tie, grads in zip(self.ties, self._earlier_grads):
+            if not tie.needs_sync:
+                continue  # nothing was set aside
             for copy, grad in zip(tie.copies, grads):
                 copy.grad = grad
         self._earlier_grads = []
@@ -190,7 +194,9 @@ class TiedWeights:
         """After a step: every copy adds the sum of the gradients this step gave all copies.
 
         Every rank holding a copy joins the all-reduce, frozen or not: `requires_grad` is set per
-        copy, so ranks may disagree on it, and skipping would mismatch the collectives.
+        copy, so ranks may disagree on it, and skipping would mismatch the collectives. On one
+        rank, freezing any local copy freezes them all (in the unsplit model both names are one
+        Parameter, so freezing either freezes the weight).
         """
         earlier = self._earlier_grads or [[None] * len(t.copies) for t in self.ties]
         for tie, befores in zip(self.ties, earlier):
@@ -204,8 +210,9 @@ class TiedWeights:
                 total = torch.zeros_like(tie.param)
             if tie.group is not None:
                 dist.all_reduce(local_tensor(total), group=tie.group)
+            frozen_here = any(not c.requires_grad for c in tie.copies)
             for copy, before in zip(tie.copies, befores):
-                if not copy.requires_grad:
+                if frozen_here:
                     copy.grad = before  # a frozen copy keeps what it had
                 else:
                     copy.grad = total.clone() if before is None else total + before
