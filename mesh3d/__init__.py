@@ -1,9 +1,9 @@
 """mesh3d: train LLaMA-style models with pipeline x data x tensor (3D) parallelism on plain PyTorch."""
 
-from mesh3d import data, pipeline
+from mesh3d import checkpoint, data, pipeline
 from mesh3d.mesh import Layout, build_mesh
 from mesh3d.parallel_model import ParallelModel
 from mesh3d.parallelize import parallelize
 
-__all__ = ["Layout", "ParallelModel", "build_mesh", "data", "parallelize", "pipeline"]
+__all__ = ["Layout", "ParallelModel", "build_mesh", "checkpoint", "data", "parallelize", "pipeline"]
 __version__ = "0.1.0"

@@ -221,6 +221,17 @@ class ParallelModel:
 
     # -- whole-model state ----------------------------------------------------------------------
 
+    @property
+    def state_specs(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """Global shape and dtype of every state_dict entry of the unsplit model, in its order
+        (both names of a tied weight); the same on every rank."""
+        return {name: self._state_specs[name] for name in self._state_owner}
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's state_dict entries under the unsplit model's names, as held (DTensor shards
+        under tp/dp, sharing storage with the parameters); a name held by two local stages once."""
+        return self._local_state()
+
     def _local_state(self) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}
         for index in sorted(self.stages):

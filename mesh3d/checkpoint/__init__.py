@@ -1,0 +1,13 @@
+"""Checkpoints: save and resume under any (pp, dp, tp); safetensors export and import with Hugging Face Llama names.
+
+    mesh3d.checkpoint.save(path, pm, optimizer=None, *, step, data_state=None, extra=None)
+    state = mesh3d.checkpoint.load(path, pm, optimizer=None)    # {"step", "data_state", "extra"}
+    mesh3d.checkpoint.latest(root) -> path | None
+    mesh3d.checkpoint.export_safetensors(pm, out_dir, config=None)
+    mesh3d.checkpoint.import_safetensors(pm, in_dir)
+"""
+
+from mesh3d.checkpoint.directories import latest
+from mesh3d.checkpoint.save_load import load, save
+
+__all__ = ["latest", "load", "save"]

@@ -1,0 +1,195 @@
+"""save / load: a distributed checkpoint of model, optimizer and train state, loadable under any layout.
+
+Tensors go through torch.distributed.checkpoint (DCP): every rank writes its own shards, keyed by
+the unsplit model's names (flat_state.py), and DCP records where each shard sits in the global
+tensor, so any other (pp, dp, tp, virtual stages, dp_mode) reads exactly the pieces it needs.
+The train state is JSON (train_state.py). The directory appears under its name only once
+complete (directories.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+
+import mesh3d
+from mesh3d.checkpoint import directories
+from mesh3d.checkpoint.flat_state import (
+    apply_loaded,
+    check_against_checkpoint,
+    flat_state,
+    init_optimizer_state,
+    targets,
+)
+from mesh3d.checkpoint.train_state import (
+    FORMAT,
+    TRAIN_STATE_FILE,
+    VERSION,
+    check_json,
+    read_rng_state,
+    read_train_state,
+    rng_file,
+    rng_state,
+    set_rng_state,
+    write_json,
+)
+from mesh3d.mesh import Layout
+from mesh3d.parallel_model import ParallelModel
+
+
+def _agree(layout: Layout, error: str | None) -> None:
+    """Raise the first rank's error on every rank (one small all-gather), so no rank goes on alone."""
+    errors = [error]
+    if layout.world_size > 1:
+        errors = [None] * layout.world_size
+        dist.all_gather_object(errors, error)
+    for rank, message in enumerate(errors):
+        if message:
+            raise ValueError(message if rank == layout.rank else f"{message} (found on rank {rank})")
+
+
+def _attempt(fn, *args) -> str | None:
+    """Run fn on this rank; its exception as text (for `_agree`), or None."""
+    try:
+        fn(*args)
+    except Exception as error:  # noqa: BLE001 - every rank must learn of it, not only this one
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def save(
+    path: str | os.PathLike,
+    pm: ParallelModel,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    step: int,
+    data_state: Any = None,
+    extra: Any = None,
+    keep_last: int | None = None,
+) -> str:
+    """Save model, optimizer and train state to the directory `path`, atomically. Call on every rank.
+
+    Args:
+        path: the checkpoint directory, e.g. "ckpt/step100". It appears only once complete; an
+            existing checkpoint of that name is replaced.
+        pm: the ParallelModel; every rank writes only its own shards.
+        optimizer: saved keyed by parameter names (loadable under any other layout), or None.
+        step: the training step, returned by `load` and used by `latest` to order checkpoints.
+        data_state: the data loader's position (e.g. `DistributedLoader.state_dict()`), JSON;
+            the same on every rank.
+        extra: anything else JSON-serializable (an LR scheduler's state_dict, ...), rank 0's is saved.
+        keep_last: afterwards keep only this many newest checkpoints in `path`'s parent directory.
+
+    Returns the path. Raises ValueError on every rank for a bad argument or a failed write.
+    """
+    path = Path(path)
+    layout = pm.layout
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"checkpoint.save: step must be a non-negative int, got {step!r}")
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"checkpoint.save: keep_last must be None or an int >= 1, got {keep_last!r}")
+    data_json, _ = check_json(data_state, "data_state"), check_json(extra, "extra")
+    everyone = [(str(path), step, data_json)]
+    if layout.world_size > 1:
+        everyone = [None] * layout.world_size
+        dist.all_gather_object(everyone, (str(path), step, data_json))
+    if any(entry != everyone[0] for entry in everyone):
+        raise ValueError(
+            "checkpoint.save: ranks passed different path, step or data_state "
+            f"(rank 0: {everyone[0]}, this rank: {everyone[layout.rank]}); the data state is the global sample "
+            "position, the same on every rank: pass the same values everywhere"
+        )
+
+    partial = directories.partial_path(path)
+    _agree(layout, _attempt(directories.prepare, path) if layout.rank == 0 else None)
+    _agree(layout, _attempt(_write_rng, partial, layout))
+    state = flat_state(pm, optimizer)
+    dcp.save(
+        state.entries,
+        storage_writer=FileSystemWriter(partial),
+        planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+    )
+    # DCP's last step is rank 0 writing its metadata after every rank reported its writes: from
+    # here on every file but the train state is in place.
+    error = None
+    if layout.rank == 0:
+        train_state = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": step,
+            "data_state": data_state,
+            "extra": extra,
+            "has_optimizer": optimizer is not None,
+            "layout": {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp, "world_size": layout.world_size},
+            "schedule": pm.schedule.name,
+            "virtual_stages": pm.schedule.virtual_stages,
+            "tied": [tie.names for tie in pm.tied.ties],
+            "mesh3d_version": mesh3d.__version__,
+            "torch_version": torch.__version__,
+            "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+        error = _attempt(_finish, partial, path, train_state, keep_last)
+    _agree(layout, error)
+    return str(path)
+
+
+def _write_rng(partial: Path, layout: Layout) -> None:
+    file = rng_file(partial, layout.rank)
+    file.parent.mkdir(exist_ok=True)
+    write_json(file, rng_state(layout.device))
+
+
+def _finish(partial: Path, path: Path, train_state: dict, keep_last: int | None) -> None:
+    write_json(partial / TRAIN_STATE_FILE, train_state)
+    directories.publish(partial, path)
+    if keep_last is not None:
+        directories.prune(path.parent, keep_last)
+
+
+def load(
+    path: str | os.PathLike,
+    pm: ParallelModel,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> dict:
+    """Load a checkpoint written by `save`, under this model's layout (any layout). Call on every rank.
+
+    The model (and optimizer, if given) take the saved values; tied copies are made equal again;
+    RNG states are restored (each rank its own when the layout is the saver's, else every rank
+    rank 0's). Returns {"step", "data_state", "extra"} as saved; pass data_state to the loader's
+    load_state_dict to resume at the exact next global sample, whatever the new dp degree.
+
+    Raises ValueError on every rank, before reading any tensor, when the checkpoint does not fit
+    the model (naming the first mismatching parameter) or the optimizer.
+    """
+    path = Path(path)
+    layout = pm.layout
+    train_state = read_train_state(path)
+    metadata = FileSystemReader(path).read_metadata()
+    if optimizer is not None:
+        init_optimizer_state(pm, optimizer)
+    state = flat_state(pm, optimizer)
+    _agree(layout, check_against_checkpoint(pm, state, metadata, str(path)))
+
+    to_load = targets(state, metadata)
+    dcp.load(
+        to_load,
+        storage_reader=FileSystemReader(path),
+        planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+    )
+    apply_loaded(state, to_load)
+    pm.tied.sync_values()
+
+    saved = train_state.get("layout", {})
+    same_layout = (saved.get("pp"), saved.get("dp"), saved.get("tp")) == (layout.pp, layout.dp, layout.tp)
+    rng = read_rng_state(path, layout.rank if same_layout else 0)
+    if rng is not None:
+        set_rng_state(rng, layout.device)
+    return {"step": train_state["step"], "data_state": train_state.get("data_state"), "extra": train_state.get("extra")}
