@@ -227,6 +227,10 @@ class ParallelModel:
         (both names of a tied weight); the same on every rank."""
         return {name: self._state_specs[name] for name in self._state_owner}
 
+    def state_owner_pp_rank(self, name: str) -> int:
+        """The pp rank whose stages hold state_dict entry `name` (for a tied weight, its first stage's)."""
+        return self.schedule.stage_rank(self._state_owner[name])
+
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's state_dict entries under the unsplit model's names, as held (DTensor shards
         under tp/dp, sharing storage with the parameters); a name held by two local stages once."""

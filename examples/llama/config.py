@@ -29,6 +29,7 @@ class ModelArgs:
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 8192
     tie_embeddings: bool = False
+    ffn_hidden_dim_override: int | None = None  # an explicit FFN width (Hugging Face's intermediate_size)
 
     def __post_init__(self):
         kv_heads = self.kv_heads
@@ -49,7 +50,9 @@ class ModelArgs:
 
     @property
     def ffn_hidden_dim(self) -> int:
-        """LLaMA's rule: 2/3 of 4*dim, times the multiplier, rounded up to `multiple_of`."""
+        """LLaMA's rule: 2/3 of 4*dim, times the multiplier, rounded up to `multiple_of` (unless overridden)."""
+        if self.ffn_hidden_dim_override is not None:
+            return self.ffn_hidden_dim_override
         hidden = int(2 * (4 * self.dim) / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
@@ -57,6 +60,68 @@ class ModelArgs:
 
     def with_(self, **changes) -> "ModelArgs":
         return replace(self, **changes)
+
+    def to_hf_config(self) -> dict:
+        """The equivalent transformers LlamaConfig, as config.json contents (v4 and v5 rope fields both)."""
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        scaling = None
+        if self.rope_scaling is not None:
+            s = self.rope_scaling
+            scaling = {
+                "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position,
+            }
+            rope = {**scaling, "rope_theta": self.rope_theta}
+        return {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": self.dim, "intermediate_size": self.ffn_hidden_dim, "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads, "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size, "rms_norm_eps": self.norm_eps, "max_position_embeddings": self.max_seq_len,
+            "rope_theta": self.rope_theta, "rope_scaling": scaling, "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
+            "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+        }
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> "ModelArgs":
+        """ModelArgs from a transformers LlamaConfig (config.json contents or `config.to_dict()`).
+
+        Raises ValueError for what this model does not implement (biases, another activation,
+        a head_dim other than hidden_size / heads, a rope type other than default or llama3).
+        """
+        unsupported = {
+            "hidden_act": (config.get("hidden_act", "silu"), "silu"),
+            "attention_bias": (bool(config.get("attention_bias", False)), False),
+            "mlp_bias": (bool(config.get("mlp_bias", False)), False),
+        }
+        heads = config["num_attention_heads"]
+        if config.get("head_dim") is not None:
+            unsupported["head_dim"] = (config["head_dim"], config["hidden_size"] // heads)
+        for key, (got, supported) in unsupported.items():
+            if got != supported:
+                raise ValueError(f"Hugging Face config has {key}={got!r}; the LLaMA example supports only {supported!r}")
+        rope = dict(config.get("rope_parameters") or {})
+        legacy = config.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
+        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        scaling = None
+        if rope_type == "llama3":
+            fields = {**legacy, **rope}
+            scaling = RopeScaling(
+                factor=float(fields["factor"]), low_freq_factor=float(fields["low_freq_factor"]),
+                high_freq_factor=float(fields["high_freq_factor"]),
+                original_max_position=int(fields["original_max_position_embeddings"]),
+            )
+        elif rope_type != "default":
+            raise ValueError(f"Hugging Face config has rope_type={rope_type!r}; the LLaMA example supports default and llama3")
+        return cls(
+            dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=heads,
+            n_kv_heads=config.get("num_key_value_heads") or heads, vocab_size=config["vocab_size"],
+            norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
+            max_seq_len=config.get("max_position_embeddings", 2048),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            ffn_hidden_dim_override=config["intermediate_size"],
+        )
 
 
 _LLAMA3_COMMON = dict(rope_theta=500000.0, vocab_size=128256, norm_eps=1e-5)

@@ -137,6 +137,10 @@ class Transformer(nn.Module):
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
 
+    def hf_config(self) -> dict:
+        """This model as a transformers LlamaConfig dict (mesh3d.checkpoint's safetensors export writes it)."""
+        return self.args.to_hf_config()
+
     def tensor_parallel_sizes(self) -> dict[str, int]:
         """Sizes the tensor-parallel degree must divide (mesh3d checks them before sharding)."""
         a = self.args

@@ -8,6 +8,7 @@
 """
 
 from mesh3d.checkpoint.directories import latest
+from mesh3d.checkpoint.safetensors_io import export_safetensors, import_safetensors
 from mesh3d.checkpoint.save_load import load, save
 
-__all__ = ["latest", "load", "save"]
+__all__ = ["export_safetensors", "import_safetensors", "latest", "load", "save"]

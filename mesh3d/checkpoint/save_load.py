@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 
 import mesh3d
 from mesh3d.checkpoint import directories
+from mesh3d.checkpoint.agree import agree, attempt
 from mesh3d.checkpoint.flat_state import (
     apply_loaded,
     check_against_checkpoint,
@@ -43,26 +44,6 @@ from mesh3d.checkpoint.train_state import (
 )
 from mesh3d.mesh import Layout
 from mesh3d.parallel_model import ParallelModel
-
-
-def _agree(layout: Layout, error: str | None) -> None:
-    """Raise the first rank's error on every rank (one small all-gather), so no rank goes on alone."""
-    errors = [error]
-    if layout.world_size > 1:
-        errors = [None] * layout.world_size
-        dist.all_gather_object(errors, error)
-    for rank, message in enumerate(errors):
-        if message:
-            raise ValueError(message if rank == layout.rank else f"{message} (found on rank {rank})")
-
-
-def _attempt(fn, *args) -> str | None:
-    """Run fn on this rank; its exception as text (for `_agree`), or None."""
-    try:
-        fn(*args)
-    except Exception as error:  # noqa: BLE001 - every rank must learn of it, not only this one
-        return f"{type(error).__name__}: {error}"
-    return None
 
 
 def save(
@@ -109,8 +90,8 @@ def save(
         )
 
     partial = directories.partial_path(path)
-    _agree(layout, _attempt(directories.prepare, path) if layout.rank == 0 else None)
-    _agree(layout, _attempt(_write_rng, partial, layout))
+    agree(layout, attempt(lambda: directories.prepare(path)) if layout.rank == 0 else None)
+    agree(layout, attempt(lambda: _write_rng(partial, layout)))
     state = flat_state(pm, optimizer)
     dcp.save(
         state.entries,
@@ -136,8 +117,8 @@ def save(
             "torch_version": torch.__version__,
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
-        error = _attempt(_finish, partial, path, train_state, keep_last)
-    _agree(layout, error)
+        error = attempt(lambda: _finish(partial, path, train_state, keep_last))
+    agree(layout, error)
     return str(path)
 
 
@@ -176,7 +157,7 @@ def load(
     if optimizer is not None:
         init_optimizer_state(pm, optimizer)
     state = flat_state(pm, optimizer)
-    _agree(layout, check_against_checkpoint(pm, state, metadata, str(path)))
+    agree(layout, check_against_checkpoint(pm, state, metadata, str(path)))
 
     to_load = targets(state, metadata)
     dcp.load(

@@ -1,0 +1,272 @@
+"""Weights in and out as safetensors, in the layout transformers' LlamaForCausalLM reads and writes.
+
+Export gathers one tensor at a time to global rank 0 (a DTensor is assembled by the ranks of
+its owning pp rank, then sent from that pp rank's first rank), which writes `model.safetensors`
+or, above `max_shard_size`, `model-0000k-of-0000n.safetensors` files with the standard
+`model.safetensors.index.json`, plus `config.json`. Import needs no communication: every rank
+opens the files and reads only the slices of the tensors it owns (safetensors reads a slice
+without reading the rest of the file).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from mesh3d.checkpoint import hf_llama
+from mesh3d.checkpoint.agree import agree, attempt
+from mesh3d.checkpoint.train_state import write_json
+from mesh3d.parallel_model import ParallelModel
+from mesh3d.pipeline.tied import local_tensor
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
+
+
+def _model_config(pm: ParallelModel) -> dict | None:
+    stage = next(iter(pm.stages.values()))
+    return stage.hf_config() if callable(getattr(stage, "hf_config", None)) else None
+
+
+def _as_dict(config: Any) -> dict:
+    if isinstance(config, dict):
+        return dict(config)
+    for method in ("to_hf_config", "to_dict"):
+        if callable(getattr(config, method, None)):
+            return dict(getattr(config, method)())
+    raise ValueError(
+        f"config must be a dict (the contents of a Hugging Face config.json), a transformers config or an object "
+        f"with to_hf_config(); got {type(config).__name__}"
+    )
+
+
+def _is_tied(pm: ParallelModel) -> bool:
+    return any({hf_llama.EMBEDDING, hf_llama.OUTPUT} <= set(tie.names) for tie in pm.tied.ties)
+
+
+def _shard_plan(sizes: dict[str, int], max_shard_size: int) -> list[list[str]]:
+    """Names grouped into files in model order, each file at most max_shard_size bytes (or one tensor)."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes.items():
+        if shards[-1] and used + size > max_shard_size:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+@contextmanager
+def _quiet_strided_gather():
+    # Gathering an FSDP+TP (_StridedShard) tensor takes two all-gathers, and torch logs a warning
+    # for every such tensor; the cost is known and paid once per tensor here.
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def export_safetensors(
+    pm: ParallelModel,
+    out_dir: str | os.PathLike,
+    config: Any = None,
+    *,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    dtype: torch.dtype | None = None,
+) -> str:
+    """Write the whole model as safetensors with Hugging Face Llama names, plus config.json. Call on every rank.
+
+    `transformers.LlamaForCausalLM.from_pretrained(out_dir)` loads the result. A tied output
+    head is not written (transformers ties it to the embedding, as `save_pretrained` does).
+
+    Args:
+        config: the Hugging Face config (a dict, a transformers config, or an object with
+            to_hf_config()); default: the model's own `hf_config()`.
+        max_shard_size: bytes per file; a larger model is split into numbered files and an index.
+        dtype: cast the weights on export (e.g. torch.bfloat16); default: as trained.
+
+    Returns out_dir. Only global rank 0 writes; it holds one file's tensors at a time.
+    """
+    out_dir = Path(out_dir)
+    layout = pm.layout
+    config = _as_dict(config) if config is not None else _model_config(pm)
+    if config is None:
+        raise ValueError(
+            "export_safetensors: pass config= (the Hugging Face config.json contents); this model has no hf_config()"
+        )
+    tied = _is_tied(pm)
+    if bool(config.get("tie_word_embeddings", False)) != tied:
+        raise ValueError(
+            f"export_safetensors: config has tie_word_embeddings={config.get('tie_word_embeddings')} but the model's "
+            f"embedding and output are {'tied' if tied else 'separate'}; give a config that matches the model"
+        )
+    specs = {n: spec for n, spec in pm.state_specs.items() if not (tied and n == hf_llama.OUTPUT)}
+    hf_names = {name: hf_llama.to_hf(name) for name in specs}
+    out_dtype = {n: dtype or spec[1] for n, spec in specs.items()}
+    sizes = {n: spec[0].numel() * out_dtype[n].itemsize for n, spec in specs.items()}
+    shards = _shard_plan(sizes, max_shard_size)
+    files = [SINGLE_FILE] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+    ]
+    config = {**config, "torch_dtype": str(next(iter(out_dtype.values()))).removeprefix("torch.")}
+    config["dtype"] = config["torch_dtype"]
+
+    local = pm.local_state_dict()
+    error = attempt(lambda: out_dir.mkdir(parents=True, exist_ok=True)) if layout.rank == 0 else None
+    agree(layout, error)
+    with _quiet_strided_gather():
+        for file, names in zip(files, shards):
+            tensors = {}
+            for name in names:
+                full = _gather_to_rank0(pm, name, local)
+                if full is not None:
+                    tensors[hf_names[name]] = full.to(out_dtype[name]).contiguous()
+            if layout.rank == 0:
+                error = error or attempt(lambda: _write_file(out_dir / file, tensors))
+    if layout.rank == 0 and not error:
+        error = attempt(lambda: _write_index_and_config(out_dir, files, shards, hf_names, sizes, config))
+    agree(layout, error)
+    return str(out_dir)
+
+
+def _gather_to_rank0(pm: ParallelModel, name: str, local: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The full tensor `name` on global rank 0 (None elsewhere)."""
+    layout = pm.layout
+    owner = pm.state_owner_pp_rank(name)
+    source = int(layout.mesh.mesh[owner, 0, 0])
+    full = None
+    if layout.pp_rank == owner:
+        tensor = local[name].detach()
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    if layout.rank == 0 and source != 0:
+        shape, dtype = pm.state_specs[name]
+        full = torch.empty(shape, dtype=dtype, device=layout.device)
+        dist.recv(full, src=source)
+    elif layout.rank == source != 0:
+        dist.send(full.contiguous(), dst=0)
+    return full.cpu() if layout.rank == 0 else None
+
+
+def _write_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(temporary), metadata={"format": "pt"})
+    os.replace(temporary, path)
+
+
+def _write_index_and_config(out_dir, files, shards, hf_names, sizes, config) -> None:
+    if len(files) > 1:
+        weight_map = {hf_names[n]: file for file, names in zip(files, shards) for n in names}
+        write_json(out_dir / INDEX_FILE, {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map})
+    write_json(out_dir / CONFIG_FILE, config)
+
+
+def _weight_files(in_dir: Path) -> dict[str, Path]:
+    """Hugging Face tensor name -> the file holding it."""
+    index = in_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: in_dir / file for name, file in weight_map.items()}
+    single = in_dir / SINGLE_FILE
+    if not single.is_file():
+        raise FileNotFoundError(
+            f"import_safetensors: {in_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}; pass a directory written by "
+            "save_pretrained(..., safe_serialization=True) or mesh3d.checkpoint.export_safetensors"
+        )
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def import_safetensors(pm: ParallelModel, in_dir: str | os.PathLike) -> None:
+    """Load Hugging Face Llama safetensors weights into the model, under any layout. Call on every rank.
+
+    Each rank reads only the slices of the tensors it holds. The directory's config.json (if
+    any) must agree with the model's `hf_config()` on every shape-deciding field; every tensor's
+    shape is checked before any is read, and the first mismatch is named.
+    """
+    in_dir = Path(in_dir)
+    files = _weight_files(in_dir)
+    theirs = json.loads((in_dir / CONFIG_FILE).read_text()) if (in_dir / CONFIG_FILE).is_file() else None
+    ours = _model_config(pm)
+    if theirs is not None and ours is not None:
+        mismatch = hf_llama.config_mismatch(ours, theirs)
+        if mismatch and not mismatch.startswith("tie_word_embeddings"):
+            raise ValueError(f"import_safetensors: {in_dir} holds a different model: {mismatch}; build the model from its config")
+    source = _source_names(pm, files, in_dir)
+    shapes = _saved_shapes(files, set(source.values()))
+    for name, (shape, _) in pm.state_specs.items():
+        if shapes[source[name]] != tuple(shape):
+            raise ValueError(
+                f"import_safetensors: {source[name]} has shape {shapes[source[name]]} in {in_dir}, but this model's "
+                f"{name} is {tuple(shape)}; build the model from the checkpoint's config"
+            )
+    agree(pm.layout, attempt(lambda: _read_local_slices(pm, files, source)))
+    pm.tied.sync_values()
+
+
+def _source_names(pm: ParallelModel, files: dict[str, Path], in_dir: Path) -> dict[str, str]:
+    """Model name -> the Hugging Face tensor it is read from."""
+    tied = _is_tied(pm)
+    source = {}
+    for name in pm.state_specs:
+        hf = hf_llama.to_hf(name)
+        if name == hf_llama.OUTPUT and (tied or hf not in files):
+            if tied and hf in files:
+                raise ValueError(
+                    f"import_safetensors: {in_dir} has a separate {hf} (untied output head) but this model ties its "
+                    "output to the embedding; build the model with untied embeddings"
+                )
+            hf = hf_llama.to_hf(hf_llama.EMBEDDING)  # a tied checkpoint: the head is the embedding
+        if hf not in files:
+            raise ValueError(f"import_safetensors: {in_dir} has no tensor {hf!r} (this model's {name})")
+        source[name] = hf
+    return source
+
+
+def _saved_shapes(files: dict[str, Path], names: set[str]) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(files[name], []).append(name)
+    for file, in_file in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            for name in in_file:
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+@torch.no_grad()
+def _read_local_slices(pm: ParallelModel, files: dict[str, Path], source: dict[str, str]) -> None:
+    by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in pm.local_state_dict().items():
+        by_file.setdefault(files[source[name]], []).append((name, tensor))
+    for file, entries in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            for name, tensor in entries:
+                if isinstance(tensor, DTensor):
+                    shape, offset = compute_local_shape_and_global_offset(
+                        tensor.shape, tensor.device_mesh, tensor.placements
+                    )
+                else:
+                    shape, offset = tuple(tensor.shape), (0,) * tensor.dim()
+                if 0 in shape:
+                    continue  # an empty shard (more ranks than rows)
+                window = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+                values = f.get_slice(source[name])[window]
+                local_tensor(tensor.detach()).copy_(values.to(device=tensor.device, dtype=tensor.dtype))
