@@ -5,6 +5,12 @@
     # one plain process:
     python examples/llama/train.py --steps 50 --metrics runs/debug.jsonl
 
+    # checkpoints every 50 steps; after a crash or preemption the same command (any layout) resumes:
+    torchrun --standalone --nproc-per-node 8 examples/llama/train.py --pp 2 --dp 2 --tp 2 \
+        --checkpoint-dir ckpt --checkpoint-every 50 --resume
+    # start from Hugging Face Llama weights, write the result back as safetensors:
+    python examples/llama/train.py --init-from-hf path/to/llama --export-hf runs/hf
+
 The model is built on the meta device and handed to mesh3d.parallelize, which splits it into
 pipeline stages, shards each with the model's tensor-parallel plan and FSDP2 (or DDP) over the
 data-parallel ranks. AdamW, linear warmup then cosine decay, gradient clipping over all of
@@ -28,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mesh3d  # noqa: E402
-from examples.llama.config import CONFIGS, get_config  # noqa: E402
+from examples.llama.config import CONFIGS, ModelArgs, get_config  # noqa: E402
 from examples.llama.model import Transformer, count_parameters, llama_tp_plan, loss_fn  # noqa: E402
 from mesh3d.data import ByteTokenizer, DistributedLoader, TokenDataset  # noqa: E402
 
@@ -63,7 +69,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--metrics", default="runs/train.jsonl", help="JSONL file, one line per step")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    return p.parse_args(argv)
+    p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here, as DIR/step<N>")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (and after the last step)")
+    p.add_argument("--keep-last", type=int, default=None, help="keep only the newest K checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir, if any")
+    p.add_argument("--init-from-hf", default=None, metavar="DIR",
+                   help="model config and weights from a Hugging Face Llama directory (config.json + safetensors)")
+    p.add_argument("--export-hf", default=None, metavar="DIR", help="after training, write the model as Hugging Face safetensors")
+    args = p.parse_args(argv)
+    if args.resume and not args.checkpoint_dir:
+        p.error("--resume needs --checkpoint-dir")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        p.error("--checkpoint-every needs --checkpoint-dir")
+    if args.init_from_hf and (args.n_layers is not None or args.tied is not None):
+        p.error("--init-from-hf takes the model's shape from its config.json; drop --n-layers/--tied")
+    return args
 
 
 def lr_at(step: int, *, peak: float, warmup: int, total: int, min_ratio: float) -> float:
@@ -92,14 +112,23 @@ def build_optimizer(model: mesh3d.ParallelModel, args) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
 
 
-def build_model(args) -> Transformer:
-    """The whole model on the meta device: no memory until parallelize materializes this rank's part."""
+def model_config(args) -> ModelArgs:
+    """--config with its overrides, or the shape of the Hugging Face model given by --init-from-hf."""
+    if args.init_from_hf:
+        hf_config = json.loads((Path(args.init_from_hf) / "config.json").read_text())
+        config = ModelArgs.from_hf_config(hf_config)
+        return config.with_(max_seq_len=max(config.max_seq_len, args.seq_len))
     overrides = {"max_seq_len": max(args.seq_len, 1)}
     if args.n_layers is not None:
         overrides["n_layers"] = args.n_layers
     if args.tied is not None:
         overrides["tie_embeddings"] = args.tied
-    config = get_config(args.config, **overrides)
+    return get_config(args.config, **overrides)
+
+
+def build_model(args) -> Transformer:
+    """The whole model on the meta device: no memory until parallelize materializes this rank's part."""
+    config = model_config(args)
     if not args.token_file and config.vocab_size < ByteTokenizer.vocab_size:
         raise SystemExit(
             f"config {args.config} has vocab_size={config.vocab_size}, fewer than the byte tokenizer's "
@@ -159,9 +188,20 @@ def main(argv=None) -> list[dict]:
     n_params = count_parameters(model)
     pm = parallelize(model, layout, args)
     optimizer = build_optimizer(pm, args)
+    start_step, origin = 0, f"initialized with seed {args.seed}"
+    resume_from = mesh3d.checkpoint.latest(args.checkpoint_dir) if args.resume else None
+    if resume_from:
+        # Weights, optimizer state, RNG and the data position; the layout may differ from the saver's.
+        state = mesh3d.checkpoint.load(resume_from, pm, optimizer)
+        loader.load_state_dict(state["data_state"])
+        start_step, origin = state["step"], f"resumed from {resume_from} (step {state['step']})"
+    elif args.init_from_hf:
+        mesh3d.checkpoint.import_safetensors(pm, args.init_from_hf)
+        origin = f"weights from {args.init_from_hf}"
     if is_main:
+        name = args.init_from_hf or args.config
         print(
-            f"{layout}\n{pm}\nmodel {args.config}: {n_params / 1e6:.2f}M parameters, "
+            f"{layout}\n{pm}\nmodel {name}: {n_params / 1e6:.2f}M parameters, {origin}\n"
             f"data: {len(dataset.tokens) / 1e6:.1f}M tokens ({len(dataset)} samples of {args.seq_len}), "
             f"global batch {args.global_batch} = dp {layout.dp} x {loader.local_batch_size}",
             flush=True,
@@ -170,11 +210,12 @@ def main(argv=None) -> list[dict]:
     metrics_file = None
     if args.metrics and is_main:
         Path(args.metrics).parent.mkdir(parents=True, exist_ok=True)
-        metrics_file = open(args.metrics, "w")
+        metrics_file = open(args.metrics, "a" if resume_from else "w")
     history = []
     tokens_per_step = args.global_batch * args.seq_len
     start = time.perf_counter()
-    for step in range(args.steps):
+    last_saved = start_step if resume_from else None
+    for step in range(start_step, args.steps):
         step_start = time.perf_counter()
         lr = lr_at(step, peak=args.lr, warmup=args.warmup, total=args.steps, min_ratio=args.min_lr_ratio)
         for group in optimizer.param_groups:
@@ -204,10 +245,30 @@ def main(argv=None) -> list[dict]:
                 f"grad_norm {record['grad_norm']:.3f}  tokens/s {record['tokens_per_s']:,.0f}",
                 flush=True,
             )
+        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+            save_checkpoint(pm, optimizer, loader, step + 1, args, is_main)
+            last_saved = step + 1
+    final_step = max(args.steps, start_step)
+    if args.checkpoint_dir and last_saved != final_step:
+        save_checkpoint(pm, optimizer, loader, final_step, args, is_main)
     if metrics_file:
         metrics_file.close()
+    if args.export_hf:
+        mesh3d.checkpoint.export_safetensors(pm, args.export_hf)
+        if is_main:
+            print(f"exported Hugging Face safetensors to {args.export_hf}", flush=True)
     torch.distributed.destroy_process_group()
     return history
+
+
+def save_checkpoint(pm, optimizer, loader, step: int, args, is_main: bool) -> None:
+    began = time.perf_counter()
+    path = mesh3d.checkpoint.save(
+        Path(args.checkpoint_dir) / f"step{step}", pm, optimizer, step=step, data_state=loader.state_dict(),
+        extra={"args": vars(args)}, keep_last=args.keep_last,
+    )
+    if is_main:
+        print(f"saved checkpoint {path} in {time.perf_counter() - began:.2f} s", flush=True)
 
 
 if __name__ == "__main__":

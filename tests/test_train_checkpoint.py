@@ -1,0 +1,61 @@
+"""train.py's checkpoint flags: --checkpoint-dir/--checkpoint-every/--keep-last, --resume (under torchrun, in
+another layout), --export-hf and --init-from-hf.
+
+- A 4-step run in one process saves every 2 steps (keeping the newest 2).
+- Its step-2 checkpoint, resumed by `--resume` under torchrun at pp=2, gives steps 3-4 the same
+  losses as the uninterrupted run, and appends them to its metrics file.
+- `--steps 0 --export-hf` exports the initial weights; `--init-from-hf` of that export trains
+  with the same losses as the run initialized by seed.
+Relative error <= 1e-4 (fp32; the pp=2 run sums in another order), as in test_torchrun.py.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from test_torchrun import ROOT, TIMEOUT_S, _assert_close, _check, _env, _losses
+
+TRAIN = ["examples/llama/train.py", "--seq-len", "32", "--global-batch", "8", "--log-every", "1", "--warmup", "10"]
+
+
+def _run(*args: str, torchrun: int = 0) -> subprocess.CompletedProcess:
+    launcher = [sys.executable]
+    if torchrun:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(torchrun)]
+    done = subprocess.run([*launcher, *TRAIN, *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    _check(done)
+    return done
+
+
+def test_checkpoint_resume_export_and_init_from_hf(tmp_path):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "straight.jsonl"
+    done = _run("--steps", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--keep-last", "2",
+                "--metrics", str(metrics))
+    assert done.stdout.count("saved checkpoint") == 2
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step2", "step4"]
+    straight = _losses(metrics)
+    saved = json.loads((ckpt / "step4" / "train_state.json").read_text())
+    assert saved["step"] == 4 and saved["data_state"]["position"] == 4 * 8 and saved["extra"]["args"]["steps"] == 4
+
+    resume_dir, resumed_metrics = tmp_path / "resume", tmp_path / "resumed.jsonl"
+    resume_dir.mkdir()
+    shutil.copytree(ckpt / "step2", resume_dir / "step2")
+    resumed_metrics.write_text((metrics.read_text().splitlines(keepends=True)[0]))  # a log that goes on
+    done = _run("--steps", "4", "--pp", "2", "--checkpoint-dir", str(resume_dir), "--resume",
+                "--metrics", str(resumed_metrics), torchrun=2)
+    assert f"resumed from {resume_dir / 'step2'} (step 2)" in done.stdout
+    records = [json.loads(line) for line in resumed_metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 3, 4]
+    _assert_close(_losses(resumed_metrics)[1:], straight[2:])
+    assert sorted(p.name for p in resume_dir.iterdir()) == ["step2", "step4"]
+
+    initial = tmp_path / "hf_initial"
+    done = _run("--steps", "0", "--export-hf", str(initial), "--metrics", str(tmp_path / "none.jsonl"))
+    assert (initial / "config.json").is_file() and (initial / "model.safetensors").is_file()
+    from_hf = tmp_path / "from_hf.jsonl"
+    done = _run("--steps", "2", "--init-from-hf", str(initial), "--dp", "2", "--metrics", str(from_hf), torchrun=2)
+    assert f"weights from {initial}" in done.stdout
+    _assert_close(_losses(from_hf), straight[:2])
