@@ -1,8 +1,8 @@
 """Save at layout A after 2 steps, load at layout B, train 2 more: the same as 4 uninterrupted steps at A.
 
-Layouts among (1,1,1), (2,2,2), (4,1,2), (2,4,1), (1,2,4), (8,1,1); pairs change pp (2 -> 4, 1 -> 8,
-8 -> 1, 4 -> 2), tp (2 -> 1, 4 -> 1, 1 -> 4), dp (1 -> 4, 2 -> 1, 4 -> 1), the world size (1 -> 8,
-8 -> 1), the schedule and virtual stages, and FSDP <-> DDP; tied and untied. Batches come from
+Layouts among (1,1,1), (2,2,2), (4,1,2), (2,4,1), (1,2,4), (8,1,1); 7 pairs change pp (2 -> 4, 1 -> 8,
+8 -> 1, 4 -> 2), tp (2 -> 1, 4 -> 1, 1 -> 4), dp (1 -> 4, 2 -> 1, 4 -> 1, 1 -> 2), the world size
+(1 -> 8, 8 -> 1), the schedule and virtual stages, and FSDP <-> DDP; tied and untied. Batches come from
 the DistributedLoader, resumed from the saved data position under the new dp degree. B starts
 from other weights (seed 1) and a fresh optimizer, so everything it matches came from the
 checkpoint. Losses of steps 3-4 and every parameter after step 4: relative error <= 1e-5.
@@ -33,7 +33,6 @@ PAIRS = [
     ("222T", (4, 1, 2), {}),  # pp 2 -> 4, dp 2 -> 1, v 2 -> 2 over other layers
     ("222T", (2, 4, 1), {"dp_mode": "ddp"}),  # tp 2 -> 1, dp 2 -> 4, FSDP -> DDP
     ("412U", (2, 2, 2), {"schedule": "1f1b"}),  # pp 4 -> 2, dp 1 -> 2, v 2 -> 1
-    ("412U", (2, 4, 1), {}),  # dp 1 -> 4, tp 2 -> 1
     ("124T", (8, 1, 1), {"schedule": "gpipe"}),  # tp 4 -> 1, pp 1 -> 8
     ("811U", (1, 2, 4), {}),  # pp 8 -> 1, tp 1 -> 4
     ("111T", (2, 4, 1), {}),  # one process -> 8 ranks, dp 1 -> 4

@@ -164,3 +164,50 @@ def test_exported_directory_loads_in_transformers_with_the_same_logits(round_tri
         names = set(f.keys())
     assert ("lm_head.weight" in names) == (not tied)
     assert "model.layers.3.self_attn.k_proj.weight" in names and len(names) == 4 * 9 + 2 + (not tied)
+
+
+def _import_errors(directories: dict, no_config_dir: str) -> dict:
+    layout = mesh3d.build_mesh()
+    untied_export, tied_export = directories[False][1], directories[True][1]
+    base = ModelArgs.from_hf_config(json.loads(open(f"{untied_export}/config.json").read()))
+
+    def parallel(args):
+        with torch.device("meta"):
+            model = Transformer(args)
+        return mesh3d.parallelize(model, layout)
+
+    def message(fn) -> str:
+        try:
+            fn()
+        except (ValueError, FileNotFoundError) as error:
+            return str(error)
+        return "no error"
+
+    out = {
+        "untied into tied": message(lambda: mesh3d.checkpoint.import_safetensors(parallel(base.with_(tie_embeddings=True)), untied_export)),
+        "fewer layers": message(lambda: mesh3d.checkpoint.import_safetensors(parallel(base.with_(n_layers=2)), untied_export)),
+        "other vocab, no config": message(
+            lambda: mesh3d.checkpoint.import_safetensors(parallel(base.with_(vocab_size=128)), no_config_dir)),
+        "missing": message(lambda: mesh3d.checkpoint.import_safetensors(parallel(base), f"{untied_export}/nothing")),
+    }
+    untied = parallel(base)
+    mesh3d.checkpoint.import_safetensors(untied, tied_export)  # a tied checkpoint: the head is the embedding
+    state = untied.full_state_dict()
+    out["tied into untied: head equals embedding"] = torch.equal(state["output.weight"], state["tok_embeddings.weight"])
+    return out
+
+
+def test_import_refuses_what_does_not_fit(round_trip, tmp_path):
+    _, directories, _, _ = round_trip
+    import shutil
+
+    no_config = tmp_path / "no_config"
+    shutil.copytree(directories[False][1], no_config)
+    (no_config / "config.json").unlink()
+    out = run_on_ranks(_import_errors, 1, directories, str(no_config), timeout=120)[0]
+    assert "has an output head of its own (lm_head.weight, untied embeddings)" in out["untied into tied"]
+    assert "holds a different model: num_hidden_layers is 4 there but 2 in this model" in out["fewer layers"]
+    assert ("model.embed_tokens.weight has shape (96, 64)" in out["other vocab, no config"]
+            and "tok_embeddings.weight is (128, 64)" in out["other vocab, no config"])
+    assert "has neither model.safetensors nor model.safetensors.index.json" in out["missing"]
+    assert out["tied into untied: head equals embedding"] is True

@@ -42,7 +42,6 @@ STRUCTURAL_FIELDS = (
     "num_key_value_heads",
     "head_dim",
     "vocab_size",
-    "tie_word_embeddings",
 )
 
 
@@ -77,8 +76,6 @@ def _effective(config: dict, key: str):
         return config["hidden_size"] // config["num_attention_heads"]
     if key == "num_key_value_heads" and config.get(key) is None:
         return config.get("num_attention_heads")
-    if key == "tie_word_embeddings":
-        return bool(config.get(key, False))
     return config.get(key)
 
 

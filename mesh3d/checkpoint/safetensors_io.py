@@ -206,9 +206,9 @@ def import_safetensors(pm: ParallelModel, in_dir: str | os.PathLike) -> None:
     ours = _model_config(pm)
     if theirs is not None and ours is not None:
         mismatch = hf_llama.config_mismatch(ours, theirs)
-        if mismatch and not mismatch.startswith("tie_word_embeddings"):
+        if mismatch:
             raise ValueError(f"import_safetensors: {in_dir} holds a different model: {mismatch}; build the model from its config")
-    source = _source_names(pm, files, in_dir)
+    source = _source_names(pm, files, theirs, in_dir)
     shapes = _saved_shapes(files, set(source.values()))
     for name, (shape, _) in pm.state_specs.items():
         if shapes[source[name]] != tuple(shape):
@@ -220,19 +220,24 @@ def import_safetensors(pm: ParallelModel, in_dir: str | os.PathLike) -> None:
     pm.tied.sync_values()
 
 
-def _source_names(pm: ParallelModel, files: dict[str, Path], in_dir: Path) -> dict[str, str]:
-    """Model name -> the Hugging Face tensor it is read from."""
-    tied = _is_tied(pm)
+def _source_names(pm: ParallelModel, files: dict[str, Path], config: dict | None, in_dir: Path) -> dict[str, str]:
+    """Model name -> the Hugging Face tensor it is read from.
+
+    A checkpoint whose config ties the embeddings (or, without a config, that has no lm_head)
+    uses the embedding as its output head, whatever else the files hold.
+    """
+    head, embedding = hf_llama.to_hf(hf_llama.OUTPUT), hf_llama.to_hf(hf_llama.EMBEDDING)
+    theirs_tied = bool(config.get("tie_word_embeddings", False)) if config is not None else head not in files
+    if _is_tied(pm) and not theirs_tied:
+        raise ValueError(
+            f"import_safetensors: {in_dir} has an output head of its own ({head}, untied embeddings) but this model "
+            "ties its output to the embedding; build the model with untied embeddings"
+        )
     source = {}
     for name in pm.state_specs:
         hf = hf_llama.to_hf(name)
-        if name == hf_llama.OUTPUT and (tied or hf not in files):
-            if tied and hf in files:
-                raise ValueError(
-                    f"import_safetensors: {in_dir} has a separate {hf} (untied output head) but this model ties its "
-                    "output to the embedding; build the model with untied embeddings"
-                )
-            hf = hf_llama.to_hf(hf_llama.EMBEDDING)  # a tied checkpoint: the head is the embedding
+        if name == hf_llama.OUTPUT and theirs_tied:
+            hf = embedding
         if hf not in files:
             raise ValueError(f"import_safetensors: {in_dir} has no tensor {hf!r} (this model's {name})")
         source[name] = hf

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +52,11 @@ def save(
     pm: ParallelModel,
     optimizer: torch.optim.Optimizer | None = None,
     *,
-    step: int,
+    step: int | None = None,
     data_state: Any = None,
     extra: Any = None,
     keep_last: int | None = None,
+    writer_threads: int = 1,
 ) -> str:
     """Save model, optimizer and train state to the directory `path`, atomically. Call on every rank.
 
@@ -63,20 +65,27 @@ def save(
             existing checkpoint of that name is replaced.
         pm: the ParallelModel; every rank writes only its own shards.
         optimizer: saved keyed by parameter names (loadable under any other layout), or None.
-        step: the training step, returned by `load` and used by `latest` to order checkpoints.
+        step: the training step, returned by `load` and used by `latest` to order checkpoints;
+            default: the number `path`'s name ends with ("ckpt/step100" -> 100), else 0.
         data_state: the data loader's position (e.g. `DistributedLoader.state_dict()`), JSON;
             the same on every rank.
         extra: anything else JSON-serializable (an LR scheduler's state_dict, ...), rank 0's is saved.
         keep_last: afterwards keep only this many newest checkpoints in `path`'s parent directory.
+        writer_threads: files each rank writes in parallel (DCP's FileSystemWriter thread_count).
 
     Returns the path. Raises ValueError on every rank for a bad argument or a failed write.
     """
     path = Path(path)
     layout = pm.layout
+    if step is None:
+        digits = re.search(r"(\d+)$", path.name)
+        step = int(digits.group(1)) if digits else 0
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"checkpoint.save: step must be a non-negative int, got {step!r}")
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"checkpoint.save: keep_last must be None or an int >= 1, got {keep_last!r}")
+    if isinstance(writer_threads, bool) or not isinstance(writer_threads, int) or writer_threads < 1:
+        raise ValueError(f"checkpoint.save: writer_threads must be an int >= 1, got {writer_threads!r}")
     data_json, _ = check_json(data_state, "data_state"), check_json(extra, "extra")
     everyone = [(str(path), step, data_json)]
     if layout.world_size > 1:
@@ -95,7 +104,7 @@ def save(
     state = flat_state(pm, optimizer)
     dcp.save(
         state.entries,
-        storage_writer=FileSystemWriter(partial),
+        storage_writer=FileSystemWriter(partial, thread_count=writer_threads),
         planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
     )
     # DCP's last step is rank 0 writing its metadata after every rank reported its writes: from

@@ -1,0 +1,128 @@
+"""Time and size of checkpoints: DCP save and load, safetensors export and import, for one layout.
+
+    python bench/checkpoint_io.py --config 1B                                  # one process (a GPU if present)
+    torchrun --standalone --nproc-per-node 8 bench/checkpoint_io.py --pp 2 --dp 2 --tp 2 --config debug
+
+Builds the model, takes one AdamW step (so the optimizer has state), then saves a checkpoint,
+loads it into a fresh model and optimizer of the same layout (checking every value came back),
+exports Hugging Face safetensors (optionally in bf16) and imports them. Rank 0 prints the wall
+times (every rank waits for the slowest), the bytes on disk and the write/read rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import mesh3d  # noqa: E402
+from examples.llama.config import get_config  # noqa: E402
+from examples.llama.model import Transformer, count_parameters, llama_tp_plan, loss_fn  # noqa: E402
+from mesh3d.pipeline.tied import local_tensor  # noqa: E402
+
+
+def _disk_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _timed(layout, fn) -> float:
+    dist.barrier()
+    if layout.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if layout.device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _build(args, layout):
+    with torch.device("meta"):
+        model = Transformer(get_config(args.config, max_seq_len=args.seq_len, **({"n_layers": args.n_layers} if args.n_layers else {})))
+    pm = mesh3d.parallelize(model, layout, loss_fn=loss_fn, tp_plan=llama_tp_plan())
+    optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+    return model, pm, optimizer
+
+
+def _snapshot(pm, optimizer) -> list[torch.Tensor]:
+    tensors = [local_tensor(t.detach()).cpu().clone() for t in pm.local_state_dict().values()]
+    for state in optimizer.state.values():
+        tensors += [local_tensor(v).cpu().clone() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=-1)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--config", default="debug")
+    p.add_argument("--n-layers", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=None, help="global batch (default: 2 * dp * pp)")
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory, removed after)")
+    p.add_argument("--writer-threads", type=int, default=1, help="files each rank writes in parallel")
+    p.add_argument("--export-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    args = p.parse_args()
+
+    layout = mesh3d.build_mesh(pp=args.pp, dp=args.dp, tp=args.tp)
+    is_main = layout.rank == 0
+    root = Path(args.dir or (tempfile.mkdtemp(prefix="mesh3d-bench-") if is_main else ""))
+    shared = [str(root)]
+    dist.broadcast_object_list(shared, src=0)
+    root = Path(shared[0])
+
+    model, pm, optimizer = _build(args, layout)
+    batch = args.batch or 2 * layout.dp * layout.pp
+    vocab = model.args.vocab_size
+    tokens = torch.randint(0, vocab, (batch, args.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    share = slice(layout.dp_rank * batch // layout.dp, (layout.dp_rank + 1) * batch // layout.dp)
+    pm.step(tokens[share, :-1], tokens[share, 1:])
+    optimizer.step()
+    optimizer.zero_grad()
+    before = _snapshot(pm, optimizer)
+
+    ckpt = root / "ckpt" / "step1"
+    save_s = _timed(layout, lambda: mesh3d.checkpoint.save(ckpt, pm, optimizer, step=1, writer_threads=args.writer_threads))
+    _, pm2, optimizer2 = _build(args, layout)
+    load_s = _timed(layout, lambda: mesh3d.checkpoint.load(ckpt, pm2, optimizer2))
+    after = _snapshot(pm2, optimizer2)
+    exact = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+    flags = torch.tensor([int(exact)], device=layout.device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+
+    hf = root / "hf"
+    dtype = getattr(torch, args.export_dtype)
+    export_s = _timed(layout, lambda: mesh3d.checkpoint.export_safetensors(pm2, hf, dtype=dtype))
+    import_s = _timed(layout, lambda: mesh3d.checkpoint.import_safetensors(pm2, hf))
+
+    if is_main:
+        ckpt_bytes, hf_bytes = _disk_bytes(ckpt), _disk_bytes(hf)
+        gib = 1024**3
+        print(f"{layout}\nmodel {args.config} ({count_parameters(model) / 1e6:.1f}M parameters), AdamW state")
+        print("| operation | wall s | on disk GiB | GiB/s |")
+        print("| --- | --- | --- | --- |")
+        print(f"| save (DCP: model + AdamW + train state, {args.writer_threads} writer threads) | {save_s:.2f} | {ckpt_bytes / gib:.3f} | {ckpt_bytes / gib / save_s:.2f} |")
+        print(f"| load into a fresh model and optimizer | {load_s:.2f} | | {ckpt_bytes / gib / load_s:.2f} |")
+        print(f"| export safetensors ({args.export_dtype}) | {export_s:.2f} | {hf_bytes / gib:.3f} | {hf_bytes / gib / export_s:.2f} |")
+        print(f"| import safetensors | {import_s:.2f} | | {hf_bytes / gib / import_s:.2f} |")
+        print(f"every model and optimizer value equal after load: {bool(flags.item())}", flush=True)
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
