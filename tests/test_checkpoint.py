@@ -155,7 +155,16 @@ def _behaviour(root: str) -> dict:
     errors["steps differ"] = _error_message(
         lambda: mesh3d.checkpoint.save(f"{root}/bad", pm, step=4 + layout.rank))
     errors["keep_last"] = _error_message(lambda: mesh3d.checkpoint.save(f"{root}/bad", pm, step=4, keep_last=0))
+    errors["no step"] = _error_message(lambda: mesh3d.checkpoint.save(f"{root}/bad", pm))
+    rank0_extra = {"x": torch.ones(1)} if layout.rank == 0 else {}  # only rank 0's extra is saved, and checked
+    errors["rank 0 extra"] = _error_message(lambda: mesh3d.checkpoint.save(f"{root}/bad", pm, step=4, extra=rank0_extra))
+    os.makedirs(f"{root}/notes", exist_ok=True)
+    if layout.rank == 0:
+        Path(f"{root}/notes/todo.txt").write_text("mine")
+    dist.barrier()
+    errors["not a checkpoint"] = _error_message(lambda: mesh3d.checkpoint.save(f"{root}/notes", pm, step=4))
     out["errors"] = errors
+    out["notes kept"] = sorted(os.listdir(f"{root}/notes"))
     out["model only loads"] = _error_message(lambda: mesh3d.checkpoint.load(f"{root}/model_only", pm))
     return out
 
@@ -174,14 +183,73 @@ def test_latest_keep_last_train_state_rng_and_errors(tmp_path):
         assert "'tok_embeddings.weight' has shape (64, 32) in the checkpoint, the model expects (64, 64)" in errors["wider"]
         assert "holds 36 tensors the model does not have, the first 'layers.4.attention_norm.weight'" in errors["shallower"]
         assert "the first 'output.weight'" in errors["tied"]
-        assert "no optimizer state 'tok_embeddings.weight.momentum_buffer'" in errors["sgd"]
+        assert "holds AdamW optimizer state, not SGD" in errors["sgd"]
         assert "holds no optimizer state" in errors["no optimizer saved"]
         assert "is not a mesh3d checkpoint" in errors["missing"]
         assert "extra must be JSON-serializable" in errors["tensor extra"]
         assert "ranks passed different path, step or data_state" in errors["steps differ"]
         assert "keep_last must be None or an int >= 1" in errors["keep_last"]
+        assert "pass step= (the name 'bad' ends in no step number" in errors["no step"]
+        assert "extra must be JSON-serializable" in errors["rank 0 extra"]
+        assert "exists and is not a mesh3d checkpoint" in errors["not a checkpoint"]
         assert result["model only loads"] == "no error", rank
     assert not (tmp_path / "bad").exists()
+    assert out["notes kept"] == ["todo.txt"]
+
+
+# -- optimizers: state saved before the first step, settings that shape the state ---------------
+
+
+def _optimizer_cases(root: str) -> dict:
+    out = {}
+    layout = mesh3d.build_mesh(pp=2, dp=1, tp=1)
+    # Saved before any step: the optimizer has no state yet. Loading must give a run identical to
+    # one that never saved.
+    pm, optimizer, loader = build(layout, True, small=True)
+    mesh3d.checkpoint.save(f"{root}/step0", pm, optimizer, data_state=loader.state_dict())
+    reference_losses = train(pm, optimizer, loader, 2)
+    reference = full_state(pm)
+    pm, optimizer, loader = build(layout, True, small=True, init_seed=1)
+    optimizer = torch.optim.AdamW(pm.parameters(), lr=optimizer.param_groups[0]["lr"], foreach=True)
+    state = mesh3d.checkpoint.load(f"{root}/step0", pm, optimizer)
+    loader.load_state_dict(state["data_state"])
+    out["step0"] = (train(pm, optimizer, loader, 2), reference_losses, worst_relative_error(full_state(pm), reference))
+
+    # Settings that change what state an optimizer keeps must match; implementation flags need not.
+    def refused(saved_optimizer, loading_optimizer, name) -> tuple[str, bool]:
+        train_model, _, train_loader = build(layout, False, small=True)
+        first = saved_optimizer(train_model.parameters())
+        inputs, targets = next(train_loader)
+        train_model.step(inputs, targets)
+        first.step()
+        mesh3d.checkpoint.save(f"{root}/{name}", train_model, first, step=1)
+        fresh, _, _ = build(layout, False, small=True)
+        second = loading_optimizer(fresh.parameters())
+        message = _error_message(lambda: mesh3d.checkpoint.load(f"{root}/{name}", fresh, second))
+        return message, not second.state  # a refused load leaves the optimizer as it was
+
+    out["amsgrad"] = refused(lambda p: torch.optim.AdamW(p, amsgrad=True), torch.optim.AdamW, "amsgrad")
+    out["momentum"] = refused(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.1), "momentum")
+    out["foreach"] = refused(lambda p: torch.optim.AdamW(p, foreach=False), lambda p: torch.optim.AdamW(p, foreach=True), "foreach")
+    fresh, _, _ = build(layout, False, small=True)
+    kept = torch.optim.AdamW(fresh.parameters(), foreach=True)
+    mesh3d.checkpoint.load(f"{root}/foreach", fresh, kept)
+    out["foreach kept"] = kept.param_groups[0]["foreach"]
+    return out
+
+
+def test_optimizer_state_saved_before_the_first_step_and_mismatched_settings(tmp_path):
+    out = run_on_ranks(_optimizer_cases, 2, str(tmp_path), timeout=120)[0]
+    losses, reference_losses, (error, where) = out["step0"]
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, reference_losses)) <= TOLERANCE
+    assert error <= TOLERANCE, f"{error:.2e} at {where}"
+    message, untouched = out["amsgrad"]
+    assert "optimizer state tok_embeddings.weight.'max_exp_avg_sq' that this optimizer does not keep" in message
+    assert untouched
+    message, untouched = out["momentum"]
+    assert "optimizer state tok_embeddings.weight.'momentum_buffer' that this optimizer does not keep" in message
+    assert untouched
+    assert out["foreach"][0] == "no error" and out["foreach kept"] is True
 
 
 # -- the directory protocol on its own ------------------------------------------------------------
@@ -201,6 +269,15 @@ def test_latest_orders_by_step_and_ignores_partial_and_foreign_directories(tmp_p
     _fake_checkpoint(tmp_path / ".step2000.partial", 2000)
     (tmp_path / "notes").mkdir()
     assert mesh3d.checkpoint.latest(tmp_path) == str(tmp_path / "step1000")
+
+
+def test_keep_last_never_removes_the_checkpoint_just_written(tmp_path):
+    _fake_checkpoint(tmp_path / "step5", 5)
+    _fake_checkpoint(tmp_path / "step9", 9)
+    _fake_checkpoint(tmp_path / "branch", 7)  # written now, after a rollback to an older step
+    removed = directories.prune(tmp_path, 2, keep=tmp_path / "branch")
+    assert [p.name for p in removed] == ["step5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["branch", "step9"]
 
 
 def test_a_crash_between_the_two_renames_of_a_replacement_is_undone(tmp_path):

@@ -166,7 +166,7 @@ def test_exported_directory_loads_in_transformers_with_the_same_logits(round_tri
     assert "model.layers.3.self_attn.k_proj.weight" in names and len(names) == 4 * 9 + 2 + (not tied)
 
 
-def _import_errors(directories: dict, no_config_dir: str) -> dict:
+def _import_errors(directories: dict, no_config_dir: str, other_rope_dir: str, scratch: str) -> dict:
     layout = mesh3d.build_mesh()
     untied_export, tied_export = directories[False][1], directories[True][1]
     base = ModelArgs.from_hf_config(json.loads(open(f"{untied_export}/config.json").read()))
@@ -189,7 +189,20 @@ def _import_errors(directories: dict, no_config_dir: str) -> dict:
         "other vocab, no config": message(
             lambda: mesh3d.checkpoint.import_safetensors(parallel(base.with_(vocab_size=128)), no_config_dir)),
         "missing": message(lambda: mesh3d.checkpoint.import_safetensors(parallel(base), f"{untied_export}/nothing")),
+        "other rope": message(lambda: mesh3d.checkpoint.import_safetensors(parallel(base), other_rope_dir)),
     }
+    # Exporting again into the same directory leaves nothing of the earlier export to be mixed in.
+    model = parallel(base)
+    mesh3d.checkpoint.export_safetensors(model, scratch, max_shard_size=SHARD_BYTES)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    mesh3d.checkpoint.export_safetensors(model, scratch)
+    out["listing after re-export"] = sorted(__import__("os").listdir(scratch))
+    again = parallel(base)
+    mesh3d.checkpoint.import_safetensors(again, scratch)
+    out["re-export imports the new weights"] = all(
+        torch.equal(a, b) for a, b in zip(again.full_state_dict().values(), model.full_state_dict().values()))
     untied = parallel(base)
     mesh3d.checkpoint.import_safetensors(untied, tied_export)  # a tied checkpoint: the head is the embedding
     state = untied.full_state_dict()
@@ -204,10 +217,18 @@ def test_import_refuses_what_does_not_fit(round_trip, tmp_path):
     no_config = tmp_path / "no_config"
     shutil.copytree(directories[False][1], no_config)
     (no_config / "config.json").unlink()
-    out = run_on_ranks(_import_errors, 1, directories, str(no_config), timeout=120)[0]
+    other_rope = tmp_path / "other_rope"
+    shutil.copytree(directories[False][1], other_rope)
+    config = json.loads((other_rope / "config.json").read_text())
+    config["rope_theta"] = config["rope_parameters"]["rope_theta"] = 500000.0
+    (other_rope / "config.json").write_text(json.dumps(config))
+    out = run_on_ranks(_import_errors, 1, directories, str(no_config), str(other_rope), str(tmp_path / "again"), timeout=120)[0]
     assert "has an output head of its own (lm_head.weight, untied embeddings)" in out["untied into tied"]
     assert "holds a different model: num_hidden_layers is 4 there but 2 in this model" in out["fewer layers"]
     assert ("model.embed_tokens.weight has shape (96, 64)" in out["other vocab, no config"]
             and "tok_embeddings.weight is (128, 64)" in out["other vocab, no config"])
     assert "has neither model.safetensors nor model.safetensors.index.json" in out["missing"]
     assert out["tied into untied: head equals embedding"] is True
+    assert "rotary setting rope_theta is 500000.0 there but 10000.0 in this model" in out["other rope"]
+    assert out["listing after re-export"] == ["config.json", "model.safetensors"]
+    assert out["re-export imports the new weights"] is True

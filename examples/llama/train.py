@@ -79,8 +79,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
-    if args.checkpoint_every and not args.checkpoint_dir:
-        p.error("--checkpoint-every needs --checkpoint-dir")
+    if (args.checkpoint_every or args.keep_last is not None) and not args.checkpoint_dir:
+        p.error("--checkpoint-every and --keep-last need --checkpoint-dir")
+    if args.checkpoint_every < 0 or (args.keep_last is not None and args.keep_last < 1):
+        p.error("--checkpoint-every must be >= 0 and --keep-last >= 1")
     if args.init_from_hf and (args.n_layers is not None or args.tied is not None):
         p.error("--init-from-hf takes the model's shape from its config.json; drop --n-layers/--tied")
     return args
@@ -189,7 +191,7 @@ def main(argv=None) -> list[dict]:
     pm = parallelize(model, layout, args)
     optimizer = build_optimizer(pm, args)
     start_step, origin = 0, f"initialized with seed {args.seed}"
-    resume_from = mesh3d.checkpoint.latest(args.checkpoint_dir) if args.resume else None
+    resume_from = latest_checkpoint(args.checkpoint_dir) if args.resume else None
     if resume_from:
         # Weights, optimizer state, RNG and the data position; the layout may differ from the saver's.
         state = mesh3d.checkpoint.load(resume_from, pm, optimizer)
@@ -259,6 +261,14 @@ def main(argv=None) -> list[dict]:
             print(f"exported Hugging Face safetensors to {args.export_hf}", flush=True)
     torch.distributed.destroy_process_group()
     return history
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """Rank 0's `latest`, on every rank: ranks listing the directory themselves could disagree
+    while another job writes there, and load it different checkpoints."""
+    choice = [mesh3d.checkpoint.latest(root)]
+    torch.distributed.broadcast_object_list(choice, src=0)
+    return choice[0]
 
 
 def save_checkpoint(pm, optimizer, loader, step: int, args, is_main: bool) -> None:

@@ -43,7 +43,15 @@ def _fsync_dir(path: Path) -> None:
 
 
 def prepare(path: Path) -> Path:
-    """Rank 0, before a save: remove what crashed saves left in the root; an empty partial directory."""
+    """Rank 0, before a save: remove what crashed saves left in the root; an empty partial directory.
+
+    An existing `path` that is not a checkpoint (nor empty) is refused: publishing would replace it.
+    """
+    if path.exists() and not (path.is_dir() and (is_complete_contents(path) or not any(path.iterdir()))):
+        raise ValueError(
+            f"checkpoint.save: {path} exists and is not a mesh3d checkpoint; saving there would replace it: "
+            "choose another path (e.g. a step directory inside it)"
+        )
     root = path.parent
     root.mkdir(parents=True, exist_ok=True)
     for leftover in root.iterdir():
@@ -104,9 +112,11 @@ def latest(root: str | os.PathLike) -> str | None:
     return str(found[-1]) if found else None
 
 
-def prune(root: Path, keep_last: int) -> list[Path]:
-    """Remove all but the `keep_last` newest complete checkpoints under `root`; returns the removed."""
-    removed = complete_checkpoints(root)[:-keep_last]
+def prune(root: Path, keep_last: int, keep: Path) -> list[Path]:
+    """Keep `keep` (the checkpoint just written, whatever its step) and the keep_last - 1 newest other
+    complete checkpoints under `root`; remove the rest and return them."""
+    others = [p for p in complete_checkpoints(root) if p.resolve() != keep.resolve()]
+    removed = others[: max(0, len(others) - (keep_last - 1))]
     for old in removed:
         # Rename first so a crash mid-removal never leaves a complete-looking half checkpoint.
         doomed = old.parent / f".{old.name}.pruned"

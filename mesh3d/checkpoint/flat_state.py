@@ -39,6 +39,11 @@ def stored_names(pm: ParallelModel) -> dict[str, str]:
     return {name: canonical.get(name, name) for name in pm.state_specs}
 
 
+# Group settings that choose how an optimizer computes, not what: the loading optimizer keeps its own
+# (a checkpoint written with fused=True on a GPU must load into a CPU run).
+IMPLEMENTATION_FLAGS = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
 @dataclass
 class FlatState:
     """This rank's flat state (see the module docstring) and what loading must fill in afterwards."""
@@ -50,6 +55,10 @@ class FlatState:
     group_keys: list[tuple[dict, dict[str, str]]] = field(default_factory=list)
     # optim.state key -> (the parameter's optimizer state dict, its entry name).
     optimizer_slots: dict[str, tuple[dict, str]] = field(default_factory=dict)
+    # Stored name of every parameter the optimizer holds -> its state's entry names (empty: no state yet).
+    optimizer_entries: dict[str, set[str]] = field(default_factory=dict)
+    # Stored name -> the local parameters under it (two for local copies of a tied weight).
+    optimizer_params: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
 
 def _named_optimizer_params(pm: ParallelModel, optimizer: torch.optim.Optimizer) -> dict[int, str]:
@@ -94,6 +103,8 @@ def flat_state(pm: ParallelModel, optimizer: torch.optim.Optimizer | None) -> Fl
             for k, v in hyper.items():
                 out.entries.setdefault(f"{OPTIM_GROUPS}{name}.{k}", v)
                 keys.setdefault(k, f"{OPTIM_GROUPS}{name}.{k}")
+            out.optimizer_params.setdefault(name, []).append(param)
+            out.optimizer_entries.setdefault(name, set())
             state = optimizer.state.get(param)
             if not state:
                 continue
@@ -101,6 +112,7 @@ def flat_state(pm: ParallelModel, optimizer: torch.optim.Optimizer | None) -> Fl
                 out.tied_optimizer_copies.append((state, stored_state[name]))
                 continue
             stored_state[name] = state
+            out.optimizer_entries[name] = set(state)
             for k, v in state.items():
                 key = f"{OPTIM_STATE}{name}.{k}"
                 out.entries[key] = v.detach() if isinstance(v, torch.Tensor) else v
@@ -109,16 +121,25 @@ def flat_state(pm: ParallelModel, optimizer: torch.optim.Optimizer | None) -> Fl
     return out
 
 
-def init_optimizer_state(pm: ParallelModel, optimizer: torch.optim.Optimizer) -> None:
-    """Give every trainable parameter its optimizer state, so that loading has tensors to fill.
+def saved_optimizer_entries(metadata: Metadata, name: str) -> set[str]:
+    """The optimizer state entries the checkpoint holds for parameter `name`."""
+    # Entry names hold no dot, so a longer parameter name that starts with this one does not count.
+    prefix = f"{OPTIM_STATE}{name}."
+    return {k[len(prefix):] for k in metadata.state_dict_metadata if k.startswith(prefix) and "." not in k[len(prefix):]}
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Give every trainable parameter its optimizer state, so that loading has tensors to fill;
+    returns the parameters that got new state (`drop_state` takes it back).
 
     A step with zero gradients and lr 0 creates the state (torch optimizers create it lazily);
     the parameters' values do not matter, loading overwrites them afterwards. Gradients the
     caller had are put back.
     """
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    if all(optimizer.state.get(p) for p in params):
-        return
+    created = [p for p in params if not optimizer.state.get(p)]
+    if not created:
+        return []
     saved_grads = [p.grad for p in params]
     saved_lrs = [g.get("lr") for g in optimizer.param_groups]
     try:
@@ -134,9 +155,28 @@ def init_optimizer_state(pm: ParallelModel, optimizer: torch.optim.Optimizer) ->
         for g, lr in zip(optimizer.param_groups, saved_lrs):
             if lr is not None:
                 g["lr"] = lr
+    return created
 
 
-def check_against_checkpoint(pm: ParallelModel, state: FlatState, metadata: Metadata, path: str) -> str | None:
+def drop_state(optimizer: torch.optim.Optimizer, params) -> None:
+    for param in params:
+        optimizer.state.pop(param, None)
+
+
+def unsaved_optimizer_params(state: FlatState, metadata: Metadata) -> list[torch.Tensor]:
+    """Parameters the checkpoint holds no optimizer state for (saved before their first step, or
+    frozen then): they start with fresh state, as in the run that saved."""
+    return [
+        param
+        for name, params in state.optimizer_params.items()
+        if not saved_optimizer_entries(metadata, name)
+        for param in params
+    ]
+
+
+def check_against_checkpoint(
+    pm: ParallelModel, state: FlatState, metadata: Metadata, path: str, saved_optimizer: str | None, optimizer_type: str | None
+) -> str | None:
     """What makes this checkpoint unfit for this model (or None): the first mismatching parameter.
 
     The model check looks at every name of the whole model (the same answer on every rank); the
@@ -167,9 +207,13 @@ def check_against_checkpoint(pm: ParallelModel, state: FlatState, metadata: Meta
             f"first {extra[0]!r}; it was saved from a different model (another depth, tied vs untied embeddings)"
         )
     has_optimizer = any(k.startswith(OPTIM_STATE) or k.startswith(OPTIM_GROUPS) for k in saved)
-    asks_optimizer = any(k.startswith(OPTIM_STATE) for k in state.entries)
-    if asks_optimizer and not has_optimizer:
+    if optimizer_type is not None and not has_optimizer:
         return f"checkpoint {path} holds no optimizer state (it was saved without an optimizer); pass optimizer=None to load"
+    if optimizer_type is not None and saved_optimizer not in (None, optimizer_type):
+        return (
+            f"checkpoint {path} holds {saved_optimizer} optimizer state, not {optimizer_type}; build a {saved_optimizer} "
+            "(with the settings it was saved with), or pass optimizer=None to load the model only"
+        )
     for key, value in state.entries.items():
         if not key.startswith(OPTIM_STATE):
             continue
@@ -183,6 +227,15 @@ def check_against_checkpoint(pm: ParallelModel, state: FlatState, metadata: Meta
             not isinstance(meta, TensorStorageMetadata) or tuple(meta.size) != tuple(value.shape)
         ):
             return f"checkpoint {path}: optimizer state {key[len(OPTIM_STATE):]!r} does not match this optimizer's"
+    for name, entries in state.optimizer_entries.items():
+        saved_entries = saved_optimizer_entries(metadata, name)
+        if saved_entries - entries:
+            extra_entry = sorted(saved_entries - entries)[0]
+            return (
+                f"checkpoint {path} has optimizer state {name}.{extra_entry!r} that this optimizer does not keep: it was "
+                "saved with other optimizer settings (e.g. amsgrad=True, momentum); build the optimizer the checkpoint "
+                "was saved with"
+            )
     return None
 
 
@@ -199,7 +252,7 @@ def apply_loaded(state: FlatState, loaded: dict[str, object]) -> None:
     tied weight."""
     for group, keys in state.group_keys:
         for hyper, key in keys.items():
-            if key in loaded:
+            if key in loaded and hyper not in IMPLEMENTATION_FLAGS:
                 group[hyper] = loaded[key]
     for key, (param_state, name) in state.optimizer_slots.items():
         if not isinstance(param_state[name], torch.Tensor):

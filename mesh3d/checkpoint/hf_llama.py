@@ -33,7 +33,7 @@ _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 EMBEDDING = "tok_embeddings.weight"
 OUTPUT = "output.weight"
 
-# Config fields that decide tensor shapes or the computation; they must match to load weights.
+# Config fields that decide tensor shapes; they must match to load weights.
 STRUCTURAL_FIELDS = (
     "hidden_size",
     "intermediate_size",
@@ -79,10 +79,36 @@ def _effective(config: dict, key: str):
     return config.get(key)
 
 
+def rope(config: dict) -> dict:
+    """A config's rotary settings in one form, whether written by transformers 4 (rope_theta,
+    rope_scaling) or 5 (rope_parameters)."""
+    legacy = dict(config.get("rope_scaling") or {})
+    fields = {**legacy, **dict(config.get("rope_parameters") or {})}
+    fields.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    fields["rope_type"] = fields.get("rope_type") or fields.pop("type", None) or "default"
+    fields.pop("type", None)
+    return fields
+
+
+def _differs(a, b) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return abs(a - b) > 1e-9 * max(abs(a), abs(b))
+    return a != b
+
+
 def config_mismatch(ours: dict, theirs: dict) -> str | None:
-    """The first structural field on which two Llama configs disagree, described; None if none."""
+    """The first field on which two Llama configs disagree that changes the shapes or the
+    computation (shapes, rotary settings, norm epsilon, activation), described; None if none."""
     for key in STRUCTURAL_FIELDS:
         a, b = _effective(ours, key), _effective(theirs, key)
         if a != b:
             return f"{key} is {b!r} there but {a!r} in this model"
+    for key in ("rms_norm_eps", "hidden_act"):
+        a, b = ours.get(key), theirs.get(key)
+        if a is not None and b is not None and _differs(a, b):
+            return f"{key} is {b!r} there but {a!r} in this model"
+    a, b = rope(ours), rope(theirs)
+    for key in sorted(set(a) | set(b)):
+        if _differs(a.get(key), b.get(key)):
+            return f"rotary setting {key} is {b.get(key)!r} there but {a.get(key)!r} in this model"
     return None

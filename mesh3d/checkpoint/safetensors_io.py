@@ -129,7 +129,7 @@ def export_safetensors(
     config["dtype"] = config["torch_dtype"]
 
     local = pm.local_state_dict()
-    error = attempt(lambda: out_dir.mkdir(parents=True, exist_ok=True)) if layout.rank == 0 else None
+    error = attempt(lambda: _prepare_out_dir(out_dir)) if layout.rank == 0 else None
     agree(layout, error)
     with _quiet_strided_gather():
         for file, names in zip(files, shards):
@@ -144,6 +144,14 @@ def export_safetensors(
         error = attempt(lambda: _write_index_and_config(out_dir, files, shards, hf_names, sizes, config))
     agree(layout, error)
     return str(out_dir)
+
+
+def _prepare_out_dir(out_dir: Path) -> None:
+    """Create out_dir; remove the weights of an earlier export there, which a reader would mix in
+    (a stale index naming files this export does not write, or a stale single file beside an index)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in [*out_dir.glob("model*.safetensors"), *out_dir.glob("model*.safetensors.tmp"), out_dir / INDEX_FILE]:
+        old.unlink(missing_ok=True)
 
 
 def _gather_to_rank0(pm: ParallelModel, name: str, local: dict[str, torch.Tensor]) -> torch.Tensor | None:

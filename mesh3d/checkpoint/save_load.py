@@ -27,9 +27,11 @@ from mesh3d.checkpoint.agree import agree, attempt
 from mesh3d.checkpoint.flat_state import (
     apply_loaded,
     check_against_checkpoint,
+    drop_state,
     flat_state,
     init_optimizer_state,
     targets,
+    unsaved_optimizer_params,
 )
 from mesh3d.checkpoint.train_state import (
     FORMAT,
@@ -62,46 +64,55 @@ def save(
 
     Args:
         path: the checkpoint directory, e.g. "ckpt/step100". It appears only once complete; an
-            existing checkpoint of that name is replaced.
+            existing checkpoint of that name is replaced (any other existing directory is refused).
         pm: the ParallelModel; every rank writes only its own shards.
         optimizer: saved keyed by parameter names (loadable under any other layout), or None.
         step: the training step, returned by `load` and used by `latest` to order checkpoints;
-            default: the number `path`'s name ends with ("ckpt/step100" -> 100), else 0.
+            default: the number `path`'s name ends with ("ckpt/step100" -> 100).
         data_state: the data loader's position (e.g. `DistributedLoader.state_dict()`), JSON;
             the same on every rank.
         extra: anything else JSON-serializable (an LR scheduler's state_dict, ...), rank 0's is saved.
-        keep_last: afterwards keep only this many newest checkpoints in `path`'s parent directory.
+        keep_last: afterwards keep `path` and the keep_last - 1 newest (by step) other checkpoints
+            in `path`'s parent directory, removing the rest.
         writer_threads: files each rank writes in parallel (DCP's FileSystemWriter thread_count).
 
-    Returns the path. Raises ValueError on every rank for a bad argument or a failed write.
+    Returns the path. Raises ValueError on every rank for a bad argument (on any rank) and for a
+    failed preparation or publication; a failed shard write raises DCP's CheckpointException on
+    every rank. Either way the previous checkpoints are untouched.
     """
     path = Path(path)
     layout = pm.layout
-    if step is None:
-        digits = re.search(r"(\d+)$", path.name)
-        step = int(digits.group(1)) if digits else 0
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"checkpoint.save: step must be a non-negative int, got {step!r}")
-    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-        raise ValueError(f"checkpoint.save: keep_last must be None or an int >= 1, got {keep_last!r}")
-    if isinstance(writer_threads, bool) or not isinstance(writer_threads, int) or writer_threads < 1:
-        raise ValueError(f"checkpoint.save: writer_threads must be an int >= 1, got {writer_threads!r}")
-    data_json, _ = check_json(data_state, "data_state"), check_json(extra, "extra")
-    everyone = [(str(path), step, data_json)]
+    # Every check first, on every rank; one all-gather then shows each rank what all found, so a
+    # problem on any rank is raised on all of them before anything is written.
+    state = data_json = error = None
+    try:
+        step = _resolve_step(path, step)
+        _check_count("keep_last", keep_last, allow_none=True)
+        _check_count("writer_threads", writer_threads)
+        data_json = check_json(data_state, "data_state")
+        if layout.rank == 0:
+            check_json(extra, "extra")  # rank 0's is the one saved
+        state = flat_state(pm, optimizer)
+    except ValueError as problem:
+        error = str(problem)
+    mine = (str(path), step, data_json, error)
+    everyone = [mine]
     if layout.world_size > 1:
         everyone = [None] * layout.world_size
-        dist.all_gather_object(everyone, (str(path), step, data_json))
-    if any(entry != everyone[0] for entry in everyone):
+        dist.all_gather_object(everyone, mine)
+    for rank, (*_, problem) in enumerate(everyone):
+        if problem:
+            raise ValueError(problem if rank == layout.rank else f"{problem} (found on rank {rank})")
+    if any(entry[:3] != everyone[0][:3] for entry in everyone):
         raise ValueError(
             "checkpoint.save: ranks passed different path, step or data_state "
-            f"(rank 0: {everyone[0]}, this rank: {everyone[layout.rank]}); the data state is the global sample "
+            f"(rank 0: {everyone[0][:3]}, this rank: {everyone[layout.rank][:3]}); the data state is the global sample "
             "position, the same on every rank: pass the same values everywhere"
         )
 
     partial = directories.partial_path(path)
     agree(layout, attempt(lambda: directories.prepare(path)) if layout.rank == 0 else None)
     agree(layout, attempt(lambda: _write_rng(partial, layout)))
-    state = flat_state(pm, optimizer)
     dcp.save(
         state.entries,
         storage_writer=FileSystemWriter(partial, thread_count=writer_threads),
@@ -118,6 +129,7 @@ def save(
             "data_state": data_state,
             "extra": extra,
             "has_optimizer": optimizer is not None,
+            "optimizer": type(optimizer).__name__ if optimizer is not None else None,
             "layout": {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp, "world_size": layout.world_size},
             "schedule": pm.schedule.name,
             "virtual_stages": pm.schedule.virtual_stages,
@@ -131,6 +143,27 @@ def save(
     return str(path)
 
 
+def _resolve_step(path: Path, step: int | None) -> int:
+    if step is None:
+        digits = re.search(r"(\d+)$", path.name)
+        if digits is None:
+            raise ValueError(
+                f"checkpoint.save: pass step= (the name {path.name!r} ends in no step number to take it from); "
+                "latest() and keep_last order checkpoints by step"
+            )
+        step = int(digits.group(1))
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"checkpoint.save: step must be a non-negative int, got {step!r}")
+    return step
+
+
+def _check_count(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"checkpoint.save: {name} must be {'None or ' if allow_none else ''}an int >= 1, got {value!r}")
+
+
 def _write_rng(partial: Path, layout: Layout) -> None:
     file = rng_file(partial, layout.rank)
     file.parent.mkdir(exist_ok=True)
@@ -141,7 +174,7 @@ def _finish(partial: Path, path: Path, train_state: dict, keep_last: int | None)
     write_json(partial / TRAIN_STATE_FILE, train_state)
     directories.publish(partial, path)
     if keep_last is not None:
-        directories.prune(path.parent, keep_last)
+        directories.prune(path.parent, keep_last, keep=path)
 
 
 def load(
@@ -156,17 +189,40 @@ def load(
     rank 0's). Returns {"step", "data_state", "extra"} as saved; pass data_state to the loader's
     load_state_dict to resume at the exact next global sample, whatever the new dp degree.
 
+    The optimizer must be of the class and state-shaping settings it was saved with (amsgrad,
+    momentum); its hyperparameters (lr, betas, weight decay, ...) are taken from the checkpoint,
+    while foreach/fused/capturable/differentiable stay as the given optimizer has them. A
+    parameter the checkpoint holds no optimizer state for (saved before its first step) starts
+    with none, as it would have in the saving run.
+
     Raises ValueError on every rank, before reading any tensor, when the checkpoint does not fit
-    the model (naming the first mismatching parameter) or the optimizer.
+    the model (naming the first mismatching parameter) or the optimizer; the model and optimizer
+    are then as they were.
     """
     path = Path(path)
     layout = pm.layout
     train_state = read_train_state(path)
     metadata = FileSystemReader(path).read_metadata()
-    if optimizer is not None:
-        init_optimizer_state(pm, optimizer)
-    state = flat_state(pm, optimizer)
-    agree(layout, check_against_checkpoint(pm, state, metadata, str(path)))
+    created, state, error = [], None, None
+    try:
+        if optimizer is not None:
+            created = init_optimizer_state(optimizer)
+        state = flat_state(pm, optimizer)
+        unsaved = unsaved_optimizer_params(state, metadata)
+        if unsaved:  # saved before their first step: they start afresh, as they would have there
+            drop_state(optimizer, unsaved)
+            state = flat_state(pm, optimizer)
+        error = check_against_checkpoint(
+            pm, state, metadata, str(path), train_state.get("optimizer"), type(optimizer).__name__ if optimizer else None
+        )
+    except ValueError as problem:
+        error = str(problem)
+    try:
+        agree(layout, error)
+    except ValueError:
+        if optimizer is not None:
+            drop_state(optimizer, created)  # a refused load leaves the optimizer as it was given
+        raise
 
     to_load = targets(state, metadata)
     dcp.load(
