@@ -87,3 +87,32 @@ def test_hugging_face_import_and_bf16_export_on_gpu(tmp_path):
     with torch.no_grad():
         bf16 = reloaded.float()(tokens).logits.numpy()
     assert np.linalg.norm(bf16 - want) / np.linalg.norm(want) <= 2e-2  # bf16 rounding of the weights
+
+
+def _save_with_fused_adamw_on_gpu(root: str):
+    layout = mesh3d.build_mesh(device="cuda")
+    pm, _, loader = build(layout, True)
+    optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-4, fused=True)
+    train(pm, optimizer, loader, 2)
+    mesh3d.checkpoint.save(f"{root}/gpu", pm, optimizer, step=2, data_state=loader.state_dict())
+    losses = train(pm, optimizer, loader, 2)
+    return losses, full_state(pm)
+
+
+def _resume_on_cpu(root: str):
+    layout = mesh3d.build_mesh(device="cpu")
+    pm, _, loader = build(layout, True, init_seed=1)
+    optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+    state = mesh3d.checkpoint.load(f"{root}/gpu", pm, optimizer)
+    loader.load_state_dict(state["data_state"])
+    fused = optimizer.param_groups[0]["fused"]
+    return train(pm, optimizer, loader, 2), full_state(pm), fused
+
+
+def test_a_gpu_checkpoint_of_a_fused_optimizer_resumes_on_cpu(tmp_path):
+    losses, want = run_on_ranks(_save_with_fused_adamw_on_gpu, 1, str(tmp_path), timeout=300)[0]
+    resumed, got, fused = run_on_ranks(_resume_on_cpu, 1, str(tmp_path), timeout=300)[0]
+    assert not fused  # the implementation flag stays the CPU optimizer's
+    assert max(abs(a - b) / abs(b) for a, b in zip(resumed, losses)) <= 1e-4  # GPU vs CPU kernels
+    error, where = worst_relative_error(got, want)
+    assert error <= 1e-4, f"{error:.2e} at {where}"
