@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -28,7 +29,7 @@ from checkpoint_cases import build, full_state, train, worst_relative_error
 from examples.llama.model import Transformer, loss_fn
 from mesh3d.checkpoint import directories
 from multiprocess import RankFailure, run_on_ranks
-from pipeline_cases import TOLERANCE, meta_model, tiny_args
+from pipeline_cases import TOLERANCE, tiny_args
 
 # -- a save killed midway ------------------------------------------------------------------------
 
@@ -144,7 +145,7 @@ def _behaviour(root: str) -> dict:
         "tied": _model(True),
     }.items():
         other = mesh3d.parallelize(model, layout, loss_fn=loss_fn)
-        errors[label] = _error_message(lambda: mesh3d.checkpoint.load(f"{root}/step3", other))
+        errors[label] = _error_message(functools.partial(mesh3d.checkpoint.load, f"{root}/step3", other))
     sgd = torch.optim.SGD(pm.parameters(), lr=0.1, momentum=0.9)
     errors["sgd"] = _error_message(lambda: mesh3d.checkpoint.load(f"{root}/step3", pm, sgd))
     errors["no optimizer saved"] = _error_message(lambda: mesh3d.checkpoint.load(f"{root}/model_only", pm, optimizer))

@@ -13,7 +13,6 @@ import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 from test_torchrun import ROOT, TIMEOUT_S, _assert_close, _check, _env, _losses
 

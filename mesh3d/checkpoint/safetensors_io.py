@@ -10,6 +10,7 @@ without reading the rest of the file).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -139,7 +140,7 @@ def export_safetensors(
                 if full is not None:
                     tensors[hf_names[name]] = full.to(out_dtype[name]).contiguous()
             if layout.rank == 0:
-                error = error or attempt(lambda: _write_file(out_dir / file, tensors))
+                error = error or attempt(functools.partial(_write_file, out_dir / file, tensors))
     if layout.rank == 0 and not error:
         error = attempt(lambda: _write_index_and_config(out_dir, files, shards, hf_names, sizes, config))
     agree(layout, error)
