@@ -18,11 +18,9 @@ chunk offered by several ranks once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from mesh3d.parallel_model import ParallelModel
@@ -64,7 +62,7 @@ class FlatState:
 def _named_optimizer_params(pm: ParallelModel, optimizer: torch.optim.Optimizer) -> dict[int, str]:
     """id(param) -> stored name for every parameter the optimizer holds; an error for a stranger."""
     names = stored_names(pm)
-    by_id = {id(p): names[n] for n, p in _all_named_parameters(pm)}
+    by_id = {id(p): names[n] for n, p in pm.named_parameters()}
     for group in optimizer.param_groups:
         for param in group["params"]:
             if id(param) not in by_id:
@@ -73,16 +71,6 @@ def _named_optimizer_params(pm: ParallelModel, optimizer: torch.optim.Optimizer)
                     "parameters; build the optimizer over pm.parameters() (after parallelize)"
                 )
     return by_id
-
-
-def _all_named_parameters(pm: ParallelModel) -> Iterator[tuple[str, nn.Parameter]]:
-    """Every local parameter under every name (local copies of a tied weight each under their own)."""
-    seen: set[int] = set()
-    for index in sorted(pm.stages):
-        for name, param in pm.stages[index].named_parameters(remove_duplicate=False):
-            if id(param) not in seen:
-                seen.add(id(param))
-                yield name, param
 
 
 def flat_state(pm: ParallelModel, optimizer: torch.optim.Optimizer | None) -> FlatState:
@@ -121,11 +109,15 @@ def flat_state(pm: ParallelModel, optimizer: torch.optim.Optimizer | None) -> Fl
     return out
 
 
-def saved_optimizer_entries(metadata: Metadata, name: str) -> set[str]:
-    """The optimizer state entries the checkpoint holds for parameter `name`."""
-    # Entry names hold no dot, so a longer parameter name that starts with this one does not count.
-    prefix = f"{OPTIM_STATE}{name}."
-    return {k[len(prefix):] for k in metadata.state_dict_metadata if k.startswith(prefix) and "." not in k[len(prefix):]}
+def saved_optimizer_entries(metadata: Metadata) -> dict[str, set[str]]:
+    """Parameter name -> the optimizer state entries the checkpoint holds for it."""
+    entries: dict[str, set[str]] = {}
+    for key in metadata.state_dict_metadata:
+        if key.startswith(OPTIM_STATE):
+            # Entry names (exp_avg, step, ...) hold no dot: the last one separates them from the name.
+            name, _, entry = key[len(OPTIM_STATE):].rpartition(".")
+            entries.setdefault(name, set()).add(entry)
+    return entries
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -166,12 +158,8 @@ def drop_state(optimizer: torch.optim.Optimizer, params) -> None:
 def unsaved_optimizer_params(state: FlatState, metadata: Metadata) -> list[torch.Tensor]:
     """Parameters the checkpoint holds no optimizer state for (saved before their first step, or
     frozen then): they start with fresh state, as in the run that saved."""
-    return [
-        param
-        for name, params in state.optimizer_params.items()
-        if not saved_optimizer_entries(metadata, name)
-        for param in params
-    ]
+    saved = saved_optimizer_entries(metadata)
+    return [param for name, params in state.optimizer_params.items() if name not in saved for param in params]
 
 
 def check_against_checkpoint(
@@ -227,8 +215,9 @@ def check_against_checkpoint(
             not isinstance(meta, TensorStorageMetadata) or tuple(meta.size) != tuple(value.shape)
         ):
             return f"checkpoint {path}: optimizer state {key[len(OPTIM_STATE):]!r} does not match this optimizer's"
+    saved_entries_of = saved_optimizer_entries(metadata)
     for name, entries in state.optimizer_entries.items():
-        saved_entries = saved_optimizer_entries(metadata, name)
+        saved_entries = saved_entries_of.get(name, set())
         if saved_entries - entries:
             extra_entry = sorted(saved_entries - entries)[0]
             return (
