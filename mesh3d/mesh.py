@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from mesh3d.agree import check_same_everywhere
+
 MESH_DIM_NAMES = ("pp", "dp", "tp")
 _BACKEND_FOR_DEVICE = {"cuda": "nccl", "cpu": "gloo"}
 
@@ -61,6 +63,15 @@ class Layout:
     def group_ranks(self, dim: str) -> list[int]:
         """Global ranks of this rank's group along one mesh dim, in mesh order."""
         return dist.get_process_group_ranks(self.group(dim))
+
+    def rank_at(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        """The global rank at mesh coordinates (pp_rank, dp_rank, tp_rank)."""
+        return int(self.mesh.mesh[pp_rank, dp_rank, tp_rank])
+
+    def coordinate_of(self, rank: int) -> tuple[int, int, int]:
+        """The mesh coordinates (pp_rank, dp_rank, tp_rank) of global rank `rank`."""
+        pp_rank, dp_rank, tp_rank = (int(i) for i in (self.mesh.mesh == rank).nonzero()[0])
+        return pp_rank, dp_rank, tp_rank
 
     def axis_groups(self, dim: str) -> list[list[int]]:
         """Every group of the mesh along `dim`, as lists of global ranks (one per other coordinate)."""
@@ -164,17 +175,9 @@ def _init_default_group(backend: str, device: torch.device, timeout: timedelta |
         )
 
 
-def _check_same_sizes_everywhere(sizes: tuple[int, int, int], device: torch.device) -> None:
-    """Ranks that asked for different layouts would build misaligned groups and hang later."""
-    world_size = dist.get_world_size()
-    if world_size == 1:
-        return
-    gathered = [torch.empty(3, dtype=torch.int64, device=device) for _ in range(world_size)]
-    dist.all_gather(gathered, torch.tensor(sizes, dtype=torch.int64, device=device))
-    everyone = [tuple(t.tolist()) for t in gathered]
-    if any(s != everyone[0] for s in everyone):
-        listing = ", ".join(f"rank {r}: pp={p} dp={d} tp={t}" for r, (p, d, t) in enumerate(everyone))
-        raise ValueError(f"build_mesh: ranks asked for different layouts ({listing}); pass the same sizes on every rank")
+def _describe_layouts(everyone: list[tuple[int, int, int]]) -> str:
+    listing = ", ".join(f"rank {r}: pp={p} dp={d} tp={t}" for r, (p, d, t) in enumerate(everyone))
+    return f"build_mesh: ranks asked for different layouts ({listing}); pass the same sizes on every rank"
 
 
 def build_mesh(
@@ -223,6 +226,7 @@ def build_mesh(
                 f"{backend!r} (for device {device}); pass device=/backend= that match the existing group"
             )
         backend = existing
-    _check_same_sizes_everywhere((pp, dp, tp), device)
+    # Ranks that asked for different layouts would build misaligned groups and hang later.
+    check_same_everywhere((pp, dp, tp), _describe_layouts)
     mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIM_NAMES)
     return Layout(mesh, device, backend)

@@ -1,57 +1,45 @@
 """parallelize(): the whole model in, this rank's part of it out, wired into a pipeline schedule.
 
-Order of work, the same on every rank:
-1. check every argument (pure arithmetic on sizes and the meta model: each rank raises the same
-   error before any collective);
-2. one small all-gather that every rank asked for the same configuration;
-3. split: stages on the meta device for all stages (to learn boundary shapes and who owns
-   which name; they carry the tp plan too, so the shapes are local ones), real stages for this
-   rank's own;
-4. materialization, initialization, tied copies made equal along pp, replicas along tp and dp;
-5. tensor parallelism per stage (then ties re-made: parallelize_module replaces parameters);
-6. data parallelism per stage (FSDP2 or DDP over dp), after giving each local stage its own copy
-   of a tied weight (each stage is its own FSDP/DDP root);
-7. the pipeline runtime, with the once-per-step gradient sync as its backward hook.
+A short composition of named steps, the same on every rank, each a small function in the room of
+its axis (torchtitan's parallelize_llama has the same shape):
+
+1. check every argument (pipeline/config.py, tensor/plan.py, data_parallel/wrap.py): pure
+   arithmetic on sizes and the meta model, so each rank raises the same error before any
+   collective; then one small all-gather that every rank asked for the same configuration;
+2. split (pipeline/split.py): every stage on meta (boundary shapes, the state map's owners),
+   this rank's stages for real; tied weights shared across this rank's stages;
+3. initialize (initialize.py): materialize, init, tied copies equal along pp, replicas equal
+   along tp and dp;
+4. tensor parallelism per stage (tensor/apply.py), on the meta stages too, so boundary shapes are
+   the local shards' shapes;
+5. data parallelism per stage (data_parallel/), each stage its own FSDP/DDP root;
+6. the pipeline runtime (pipeline/runtime.py), with the once-per-step gradient sync as its hook.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from mesh3d.data.parallel import (
-    GradientSync,
-    apply_data_parallel,
-    check_data_parallel_config,
-    make_replicas_identical,
-)
+from mesh3d.agree import check_same_everywhere
+from mesh3d.data_parallel import DataParallelConfig, apply_data_parallel
+from mesh3d.initialize import initialize, make_replicas_identical, to_device
+from mesh3d.loss import cross_entropy_loss
 from mesh3d.mesh import Layout, build_mesh
 from mesh3d.parallel_model import ParallelModel
+from mesh3d.pipeline.config import PipelineConfig
 from mesh3d.pipeline.lower import lower
-from mesh3d.pipeline.runtime import ACTIVATION_CHECKPOINT_MODES, PipelineRuntime
-from mesh3d.pipeline.schedules import SCHEDULES, build_schedule, check_schedule_config
-from mesh3d.pipeline.split import (
-    assign_layers,
-    build_stage,
-    find_layers,
-    layer_parameter_counts,
-    meta_copy,
-)
-from mesh3d.pipeline.tied import TiedWeights, find_ties, get_parameter
-from mesh3d.tensor import apply_tensor_parallel, check_plan, loss_context, model_plan, uses_sequence_parallel
+from mesh3d.pipeline.p2p import PipelinePeers
+from mesh3d.pipeline.runtime import PipelineRuntime
+from mesh3d.pipeline.split import Split, find_layers, split_model
+from mesh3d.pipeline.tied import TiedWeights, find_ties
+from mesh3d.state import StateMap
+from mesh3d.tensor import TensorParallelConfig, apply_tensor_parallel, loss_context
 
-STAGE_BALANCE = ("layers", "params")
-
-
-def cross_entropy_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Default loss: mean cross-entropy over every position, logits (..., vocab) in fp32."""
-    return F.cross_entropy(output.flatten(0, -2).float(), target.flatten())
+__all__ = ["parallelize"]
 
 
 def parallelize(
@@ -103,97 +91,41 @@ def parallelize(
             loss_parallel(); the tp plan must leave the output head's result a DTensor sharded on
             its last dim. Unused when tp == 1.
     """
-    layers = find_layers(model)
+    find_layers(model)  # the model protocol, before any collective
     layout = _resolve_layout(layout, pp, dp, tp)
-    check_data_parallel_config(dp_mode, reshard_after_forward)
-    if reshard_after_forward is None:
-        reshard_after_forward = layout.pp == 1
-    plan = check_plan(model, model_plan(model, tp_plan), layout.tp) if layout.tp > 1 else {}
-    loss_parallel = loss_parallel and layout.tp > 1
-    if microbatches is None:
-        microbatches = layout.pp
-    if virtual_stages is None:
-        multi = schedule in SCHEDULES and SCHEDULES[schedule].multi_stage
-        virtual_stages = 2 if multi and len(layers) >= 2 * layout.pp else 1
-    check_schedule_config(schedule, layout.pp, microbatches, virtual_stages)
-    if activation_checkpoint not in ACTIVATION_CHECKPOINT_MODES:
-        raise ValueError(f"activation_checkpoint={activation_checkpoint!r}; choose one of {list(ACTIVATION_CHECKPOINT_MODES)}")
-    if stage_balance not in STAGE_BALANCE:
-        raise ValueError(f"stage_balance={stage_balance!r}; choose one of {list(STAGE_BALANCE)}")
-    n_stages = layout.pp * virtual_stages
-    if stage_balance == "params":
-        per_layer, first, last = layer_parameter_counts(model)
-        ranges = assign_layers(len(layers), n_stages, layer_costs=per_layer, first_cost=first, last_cost=last, layers_per_stage=layers_per_stage)
-    else:
-        ranges = assign_layers(len(layers), n_stages, first_cost=end_weight, last_cost=end_weight, layers_per_stage=layers_per_stage)
-    steps = build_schedule(schedule, layout.pp, microbatches, virtual_stages)
-    lowered = lower(steps)
-
-    # Split. Meta copies of every stage tell each rank the boundary shapes and who owns what.
-    materialize = _on_meta(model)
-    meta_model = model if materialize else meta_copy(model)
-    meta_stages = [build_stage(meta_model, s, n_stages, ranges[s]) for s in range(n_stages)]
-    plan_summary = sorted((pattern, _describe(style)) for pattern, style in plan.items())
-    _check_same_config_everywhere(
-        layout,
-        f"{schedule} m={microbatches} v={virtual_stages} ac={activation_checkpoint} stages={ranges} "
-        f"dp_mode={dp_mode} reshard={reshard_after_forward} plan={plan_summary} loss_parallel={loss_parallel}",
+    data = DataParallelConfig.resolve(dp_mode, reshard_after_forward, layout.pp)
+    tensor = TensorParallelConfig.resolve(model, layout.tp, tp_plan, loss_parallel)
+    pipe = PipelineConfig.resolve(
+        model, layout.pp, schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
+        activation_checkpoint=activation_checkpoint, layers_per_stage=layers_per_stage,
+        stage_balance=stage_balance, end_weight=end_weight,
     )
-    state_owner, state_specs = {}, {}
-    for s, stage in enumerate(meta_stages):
-        for name, tensor in stage.state_dict(keep_vars=True).items():
-            if name not in state_owner:
-                state_owner[name], state_specs[name] = s, (tensor.shape, tensor.dtype)
-    ordered = [k for k in meta_model.state_dict(keep_vars=True) if k in state_owner]
-    state_owner = {k: state_owner[k] for k in ordered}
+    lowered = lower(pipe.schedule)
+    _check_same_config_everywhere(f"{pipe} {data} {tensor}")
+
+    split = split_model(model, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank))
+    stages = to_device(split.stages, layout.device, materialize=split.from_meta)
     ties = find_ties(model)
-    if plan:
-        for stage in meta_stages:  # the same plan on meta: boundary shapes become local shapes
-            apply_tensor_parallel(stage, plan, layout.mesh["tp"])
-        _check_ties_sharded_alike(ties, meta_stages)
-    stages = {}
-    for s in steps.local_stages(layout.pp_rank):
-        stage = build_stage(model, s, n_stages, ranges[s])
-        stages[s] = stage.to_empty(device=layout.device) if materialize else stage.to(layout.device)
-
-    stage_names = {s: {n for n, _ in st.named_parameters(remove_duplicate=False)} for s, st in enumerate(meta_stages)}
-    tied = TiedWeights(ties, stage_names, steps.stage_rank, layout)
-    tied.tie_locally(stages)
-    if materialize:
-        for index, stage in stages.items():
-            _initialize(stage, index, layout.device)
-    tied.sync_values()
-    make_replicas_identical(stages, layout)
-
-    if plan:
-        for stage in stages.values():
-            apply_tensor_parallel(stage, plan, layout.mesh["tp"])
-        tied.tie_locally(stages)  # parallelize_module gave each end of a local tie its own parameter
+    state = StateMap.from_stages(layout, split.meta_model, split.meta_stages, pipe.schedule.stage_rank, ties, stages)
+    tied = TiedWeights(ties, split.meta_stages, pipe.schedule.stage_rank, layout, stages)
+    tied.tie_locally()
+    _initialize(split, stages, tied, layout)
+    if tensor.plan:
+        _apply_tensor_parallel(split, stages, tied, tensor, layout)
     grad_sync = None
     if layout.dp > 1:
-        tied.separate_stages(stages)  # each stage is its own FSDP/DDP root: no Parameter shared by two
-        for stage in stages.values():
-            apply_data_parallel(stage, stage.layers, layout, dp_mode, reshard_after_forward)
-        tied.refresh(stages)  # now the sharded parameters
-        grad_sync = GradientSync(stages, reshard_between_backwards=dp_mode == "fsdp" and reshard_after_forward)
+        tied.separate_stages()  # each stage is its own FSDP/DDP root: no Parameter shared by two
+        grad_sync = apply_data_parallel(stages, layout, data)
 
+    peers = PipelinePeers(
+        layout.pp_rank, layout.group_ranks("pp"), layout.group("pp") if layout.pp > 1 else None, layout.device
+    )
     runtime = PipelineRuntime(
-        stages,
-        meta_stages,
-        lowered,
-        layout.pp_rank,
-        layout.group_ranks("pp"),
-        layout.group("pp") if layout.pp > 1 else None,
-        loss_fn or cross_entropy_loss,
-        layout.device,
-        activation_checkpoint,
+        stages, split.meta_stages, lowered, peers, loss_fn or cross_entropy_loss, pipe.activation_checkpoint,
         before_backward=grad_sync.before_backward if grad_sync is not None else None,
-        loss_context=loss_context(loss_parallel),
+        loss_context=loss_context(tensor.loss_parallel),
     )
-    return ParallelModel(
-        layout, stages, ranges, steps, runtime, tied, state_owner, state_specs,
-        grad_sync=grad_sync, sequence_parallel=uses_sequence_parallel(plan), loss_parallel=loss_parallel,
-    )
+    return ParallelModel(layout, runtime, tied, state, pipe.stage_layers, tensor, grad_sync)
 
 
 def _resolve_layout(layout: Layout | None, pp: int | None, dp: int | None, tp: int | None) -> Layout:
@@ -206,60 +138,27 @@ def _resolve_layout(layout: Layout | None, pp: int | None, dp: int | None, tp: i
     return layout
 
 
-def _check_ties_sharded_alike(ties: list[list[str]], meta_stages: list[nn.Module]) -> None:
-    """The tie all-reduce adds local shards: every copy must be split the same way by the tp plan."""
-    for names in ties:
-        layouts = {}
-        for stage in meta_stages:
-            for name in names:
-                param = get_parameter(stage, name)
-                if param is not None:
-                    layouts[name] = tuple(getattr(param, "placements", ()))
-        if len(set(layouts.values())) > 1:
-            raise ValueError(
-                f"tied weights are sharded differently by the tp plan ({layouts}); give both modules styles that "
-                "split the shared weight along the same dim (e.g. RowwiseParallel embedding and ColwiseParallel head "
-                "both split the vocabulary)"
-            )
-
-
-def _describe(style: ParallelStyle) -> str:
-    """A style's arguments where its repr shows them; its class otherwise (a default repr has an address)."""
-    text = repr(style)
-    return type(style).__name__ if " object at 0x" in text else text
-
-
-def _on_meta(model: nn.Module) -> bool:
-    return any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
-
-
-@torch.no_grad()
-def _initialize(stage: nn.Module, index: int, device: torch.device) -> None:
-    """Fresh values for a stage materialized from meta: the model's own init_weights() if it has one.
-
-    Each stage draws from the global RNG reseeded with (initial seed + stage index), so stages
-    on different ranks, which start from the same RNG state, do not get identical layers.
-    """
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(torch.initial_seed() + index)
-        if callable(getattr(stage, "init_weights", None)):
-            stage.init_weights()
-            return
-        for module in stage.modules():
-            if callable(getattr(module, "reset_parameters", None)):
-                module.reset_parameters()
-
-
-def _check_same_config_everywhere(layout: Layout, config: str) -> None:
+def _check_same_config_everywhere(config: str) -> None:
     """Ranks with different schedules or splits would send mismatched messages and hang."""
-    if layout.world_size == 1:
-        return
-    mine = torch.tensor([zlib.crc32(config.encode())], dtype=torch.int64, device=layout.device)
-    everyone = [torch.empty_like(mine) for _ in range(layout.world_size)]
-    dist.all_gather(everyone, mine)
-    if any(int(t) != int(mine) for t in everyone):
-        raise ValueError(
-            f"parallelize: ranks were given different pipeline configurations (this rank: {config}); "
-            "pass the same schedule, microbatches, virtual_stages, activation_checkpoint and split on every rank"
-        )
+    check_same_everywhere(config, lambda everyone: (
+        f"parallelize: ranks were given different pipeline configurations (this rank: {config}); "
+        "pass the same schedule, microbatches, virtual_stages, activation_checkpoint and split on every rank"
+    ))
+
+
+def _initialize(split: Split, stages: dict[int, nn.Module], tied: TiedWeights, layout: Layout) -> None:
+    """Fresh values for a model given on meta; then every copy and replica equal to its first."""
+    if split.from_meta:
+        for index, stage in stages.items():
+            initialize(stage, index, layout.device)
+    tied.sync_values()
+    make_replicas_identical(stages, layout)
+
+
+def _apply_tensor_parallel(
+    split: Split, stages: dict[int, nn.Module], tied: TiedWeights, tensor: TensorParallelConfig, layout: Layout
+) -> None:
+    """The same plan on the meta stages (boundary shapes become local shapes) and on this rank's."""
+    apply_tensor_parallel(split.meta_stages, tensor.plan, layout.mesh["tp"])
+    tied.check_sharded_alike(split.meta_stages)
+    apply_tensor_parallel(stages.values(), tensor.plan, layout.mesh["tp"])

@@ -24,17 +24,11 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from mesh3d.parallel_model import ParallelModel
-from mesh3d.pipeline.tied import local_tensor
+from mesh3d.shards import local_tensor
 
 MODEL = "model."
 OPTIM_STATE = "optim.state."
 OPTIM_GROUPS = "optim.param_groups."
-
-
-def stored_names(pm: ParallelModel) -> dict[str, str]:
-    """Every state name of the model -> the name it is stored under (a tied weight's first name)."""
-    canonical = {name: tie.names[0] for tie in pm.tied.ties for name in tie.names}
-    return {name: canonical.get(name, name) for name in pm.state_specs}
 
 
 # Group settings that choose how an optimizer computes, not what: the loading optimizer keeps its own
@@ -61,7 +55,7 @@ class FlatState:
 
 def _named_optimizer_params(pm: ParallelModel, optimizer: torch.optim.Optimizer) -> dict[int, str]:
     """id(param) -> stored name for every parameter the optimizer holds; an error for a stranger."""
-    names = stored_names(pm)
+    names = pm.state.stored_names()
     by_id = {id(p): names[n] for n, p in pm.named_parameters()}
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -76,8 +70,8 @@ def _named_optimizer_params(pm: ParallelModel, optimizer: torch.optim.Optimizer)
 def flat_state(pm: ParallelModel, optimizer: torch.optim.Optimizer | None) -> FlatState:
     """This rank's model (and optimizer) state, keyed as in the module docstring; tensors share storage."""
     out = FlatState()
-    names = stored_names(pm)
-    for name, tensor in pm.local_state_dict().items():
+    names = pm.state.stored_names()
+    for name, tensor in pm.state.local().items():
         out.entries.setdefault(MODEL + names[name], tensor.detach())
     if optimizer is None:
         return out
@@ -171,9 +165,9 @@ def check_against_checkpoint(
     optimizer check at this rank's parameters.
     """
     saved = metadata.state_dict_metadata
-    names = stored_names(pm)
+    names = pm.state.stored_names()
     wanted = {}
-    for name, (shape, _) in pm.state_specs.items():
+    for name, (shape, _) in pm.state.specs.items():
         wanted.setdefault(names[name], tuple(shape))
     for name, shape in wanted.items():
         meta = saved.get(MODEL + name)

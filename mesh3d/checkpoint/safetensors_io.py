@@ -1,7 +1,7 @@
 """Weights in and out as safetensors, in the layout transformers' LlamaForCausalLM reads and writes.
 
-Export gathers one tensor at a time to global rank 0 (a DTensor is assembled by the ranks of
-its owning pp rank, then sent from that pp rank's first rank), which writes `model.safetensors`
+Export gathers one tensor at a time to global rank 0 through the state map (a DTensor is
+assembled by the ranks of its owning pp rank, then sent from that pp rank's first rank), which writes `model.safetensors`
 or, above `max_shard_size`, `model-0000k-of-0000n.safetensors` files with the standard
 `model.safetensors.index.json`, plus `config.json`. Import needs no communication: every rank
 opens the files and reads only the slices of the tensors it owns (safetensors reads a slice
@@ -14,22 +14,18 @@ import functools
 import json
 import logging
 import os
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from mesh3d.agree import attempt, raise_if_any
 from mesh3d.checkpoint import hf_llama
-from mesh3d.checkpoint.agree import agree, attempt
 from mesh3d.checkpoint.train_state import write_json
 from mesh3d.parallel_model import ParallelModel
-from mesh3d.pipeline.tied import local_tensor
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -118,7 +114,7 @@ def export_safetensors(
             f"export_safetensors: config has tie_word_embeddings={config.get('tie_word_embeddings')} but the model's "
             f"embedding and output are {'tied' if tied else 'separate'}; give a config that matches the model"
         )
-    specs = {n: spec for n, spec in pm.state_specs.items() if not (tied and n == hf_llama.OUTPUT)}
+    specs = {n: spec for n, spec in pm.state.specs.items() if not (tied and n == hf_llama.OUTPUT)}
     hf_names = {name: hf_llama.to_hf(name) for name in specs}
     out_dtype = {n: dtype or spec[1] for n, spec in specs.items()}
     sizes = {n: spec[0].numel() * out_dtype[n].itemsize for n, spec in specs.items()}
@@ -129,21 +125,19 @@ def export_safetensors(
     config = {**config, "torch_dtype": str(next(iter(out_dtype.values()))).removeprefix("torch.")}
     config["dtype"] = config["torch_dtype"]
 
-    local = pm.local_state_dict()
     error = attempt(lambda: _prepare_out_dir(out_dir)) if layout.rank == 0 else None
-    agree(layout, error)
+    raise_if_any(error)
     with _quiet_strided_gather():
         for file, names in zip(files, shards):
             tensors = {}
-            for name in names:
-                full = _gather_to_rank0(pm, name, local)
+            for name, full in pm.state.gather(names, to=0):
                 if full is not None:
                     tensors[hf_names[name]] = full.to(out_dtype[name]).contiguous()
             if layout.rank == 0:
                 error = error or attempt(functools.partial(_write_file, out_dir / file, tensors))
     if layout.rank == 0 and not error:
         error = attempt(lambda: _write_index_and_config(out_dir, files, shards, hf_names, sizes, config))
-    agree(layout, error)
+    raise_if_any(error)
     return str(out_dir)
 
 
@@ -153,24 +147,6 @@ def _prepare_out_dir(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in [*out_dir.glob("model*.safetensors"), *out_dir.glob("model*.safetensors.tmp"), out_dir / INDEX_FILE]:
         old.unlink(missing_ok=True)
-
-
-def _gather_to_rank0(pm: ParallelModel, name: str, local: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """The full tensor `name` on global rank 0 (None elsewhere)."""
-    layout = pm.layout
-    owner = pm.state_owner_pp_rank(name)
-    source = int(layout.mesh.mesh[owner, 0, 0])
-    full = None
-    if layout.pp_rank == owner:
-        tensor = local[name].detach()
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-    if layout.rank == 0 and source != 0:
-        shape, dtype = pm.state_specs[name]
-        full = torch.empty(shape, dtype=dtype, device=layout.device)
-        dist.recv(full, src=source)
-    elif layout.rank == source != 0:
-        dist.send(full.contiguous(), dst=0)
-    return full.cpu() if layout.rank == 0 else None
 
 
 def _write_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -219,13 +195,13 @@ def import_safetensors(pm: ParallelModel, in_dir: str | os.PathLike) -> None:
             raise ValueError(f"import_safetensors: {in_dir} holds a different model: {mismatch}; build the model from its config")
     source = _source_names(pm, files, theirs, in_dir)
     shapes = _saved_shapes(files, set(source.values()))
-    for name, (shape, _) in pm.state_specs.items():
+    for name, (shape, _) in pm.state.specs.items():
         if shapes[source[name]] != tuple(shape):
             raise ValueError(
                 f"import_safetensors: {source[name]} has shape {shapes[source[name]]} in {in_dir}, but this model's "
                 f"{name} is {tuple(shape)}; build the model from the checkpoint's config"
             )
-    agree(pm.layout, attempt(lambda: _read_local_slices(pm, files, source)))
+    raise_if_any(attempt(lambda: _read_local_slices(pm, files, source)))
     pm.tied.sync_values()
 
 
@@ -243,7 +219,7 @@ def _source_names(pm: ParallelModel, files: dict[str, Path], config: dict | None
             "ties its output to the embedding; build the model with untied embeddings"
         )
     source = {}
-    for name in pm.state_specs:
+    for name in pm.state.specs:
         hf = hf_llama.to_hf(name)
         if name == hf_llama.OUTPUT and theirs_tied:
             hf = embedding
@@ -265,22 +241,15 @@ def _saved_shapes(files: dict[str, Path], names: set[str]) -> dict[str, tuple[in
     return shapes
 
 
-@torch.no_grad()
 def _read_local_slices(pm: ParallelModel, files: dict[str, Path], source: dict[str, str]) -> None:
-    by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
-    for name, tensor in pm.local_state_dict().items():
-        by_file.setdefault(files[source[name]], []).append((name, tensor))
-    for file, entries in by_file.items():
-        with safe_open(str(file), framework="pt") as f:
-            for name, tensor in entries:
-                if isinstance(tensor, DTensor):
-                    shape, offset = compute_local_shape_and_global_offset(
-                        tensor.shape, tensor.device_mesh, tensor.placements
-                    )
-                else:
-                    shape, offset = tuple(tensor.shape), (0,) * tensor.dim()
-                if 0 in shape:
-                    continue  # an empty shard (more ranks than rows)
-                window = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-                values = f.get_slice(source[name])[window]
-                local_tensor(tensor.detach()).copy_(values.to(device=tensor.device, dtype=tensor.dtype))
+    """Each rank reads only its own slices, opening each file it needs once."""
+    with ExitStack() as stack:
+        opened: dict[Path, Any] = {}
+
+        def read(name: str, window: tuple[slice, ...]) -> torch.Tensor:
+            file = files[source[name]]
+            if file not in opened:
+                opened[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+            return opened[file].get_slice(source[name])[window]
+
+        pm.state.load_by_slice(read)

@@ -16,14 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 import mesh3d
 from mesh3d.checkpoint import directories
-from mesh3d.checkpoint.agree import agree, attempt
 from mesh3d.checkpoint.flat_state import (
     apply_loaded,
     check_against_checkpoint,
@@ -45,6 +43,7 @@ from mesh3d.checkpoint.train_state import (
     set_rng_state,
     write_json,
 )
+from mesh3d.agree import attempt, gather_or_raise, raise_if_any
 from mesh3d.mesh import Layout
 from mesh3d.parallel_model import ParallelModel
 
@@ -95,24 +94,17 @@ def save(
         state = flat_state(pm, optimizer)
     except ValueError as problem:
         error = str(problem)
-    mine = (str(path), step, data_json, error)
-    everyone = [mine]
-    if layout.world_size > 1:
-        everyone = [None] * layout.world_size
-        dist.all_gather_object(everyone, mine)
-    for rank, (*_, problem) in enumerate(everyone):
-        if problem:
-            raise ValueError(problem if rank == layout.rank else f"{problem} (found on rank {rank})")
-    if any(entry[:3] != everyone[0][:3] for entry in everyone):
+    everyone = gather_or_raise((str(path), step, data_json), error)
+    if any(entry != everyone[0] for entry in everyone):
         raise ValueError(
             "checkpoint.save: ranks passed different path, step or data_state "
-            f"(rank 0: {everyone[0][:3]}, this rank: {everyone[layout.rank][:3]}); the data state is the global sample "
+            f"(rank 0: {everyone[0]}, this rank: {everyone[layout.rank]}); the data state is the global sample "
             "position, the same on every rank: pass the same values everywhere"
         )
 
     partial = directories.partial_path(path)
-    agree(layout, attempt(lambda: directories.prepare(path)) if layout.rank == 0 else None)
-    agree(layout, attempt(lambda: _write_rng(partial, layout)))
+    raise_if_any(attempt(lambda: directories.prepare(path)) if layout.rank == 0 else None)
+    raise_if_any(attempt(lambda: _write_rng(partial, layout)))
     dcp.save(
         state.entries,
         storage_writer=FileSystemWriter(partial, thread_count=writer_threads),
@@ -139,7 +131,7 @@ def save(
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
         error = attempt(lambda: _finish(partial, path, train_state, keep_last))
-    agree(layout, error)
+    raise_if_any(error)
     return str(path)
 
 
@@ -218,7 +210,7 @@ def load(
     except ValueError as problem:
         error = str(problem)
     try:
-        agree(layout, error)
+        raise_if_any(error)
     except ValueError:
         if optimizer is not None:
             drop_state(optimizer, created)  # a refused load leaves the optimizer as it was given

@@ -1,8 +1,9 @@
 """The pipeline engine: stage builder, schedule IR, lowering and simulation, runtime, tied weights, drawing."""
 
 from mesh3d.pipeline.draw import chrome_trace, draw
-from mesh3d.pipeline.lower import LoweredSchedule, ScheduleError, SimulationReport, lower, simulate, simulate_schedule
-from mesh3d.pipeline.schedules import SCHEDULES, Action, Kind, Schedule, build_schedule
+from mesh3d.pipeline.lower import LoweredSchedule, lower
+from mesh3d.pipeline.schedules import SCHEDULES, Action, Kind, Schedule, ScheduleError, build_schedule
+from mesh3d.pipeline.simulate import SimulationReport, simulate, simulate_schedule
 
 __all__ = [
     "SCHEDULES",

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import os
 
-from mesh3d.pipeline.lower import SimulationReport, simulate
 from mesh3d.pipeline.schedules import Kind
+from mesh3d.pipeline.simulate import SimulationReport, simulate
 
 _US = 1000.0  # simulated time units -> trace microseconds, so one unit reads as one millisecond
 

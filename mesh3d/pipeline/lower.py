@@ -1,14 +1,11 @@
-"""From a compute schedule to what each rank runs: timing, communication, validation, simulation.
+"""Lowering: a compute schedule plus its communication, and the check that the result can finish.
 
-- `timeline()` plays a compute schedule with per-action costs and cross-stage dependencies; a
-  schedule that cannot finish (a rank waits on something that never comes) is rejected here.
 - `lower()` inserts SEND/RECV actions. Every rank lists its messages in the order of the
-  simulated send times (ties broken by one global key), so the two ends of every rank pair see
-  their shared messages in the same order (gloo also matches them by tag).
+  simulated send times (from `timeline()`, ties broken by one global key), so the two ends of
+  every rank pair see their shared messages in the same order (gloo also matches them by tag).
 - `check_lowered()` replays the lowered lists with only their order (no costs), with each
   rank's communication completing in issue order (NCCL, one stream), and requires every rank to
   reach its end. A lowered schedule that passes runs under any real timing.
-- `simulate()` is the user-facing report: makespan, bubble fraction, peak live activations.
 """
 
 from __future__ import annotations
@@ -16,89 +13,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from mesh3d.pipeline.schedules import COMPUTE, Action, Kind, Schedule, build_schedule
-
-
-class ScheduleError(ValueError):
-    """A schedule that is incomplete or cannot finish."""
-
-
-@dataclass(frozen=True)
-class TimedAction:
-    rank: int
-    action: Action
-    start: float
-    end: float
-
-
-def dependencies(action: Action, n_stages: int) -> list[Action]:
-    """The compute actions `action` waits for (on this or another rank)."""
-    s, j = action.stage, action.microbatch
-    if action.kind == Kind.F:
-        return [Action(s - 1, Kind.F, j)] if s > 0 else []
-    if action.kind == Kind.B:
-        later = [Action(s + 1, Kind.B, j)] if s < n_stages - 1 else []
-        return [Action(s, Kind.F, j)] + later
-    raise ValueError(f"{action} is not a compute action")
-
-
-def _check_complete(schedule: Schedule) -> None:
-    """Every forward (and, if any backward is listed, every backward) once, on the stage's rank."""
-    seen: dict[Action, int] = {}
-    has_backward = any(a.kind == Kind.B for acts in schedule.actions for a in acts)
-    for rank, actions in enumerate(schedule.actions):
-        for action in actions:
-            key = Action(action.stage, action.kind, action.microbatch)
-            if action.kind not in COMPUTE:
-                raise ScheduleError(f"rank {rank}: {action} is not a compute action; lower() adds communication")
-            if not 0 <= action.stage < schedule.n_stages or not 0 <= action.microbatch < schedule.microbatches:
-                raise ScheduleError(f"rank {rank}: {action} is outside {schedule.n_stages} stages x {schedule.microbatches} microbatches")
-            if schedule.stage_rank(action.stage) != rank:
-                raise ScheduleError(f"rank {rank}: {action} belongs on rank {schedule.stage_rank(action.stage)}")
-            if key in seen:
-                raise ScheduleError(f"rank {rank}: {action} is listed twice")
-            seen[key] = rank
-    kinds = COMPUTE if has_backward else (Kind.F,)
-    for s in range(schedule.n_stages):
-        for j in range(schedule.microbatches):
-            for kind in kinds:
-                if Action(s, kind, j) not in seen:
-                    raise ScheduleError(f"{schedule.name}: {Action(s, kind, j)} is never run")
-
-
-def timeline(schedule: Schedule, f_cost: float = 1.0, b_cost: float = 2.0, comm_cost: float = 0.0) -> list[TimedAction]:
-    """Start and end of every compute action: each rank runs its list in order, as soon as inputs exist."""
-    _check_complete(schedule)
-    if f_cost <= 0 or b_cost <= 0 or comm_cost < 0:
-        raise ValueError(f"costs must be positive (comm_cost >= 0), got f={f_cost}, b={b_cost}, comm={comm_cost}")
-    cost = {Kind.F: f_cost, Kind.B: b_cost}
-    finished: dict[Action, float] = {}
-    position = [0] * schedule.pp
-    free_at = [0.0] * schedule.pp
-    timed: list[TimedAction] = []
-    progress = True
-    while progress:
-        progress = False
-        for rank, actions in enumerate(schedule.actions):
-            while position[rank] < len(actions):
-                action = actions[position[rank]]
-                deps = dependencies(action, schedule.n_stages)
-                if any(dep not in finished for dep in deps):
-                    break
-                arrivals = [finished[d] + (comm_cost if schedule.stage_rank(d.stage) != rank else 0.0) for d in deps]
-                start = max([free_at[rank], *arrivals])
-                finished[action] = free_at[rank] = start + cost[action.kind]
-                timed.append(TimedAction(rank, action, start, free_at[rank]))
-                position[rank] += 1
-                progress = True
-    stuck = [(r, acts[position[r]]) for r, acts in enumerate(schedule.actions) if position[r] < len(acts)]
-    if stuck:
-        waits = "; ".join(
-            f"rank {r} at {a} waits for {[str(d) for d in dependencies(a, schedule.n_stages) if d not in finished]}"
-            for r, a in stuck
-        )
-        raise ScheduleError(f"schedule {schedule.name!r} cannot finish: {waits}")
-    return timed
+# ScheduleError and timeline are also reached through this module (they lived here once).
+from mesh3d.pipeline.schedules import COMPUTE, Action, Kind, Schedule, ScheduleError
+from mesh3d.pipeline.timeline import dependencies, replay, timeline
 
 
 @dataclass(frozen=True)
@@ -186,7 +103,6 @@ def check_lowered(lowered: LoweredSchedule) -> None:
     issued: list[list[Action]] = [[] for _ in range(schedule.pp)]
     head = [0] * schedule.pp  # per rank: the first issued operation not yet completed
     completed: set[Message] = set()
-    position = [0] * schedule.pp
     done: set[Action] = set()
 
     def settle() -> None:
@@ -204,26 +120,21 @@ def check_lowered(lowered: LoweredSchedule) -> None:
                     head[peer] += 1
                     matched = True
 
-    progress = True
-    while progress:
-        progress = False
-        for rank, actions in enumerate(lowered.actions):
-            while position[rank] < len(actions):
-                action = actions[position[rank]]
-                if action.kind in COMPUTE:
-                    needed = dependencies(action, n_stages)
-                    if any(d not in done for d in needed if schedule.stage_rank(d.stage) == rank):
-                        break
-                    remote = [d for d in needed if schedule.stage_rank(d.stage) != rank]
-                    if any(_produced_message(d) not in completed for d in remote):
-                        break
-                    done.add(action)
-                else:
-                    issued[rank].append(action)
-                position[rank] += 1
-                progress = True
-            settle()
-    stuck = [(r, acts[position[r]]) for r, acts in enumerate(lowered.actions) if position[r] < len(acts)]
+    def run(rank: int, action: Action) -> bool:
+        if action.kind in COMPUTE:
+            needed = dependencies(action, n_stages)
+            if any(d not in done for d in needed if schedule.stage_rank(d.stage) == rank):
+                return False
+            remote = [d for d in needed if schedule.stage_rank(d.stage) != rank]
+            if any(_produced_message(d) not in completed for d in remote):
+                return False
+            done.add(action)
+        else:
+            issued[rank].append(action)
+        return True
+
+    # Matching after every rank's turn lets the next rank see the messages this one just issued.
+    stuck = replay(lowered.actions, run, after_each_rank=settle)
     pending = [issued[r][head[r]] for r in range(schedule.pp) if head[r] < len(issued[r])]
     if stuck or pending:
         where = "; ".join(f"rank {r} stuck at {a}" for r, a in stuck)
@@ -235,70 +146,3 @@ def check_lowered(lowered: LoweredSchedule) -> None:
 def _produced_message(dependency: Action) -> Message:
     kind = Kind.SEND_F if dependency.kind == Kind.F else Kind.SEND_B
     return Message(kind, dependency.stage, dependency.microbatch)
-
-
-@dataclass(frozen=True)
-class SimulationReport:
-    """What a schedule costs: run `simulate()` to get one."""
-
-    schedule: Schedule
-    events: tuple[TimedAction, ...]
-    makespan: float
-    bubble_fraction: float  # 1 - total busy time / (pp * makespan)
-    peak_activations: list[int]  # per pp rank: most stage-microbatch forwards held for their backward
-    busy: list[float]  # per pp rank: time spent computing
-
-    def __str__(self) -> str:
-        s = self.schedule
-        return (
-            f"{s.name} pp={s.pp} microbatches={s.microbatches} virtual_stages={s.virtual_stages}: "
-            f"makespan {self.makespan:g}, bubble {self.bubble_fraction:.2%}, "
-            f"peak activations per rank {self.peak_activations}"
-        )
-
-
-def peak_live_activations(actions: tuple[Action, ...] | list[Action]) -> int:
-    """Most forwards whose backward has not run yet, over one rank's list (forward-only: 0)."""
-    if not any(a.kind == Kind.B for a in actions):
-        return 0
-    live = peak = 0
-    for action in actions:
-        if action.kind == Kind.F:
-            live += 1
-            peak = max(peak, live)
-        elif action.kind == Kind.B:
-            live -= 1
-    return peak
-
-
-def simulate_schedule(schedule: Schedule, *, f_cost: float = 1.0, b_cost: float = 2.0, comm_cost: float = 0.0) -> SimulationReport:
-    """Simulate a schedule object (see `simulate` for the by-name form)."""
-    events = timeline(schedule, f_cost, b_cost, comm_cost)
-    makespan = max(e.end for e in events)
-    busy = [0.0] * schedule.pp
-    for e in events:
-        busy[e.rank] += e.end - e.start
-    bubble = 1.0 - sum(busy) / (schedule.pp * makespan)
-    peaks = [peak_live_activations(acts) for acts in schedule.actions]
-    return SimulationReport(schedule, tuple(events), makespan, bubble, peaks, busy)
-
-
-def simulate(
-    schedule: str,
-    pp: int,
-    microbatches: int,
-    virtual_stages: int = 1,
-    *,
-    f_cost: float = 1.0,
-    b_cost: float = 2.0,
-    comm_cost: float = 0.0,
-) -> SimulationReport:
-    """Run a schedule on paper: costs per stage forward/backward, zero-cost messages by default.
-
-    Returns a SimulationReport with `.makespan`, `.bubble_fraction` and `.peak_activations` (one
-    per pp rank). Raises ValueError for sizes the schedule cannot run and ScheduleError if the
-    lowered schedule could not finish.
-    """
-    built = build_schedule(schedule, pp, microbatches, virtual_stages)
-    lower(built)  # rejects a schedule whose communication could not finish
-    return simulate_schedule(built, f_cost=f_cost, b_cost=b_cost, comm_cost=comm_cost)

@@ -1,9 +1,10 @@
 """Pipeline schedules as data: for each pp rank, the ordered list of compute actions it runs.
 
 A schedule is the intermediate representation (IR) every other part of the engine reads:
-`lower.py` adds the communication and checks the lists can finish, `runtime.py` executes them,
-`draw.py` draws them. Generators here only decide the order of compute on each rank; they know
-nothing about tensors or process groups.
+`timeline.py` replays them with costs, `lower.py` adds the communication and checks the lists can
+finish, `simulate.py` reports what they cost, `runtime.py` executes them, `draw.py` draws them.
+Generators here only decide the order of compute on each rank; they know nothing about tensors or
+process groups.
 
 Stages are numbered 0..pp*v-1 along the model; with loop placement stage s lives on pp rank s % pp,
 so rank r holds stages r, r+pp, r+2pp, ... (its "chunks" 0..v-1).
@@ -61,6 +62,10 @@ def stage_to_rank(stage: int, pp: int, virtual_stages: int, placement: str = "lo
             raise ValueError(f"V placement needs exactly 2 stages per rank, got virtual_stages={virtual_stages}")
         return stage if stage < pp else 2 * pp - 1 - stage
     raise ValueError(f"unknown placement {placement!r}; use 'loop' or 'v'")
+
+
+class ScheduleError(ValueError):
+    """A schedule that is incomplete or cannot finish."""
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+
+STAGE_BALANCE = ("layers", "params")
 
 
 def find_layers(model: nn.Module, attr: str = "layers") -> nn.ModuleDict:
@@ -98,6 +102,45 @@ def assign_layers(
         ranges.append(range(start, stop))
         start = stop
     return ranges
+
+
+def stage_layer_ranges(
+    model: nn.Module,
+    n_stages: int,
+    stage_balance: str = "layers",
+    end_weight: float = 0.0,
+    layers_per_stage: Sequence[int] | None = None,
+) -> list[range]:
+    """parallelize's stage split: explicit counts, or balanced by layer count (the ends weighing
+    `end_weight` layers each) or by parameter count."""
+    if stage_balance not in STAGE_BALANCE:
+        raise ValueError(f"stage_balance={stage_balance!r}; choose one of {list(STAGE_BALANCE)}")
+    n_layers = len(find_layers(model))
+    if stage_balance == "params":
+        per_layer, first, last = layer_parameter_counts(model)
+        return assign_layers(n_layers, n_stages, layer_costs=per_layer, first_cost=first, last_cost=last,
+                             layers_per_stage=layers_per_stage)
+    return assign_layers(n_layers, n_stages, first_cost=end_weight, last_cost=end_weight, layers_per_stage=layers_per_stage)
+
+
+@dataclass
+class Split:
+    """A model cut into stages: all of them on meta (shapes, owners), this rank's for real."""
+
+    from_meta: bool  # the model was given on meta: the real stages have no values yet
+    meta_model: nn.Module  # the whole model on meta (the model itself when it was given on meta)
+    meta_stages: list[nn.Module]  # every stage, stage order
+    stages: dict[int, nn.Module]  # this rank's stages, on the model's device (meta: not materialized)
+
+
+def split_model(model: nn.Module, stage_layers: list[range], local_stages: list[int]) -> Split:
+    """Cut `model` into len(stage_layers) stages; build every stage on meta and `local_stages` from the model."""
+    n_stages = len(stage_layers)
+    on_meta = any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    meta_model = model if on_meta else meta_copy(model)
+    meta_stages = [build_stage(meta_model, s, n_stages, stage_layers[s]) for s in range(n_stages)]
+    stages = {s: build_stage(model, s, n_stages, stage_layers[s]) for s in local_stages}
+    return Split(on_meta, meta_model, meta_stages, stages)
 
 
 def build_stage(model: nn.Module, stage: int, n_stages: int, layer_range: range, attr: str = "layers") -> nn.Module:

@@ -19,14 +19,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from mesh3d.mesh import Layout
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (sharing its storage), or the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+from mesh3d.shards import local_tensor
 
 
 def find_ties(model: nn.Module) -> list[list[str]]:
@@ -57,14 +52,28 @@ class TiedWeight:
 
     names: list[str]
     ranks: list[int]  # pp ranks holding a copy, ascending; ranks[0] is the primary
-    copies: list[nn.Parameter] = field(default_factory=list)  # this rank's: one, or one per local stage
+    stages: dict[int, nn.Module] = field(default_factory=dict, repr=False)  # this rank's stages
     group: dist.ProcessGroup | None = None  # among the copies' ranks; None when only one holds it
     group_ranks: list[int] | None = None  # global ranks of `group`
 
     @property
+    def copies(self) -> list[nn.Parameter]:
+        """This rank's distinct Parameters under the tie's names, in stage order: one, or one per
+        local stage under data parallelism. Looked up each time, so tensor or data parallelism
+        replacing a parameter needs no bookkeeping."""
+        found: list[nn.Parameter] = []
+        for index in sorted(self.stages):
+            for name in self.names:
+                param = get_parameter(self.stages[index], name)
+                if param is not None and all(param is not c for c in found):
+                    found.append(param)
+        return found
+
+    @property
     def param(self) -> nn.Parameter | None:
         """This rank's first copy (None when this rank holds none)."""
-        return self.copies[0] if self.copies else None
+        copies = self.copies
+        return copies[0] if copies else None
 
     @property
     def counted_here(self) -> bool:
@@ -82,20 +91,22 @@ class TiedWeights:
     def __init__(
         self,
         ties: list[list[str]],
-        stage_names: dict[int, set[str]],
+        meta_stages: list[nn.Module],
         stage_rank: Callable[[int], int],
         layout: Layout,
+        stages: dict[int, nn.Module],
     ):
         """
-        ties: groups of tied names; stage_names: every stage's parameter names; stage_rank: stage
-        -> pp rank. Tie groups come from layout.subgroup: created once, by every rank for every pp
-        group of the mesh in the same order, and reused by later calls.
+        ties: groups of tied names; meta_stages: every stage (on meta); stage_rank: stage -> pp
+        rank; stages: this rank's stage modules. Tie groups come from layout.subgroup: created
+        once, by every rank for every pp group of the mesh in the same order, and reused by later calls.
         """
         self.pp_rank = layout.pp_rank
         self.ties: list[TiedWeight] = []
         for names in ties:
-            ranks = sorted({stage_rank(s) for s, held in stage_names.items() if held & set(names)})
-            tie = TiedWeight(names, ranks)
+            holders = [s for s, stage in enumerate(meta_stages) if any(get_parameter(stage, n) is not None for n in names)]
+            ranks = sorted({stage_rank(s) for s in holders})
+            tie = TiedWeight(names, ranks, stages)
             if len(ranks) > 1:
                 for pp_group in layout.axis_groups("pp"):
                     members = [pp_group[r] for r in ranks]
@@ -105,24 +116,19 @@ class TiedWeights:
             self.ties.append(tie)
         self._earlier_grads: list[list[torch.Tensor | None]] = []  # per tie, per local copy
 
-    def tie_locally(self, stages: dict[int, nn.Module]) -> None:
-        """Make every local stage holding a tied name use one Parameter (the first stage's)."""
+    def tie_locally(self) -> None:
+        """Make every local stage holding a tied name use one Parameter (the first stage's): the
+        split gave each stage a copy of its own."""
         for tie in self.ties:
-            shared = None
-            for index in sorted(stages):
-                for name in tie.names:
-                    param = get_parameter(stages[index], name)
-                    if param is None:
-                        continue
-                    if shared is None:
-                        shared = param
-                    elif param is not shared:
-                        set_parameter(stages[index], name, shared)
-            tie.copies = [shared] if shared is not None else []
+            shared = tie.param
             if shared is None and self.pp_rank in tie.ranks:
                 raise RuntimeError(f"tied weight {tie.names} expected on pp rank {self.pp_rank} but not found")
+            for stage in tie.stages.values():
+                for name in tie.names:
+                    if get_parameter(stage, name) is not None:
+                        set_parameter(stage, name, shared)
 
-    def separate_stages(self, stages: dict[int, nn.Module]) -> None:
+    def separate_stages(self) -> None:
         """Give each local stage its own copy of a tied weight, kept equal like copies on other ranks.
 
         Data parallelism wraps every stage as its own FSDP/DDP root; one Parameter shared by two
@@ -131,27 +137,33 @@ class TiedWeights:
         """
         for tie in self.ties:
             first = True
-            for index in sorted(stages):
-                names = [n for n in tie.names if get_parameter(stages[index], n) is not None]
+            for index in sorted(tie.stages):
+                stage = tie.stages[index]
+                names = [n for n in tie.names if get_parameter(stage, n) is not None]
                 if not names:
                     continue
                 if not first:
-                    original = get_parameter(stages[index], names[0])
+                    original = get_parameter(stage, names[0])
                     copy = nn.Parameter(original.detach().clone(), requires_grad=original.requires_grad)
                     for name in names:
-                        set_parameter(stages[index], name, copy)
+                        set_parameter(stage, name, copy)
                 first = False
-        self.refresh(stages)
 
-    def refresh(self, stages: dict[int, nn.Module]) -> None:
-        """Find this rank's copies again (after data parallelism replaced the parameters), one per stage."""
+    def check_sharded_alike(self, meta_stages: list[nn.Module]) -> None:
+        """The tie all-reduce adds local shards: every copy must be split the same way by the tp plan."""
         for tie in self.ties:
-            tie.copies = []
-            for index in sorted(stages):
+            layouts = {}
+            for stage in meta_stages:
                 for name in tie.names:
-                    param = get_parameter(stages[index], name)
-                    if param is not None and all(param is not c for c in tie.copies):
-                        tie.copies.append(param)
+                    param = get_parameter(stage, name)
+                    if param is not None:
+                        layouts[name] = tuple(getattr(param, "placements", ()))
+            if len(set(layouts.values())) > 1:
+                raise ValueError(
+                    f"tied weights are sharded differently by the tp plan ({layouts}); give both modules styles that "
+                    "split the shared weight along the same dim (e.g. RowwiseParallel embedding and ColwiseParallel head "
+                    "both split the vocabulary)"
+                )
 
     def is_secondary_copy(self, param: torch.Tensor) -> bool:
         """A copy whose twin (on this rank or another) is the one the gradient norm counts."""

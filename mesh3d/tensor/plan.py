@@ -7,10 +7,43 @@ model, so every rank raises the same error before any collective.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+
+
+@dataclass(frozen=True)
+class TensorParallelConfig:
+    """How the tp axis shards each stage, after the argument checks (see `resolve`)."""
+
+    plan: dict[str, ParallelStyle] = field(default_factory=dict)  # {module FQN: style}; empty when tp == 1
+    loss_parallel: bool = False  # the loss runs on vocab-sharded logits (only with tp > 1)
+
+    @classmethod
+    def resolve(
+        cls, model: nn.Module, tp: int, tp_plan: dict[str, ParallelStyle] | None, loss_parallel: bool
+    ) -> TensorParallelConfig:
+        """Check parallelize's tp arguments against the (meta) model: pure, the same on every rank."""
+        if tp == 1:
+            return cls()
+        return cls(check_plan(model, model_plan(model, tp_plan), tp), bool(loss_parallel))
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether activations between blocks (and stages) are sharded along the sequence."""
+        return uses_sequence_parallel(self.plan)
+
+    def __str__(self) -> str:
+        summary = sorted((pattern, _describe(style)) for pattern, style in self.plan.items())
+        return f"plan={summary} loss_parallel={self.loss_parallel}"
+
+
+def _describe(style: ParallelStyle) -> str:
+    """A style's arguments where its repr shows them; its class otherwise (a default repr has an address)."""
+    text = repr(style)
+    return type(style).__name__ if " object at 0x" in text else text
 
 
 def model_plan(model: nn.Module, tp_plan: dict[str, ParallelStyle] | None) -> dict[str, ParallelStyle]:

@@ -1,0 +1,50 @@
+"""Every rank agrees, or every rank raises.
+
+A check that fails on one rank only (a different argument, a full disk, a bad file) must fail on
+all of them: a rank that raises alone leaves the others waiting in the next collective until the
+process-group timeout. Each helper here is one small all-gather over the default process group
+(a barrier too); with one process it sends nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+
+def attempt(fn: Callable[[], object]) -> str | None:
+    """Run fn on this rank; its exception as text (for `raise_if_any`), or None."""
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - every rank must learn of it, not only this one
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def gather_or_raise(value: Any = None, error: str | None = None) -> list[Any]:
+    """Every rank's `value`, in rank order; or, if any rank passed an `error`, that error raised
+    on every rank (the first failing rank's, marked with where it was found)."""
+    mine = (value, error)
+    everyone = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    here = dist.get_rank() if dist.is_initialized() else 0
+    for rank, (_, message) in enumerate(everyone):
+        if message:
+            raise ValueError(message if rank == here else f"{message} (found on rank {rank})")
+    return [v for v, _ in everyone]
+
+
+def raise_if_any(error: str | None) -> None:
+    """Raise the first failing rank's error on every rank; return on every rank if none failed."""
+    gather_or_raise(None, error)
+
+
+def check_same_everywhere(value: Any, describe: Callable[[list[Any]], str]) -> None:
+    """Raise ValueError(describe(every rank's value)) on every rank unless all ranks passed equal values."""
+    everyone = gather_or_raise(value)
+    if any(v != everyone[0] for v in everyone):
+        raise ValueError(describe(everyone))

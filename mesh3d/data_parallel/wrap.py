@@ -1,0 +1,77 @@
+"""Wrapping each pipeline stage for data parallelism over the mesh's dp axis: FSDP2 or DDP.
+
+Both modes use torch's composable data-parallel APIs, applied per block and then to the stage
+(the stage is the root): `fully_shard` (FSDP2) shards parameters, gradients and optimizer state
+over dp; `replicate` (DDP built on the same machinery) keeps full replicas and all-reduces
+gradients. Both expose `set_requires_gradient_sync`, which gradient_sync.py uses to reduce once
+per step.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from mesh3d.data_parallel.gradient_sync import GradientSync
+from mesh3d.mesh import Layout
+
+DP_MODES = ("fsdp", "ddp")
+
+
+@dataclass(frozen=True)
+class DataParallelConfig:
+    """How the dp axis wraps each stage, after the argument checks (see `resolve`)."""
+
+    mode: str  # "fsdp" or "ddp"
+    reshard_after_forward: bool  # FSDP: free gathered parameters after each forward
+
+    @classmethod
+    def resolve(cls, dp_mode: str, reshard_after_forward: bool | None, pp: int) -> DataParallelConfig:
+        """Check parallelize's dp arguments (pure, the same on every rank) and fill in the default:
+        with pp > 1 microbatches reuse gathered parameters, so FSDP keeps them until the last backward."""
+        if dp_mode not in DP_MODES:
+            raise ValueError(f"dp_mode={dp_mode!r}; choose one of {list(DP_MODES)}")
+        if dp_mode == "ddp" and reshard_after_forward is not None:
+            raise ValueError(
+                f"reshard_after_forward={reshard_after_forward} was given with dp_mode='ddp', which keeps full "
+                "replicas and never reshards; drop reshard_after_forward or use dp_mode='fsdp'"
+            )
+        if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward must be True, False or None, got {reshard_after_forward!r}")
+        return cls(dp_mode, pp == 1 if reshard_after_forward is None else reshard_after_forward)
+
+    def __str__(self) -> str:
+        return f"dp_mode={self.mode} reshard={self.reshard_after_forward}"
+
+
+def apply_data_parallel(stages: dict[int, nn.Module], layout: Layout, config: DataParallelConfig) -> GradientSync:
+    """Wrap each block of every stage, then the stage itself, over layout's dp dim; returns the
+    once-per-step gradient sync the pipeline runtime calls before each backward.
+
+    Each stage becomes its own FSDP/DDP root, so no Parameter may be shared by two stages
+    (tied copies must be separated first).
+    """
+    _ignore_view_warning()
+    mesh = layout.mesh["dp"]
+    if config.mode == "fsdp":
+        wrap = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=config.reshard_after_forward)
+    else:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        wrap = functools.partial(replicate, mesh=mesh)
+    for stage in stages.values():
+        for block in stage.layers.values():
+            wrap(block)
+        wrap(stage)
+    return GradientSync(stages, reshard_between_backwards=config.mode == "fsdp" and config.reshard_after_forward)
+
+
+@functools.cache
+def _ignore_view_warning() -> None:
+    # FSDP2 warns when a root returns a view, because an in-place op on it would skip a hook. The
+    # pipeline runtime only detaches, sends and backpropagates stage outputs, never modifies them.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")

@@ -1,0 +1,121 @@
+"""Point-to-point traffic between pipeline stages: the only place that talks to peers.
+
+A `Mailbox` lives for one step. A stage's output (or input gradient) is handed over in memory
+when the consuming stage sits on this rank, and goes out with `isend` otherwise; a receive is
+posted early (`irecv` into a buffer shaped from the meta run) and waited on only when the compute
+that consumes it starts. Every message has a tag unique within the step, so gloo (which matches
+by tag) and NCCL (which matches by order; the lowering fixed one order on both ends) both pair
+them correctly. Sends are waited on at the end of the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mesh3d.pipeline.schedules import Action, Kind, Schedule
+
+Spec = tuple[torch.Size, torch.dtype]
+
+
+@dataclass(frozen=True)
+class PipelinePeers:
+    """This rank's pp group: its position, every member's global rank, the group itself."""
+
+    pp_rank: int
+    global_ranks: list[int]
+    group: dist.ProcessGroup | None  # None when pp == 1 (nothing is ever sent)
+    device: torch.device
+
+
+@dataclass
+class Traffic:
+    """What a step sent and received on this rank."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+
+
+def message_tag(schedule: Schedule, kind: Kind, producer_stage: int, microbatch: int) -> int:
+    """A tag unique to one message within a step (gloo matches on it; NCCL ignores it)."""
+    direction = 0 if kind in (Kind.SEND_F, Kind.RECV_F) else 1
+    return (direction * schedule.n_stages + producer_stage) * schedule.microbatches + microbatch
+
+
+class Mailbox:
+    """One step's tensors between stages: in memory on this rank, isend/irecv across ranks.
+
+    Slots are keyed (F or B, stage, microbatch): an activation by its consumer stage when it
+    arrives and by its producer stage when it leaves; a gradient likewise.
+    """
+
+    def __init__(self, peers: PipelinePeers, schedule: Schedule, specs: list[Spec], traffic: Traffic):
+        self.peers = peers
+        self.schedule = schedule
+        self.specs = specs  # each stage's output shape and dtype (an output's gradient has the same)
+        self.traffic = traffic
+        self.inbox: dict[tuple[Kind, int, int], object] = {}  # tensor, or (work, buffer) of a posted irecv
+        self.outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}
+        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def put(self, kind: Kind, producer: int, consumer: int, microbatch: int, tensor: torch.Tensor) -> None:
+        """A result of `producer` for `consumer`: kept here if it runs on this rank, else queued for its SEND."""
+        if self.schedule.stage_rank(consumer) == self.peers.pp_rank:
+            self.inbox[(kind, consumer, microbatch)] = tensor
+        else:
+            self.outbox[(kind, producer, microbatch)] = tensor
+
+    def take(self, kind: Kind, stage: int, microbatch: int) -> torch.Tensor:
+        """The activation (F) or output gradient (B) `stage` consumes, waiting for it if still in flight."""
+        item = self.inbox.pop((kind, stage, microbatch))
+        if isinstance(item, tuple):
+            work, buffer = item
+            work.wait()
+            return buffer
+        return item
+
+    def post_recv(self, action: Action) -> None:
+        """RECV_F / RECV_B: post the irecv now, into a buffer shaped from the meta run."""
+        forward = action.kind == Kind.RECV_F
+        producer = action.stage - 1 if forward else action.stage + 1
+        shape, dtype = self.specs[producer if forward else action.stage]
+        buffer = torch.empty(shape, dtype=dtype, device=self.peers.device)
+        work = dist.irecv(
+            buffer,
+            src=self.peers.global_ranks[action.peer],
+            group=self.peers.group,
+            tag=message_tag(self.schedule, action.kind, producer, action.microbatch),
+        )
+        self.traffic.bytes_received += buffer.numel() * buffer.element_size()
+        self.inbox[(Kind.F if forward else Kind.B, action.stage, action.microbatch)] = (work, buffer)
+
+    def send(self, action: Action) -> None:
+        """SEND_F / SEND_B: isend what the stage queued, after checking it has the announced shape."""
+        forward = action.kind == Kind.SEND_F
+        stage, microbatch = action.stage, action.microbatch
+        tensor = self.outbox.pop((Kind.F if forward else Kind.B, stage, microbatch)).contiguous()
+        shape, dtype = self.specs[stage if forward else stage - 1]
+        if tensor.shape != shape or tensor.dtype != dtype:
+            what = "output" if forward else "input gradient"
+            raise RuntimeError(
+                f"stage {stage} produced an {what} of {tuple(tensor.shape)} {tensor.dtype} for microbatch {microbatch}, "
+                f"but the meta run gave {tuple(shape)} {dtype}: a stage's output must depend only on its input's "
+                "shape and dtype"
+            )
+        work = dist.isend(
+            tensor,
+            dst=self.peers.global_ranks[action.peer],
+            group=self.peers.group,
+            tag=message_tag(self.schedule, action.kind, stage, microbatch),
+        )
+        self.sends.append((work, tensor))  # the tensor must live until the send completes
+        self.traffic.bytes_sent += tensor.numel() * tensor.element_size()
+        self.traffic.messages_sent += 1
+
+    def wait_sends(self) -> None:
+        for work, _ in self.sends:
+            work.wait()
+        self.sends = []

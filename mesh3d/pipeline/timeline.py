@@ -1,0 +1,113 @@
+"""Replaying per-rank action lists: when each compute action of a schedule can run.
+
+- `replay()` is the one loop every replay shares: each rank runs its list in order, as far as it
+  can, until no rank can move. `timeline()` and `check_lowered()` (in `lower.py`) differ only in
+  what it takes for one action to run.
+- `timeline()` plays a compute schedule with per-action costs and cross-stage dependencies; a
+  schedule that cannot finish (a rank waits on something that never comes) is rejected here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from mesh3d.pipeline.schedules import COMPUTE, Action, Kind, Schedule, ScheduleError
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+def dependencies(action: Action, n_stages: int) -> list[Action]:
+    """The compute actions `action` waits for (on this or another rank)."""
+    s, j = action.stage, action.microbatch
+    if action.kind == Kind.F:
+        return [Action(s - 1, Kind.F, j)] if s > 0 else []
+    if action.kind == Kind.B:
+        later = [Action(s + 1, Kind.B, j)] if s < n_stages - 1 else []
+        return [Action(s, Kind.F, j)] + later
+    raise ValueError(f"{action} is not a compute action")
+
+
+def _check_complete(schedule: Schedule) -> None:
+    """Every forward (and, if any backward is listed, every backward) once, on the stage's rank."""
+    seen: dict[Action, int] = {}
+    has_backward = any(a.kind == Kind.B for acts in schedule.actions for a in acts)
+    for rank, actions in enumerate(schedule.actions):
+        for action in actions:
+            key = Action(action.stage, action.kind, action.microbatch)
+            if action.kind not in COMPUTE:
+                raise ScheduleError(f"rank {rank}: {action} is not a compute action; lower() adds communication")
+            if not 0 <= action.stage < schedule.n_stages or not 0 <= action.microbatch < schedule.microbatches:
+                raise ScheduleError(f"rank {rank}: {action} is outside {schedule.n_stages} stages x {schedule.microbatches} microbatches")
+            if schedule.stage_rank(action.stage) != rank:
+                raise ScheduleError(f"rank {rank}: {action} belongs on rank {schedule.stage_rank(action.stage)}")
+            if key in seen:
+                raise ScheduleError(f"rank {rank}: {action} is listed twice")
+            seen[key] = rank
+    kinds = COMPUTE if has_backward else (Kind.F,)
+    for s in range(schedule.n_stages):
+        for j in range(schedule.microbatches):
+            for kind in kinds:
+                if Action(s, kind, j) not in seen:
+                    raise ScheduleError(f"{schedule.name}: {Action(s, kind, j)} is never run")
+
+
+def replay(
+    actions_per_rank: Sequence[Sequence[Action]],
+    try_run: Callable[[int, Action], bool],
+    after_each_rank: Callable[[], None] | None = None,
+) -> list[tuple[int, Action]]:
+    """Run every rank's list in order until no rank can move; return where unfinished ranks stopped.
+
+    `try_run(rank, action)` runs the action and returns True, or returns False, changing nothing,
+    while it cannot run yet. Ranks take turns in rank order, each going as far as it can, and
+    `after_each_rank` runs after every turn (whether or not the rank moved). The result lists
+    (rank, next action) for every rank that did not reach its end; empty if all finished.
+    """
+    position = [0] * len(actions_per_rank)
+    progress = True
+    while progress:
+        progress = False
+        for rank, actions in enumerate(actions_per_rank):
+            while position[rank] < len(actions) and try_run(rank, actions[position[rank]]):
+                position[rank] += 1
+                progress = True
+            if after_each_rank is not None:
+                after_each_rank()
+    return [(r, acts[position[r]]) for r, acts in enumerate(actions_per_rank) if position[r] < len(acts)]
+
+
+def timeline(schedule: Schedule, f_cost: float = 1.0, b_cost: float = 2.0, comm_cost: float = 0.0) -> list[TimedAction]:
+    """Start and end of every compute action: each rank runs its list in order, as soon as inputs exist."""
+    _check_complete(schedule)
+    if f_cost <= 0 or b_cost <= 0 or comm_cost < 0:
+        raise ValueError(f"costs must be positive (comm_cost >= 0), got f={f_cost}, b={b_cost}, comm={comm_cost}")
+    cost = {Kind.F: f_cost, Kind.B: b_cost}
+    finished: dict[Action, float] = {}
+    free_at = [0.0] * schedule.pp
+    timed: list[TimedAction] = []
+
+    def run(rank: int, action: Action) -> bool:
+        deps = dependencies(action, schedule.n_stages)
+        if any(dep not in finished for dep in deps):
+            return False
+        arrivals = [finished[d] + (comm_cost if schedule.stage_rank(d.stage) != rank else 0.0) for d in deps]
+        start = max([free_at[rank], *arrivals])
+        finished[action] = free_at[rank] = start + cost[action.kind]
+        timed.append(TimedAction(rank, action, start, free_at[rank]))
+        return True
+
+    stuck = replay(schedule.actions, run)
+    if stuck:
+        waits = "; ".join(
+            f"rank {r} at {a} waits for {[str(d) for d in dependencies(a, schedule.n_stages) if d not in finished]}"
+            for r, a in stuck
+        )
+        raise ScheduleError(f"schedule {schedule.name!r} cannot finish: {waits}")
+    return timed
