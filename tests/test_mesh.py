@@ -201,6 +201,7 @@ def test_harness_kills_a_hang_and_names_the_rank():
     import time
 
     start = time.monotonic()
-    with pytest.raises(RankFailure, match=r"ranks \[2\] of 3 did not finish within the 3 s timeout"):
-        run_on_ranks(_hang_on_rank_two, 3, timeout=3)
-    assert time.monotonic() - start < 20
+    # The timeout leaves the healthy ranks time to start on a loaded machine (CI once took over 3 s).
+    with pytest.raises(RankFailure, match=r"ranks \[2\] of 3 did not finish within the 20 s timeout"):
+        run_on_ranks(_hang_on_rank_two, 3, timeout=20)
+    assert time.monotonic() - start < 40
