@@ -1,37 +1,113 @@
-"""The loss: the default next-token cross-entropy, and checking a loss function before a step.
+"""The loss contract: what `loss_fn(output, target)` may return, the default loss, and how each
+microbatch's loss is scaled before its backward so that the step's gradients are those of one
+process on the whole global batch.
 
-`loss_fn(output, target)` returns the mean loss of one microbatch; the pipeline runtime calls it
-on the last stage only.
+A loss function returns either
+- a 0-dim mean (a "mean" loss): the step averages the microbatch means, each scaled by 1/m. Right
+  when every microbatch counts the same number of elements; wrong with masked targets, where a
+  microbatch with 3 counted tokens would weigh as much as one with 300; or
+- a pair `(loss_sum, count)` (a "pair" loss): the summed loss and the integer number of elements
+  it sums. The step's loss is sum(loss_sums) / sum(counts) over every microbatch of every dp rank,
+  and each loss_sum is divided by that global count before its backward. The count is needed before
+  the first backward (1F1B runs a backward before the last forward), so it is found from the
+  targets before the schedule runs: by the loss's own `count(target)` method if it has one (the
+  default loss does), else by calling the loss on a zero output, which is why a pair loss's count
+  must depend on the target only.
+
+The default is `cross_entropy_loss`: next-token cross-entropy summed over positions whose target is
+not `IGNORE_INDEX` (-100), and their count.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
+IGNORE_INDEX = -100
+MEAN, PAIR = "mean", "pair"
 
 
-def cross_entropy_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Default loss: mean cross-entropy over every position, logits (..., vocab) in fp32."""
-    return F.cross_entropy(output.flatten(0, -2).float(), target.flatten())
+class TokenCrossEntropy:
+    """Cross-entropy summed over counted positions (target != ignore_index), and their count.
+
+    Logits (..., vocab) are taken in fp32 whatever the compute dtype. `count(target)` gives the
+    count from the target alone, so the step knows its divisor before the first backward without
+    calling the loss.
+    """
+
+    def __init__(self, ignore_index: int = IGNORE_INDEX):
+        self.ignore_index = ignore_index
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss_sum = F.cross_entropy(
+            output.flatten(0, -2).float(), target.flatten(), ignore_index=self.ignore_index, reduction="sum"
+        )
+        return loss_sum, self.count(target)
+
+    def count(self, target: torch.Tensor) -> torch.Tensor:
+        return (target != self.ignore_index).sum()
+
+    def __repr__(self) -> str:
+        return f"TokenCrossEntropy(ignore_index={self.ignore_index})"
+
+
+cross_entropy_loss = TokenCrossEntropy()
+
+
+def loss_kind(result: object) -> str:
+    """MEAN or PAIR for what a loss function returned; ValueError naming what is wrong otherwise."""
+    if isinstance(result, torch.Tensor):
+        if result.dim() != 0 or not result.is_floating_point():
+            raise ValueError(
+                f"loss_fn returned a {result.dtype} tensor of shape {tuple(result.shape)}; return a 0-dim floating "
+                "mean, or a pair (loss_sum, count) of a 0-dim floating sum and an integer count"
+            )
+        return MEAN
+    if isinstance(result, tuple):
+        if len(result) != 2:
+            raise ValueError(
+                f"loss_fn returned a tuple of {len(result)} items; a pair loss returns exactly (loss_sum, count)"
+            )
+        loss_sum, count = result
+        if not isinstance(loss_sum, torch.Tensor) or loss_sum.dim() != 0 or not loss_sum.is_floating_point():
+            what = f"{loss_sum.dtype} tensor of shape {tuple(loss_sum.shape)}" if isinstance(loss_sum, torch.Tensor) \
+                else type(loss_sum).__name__
+            raise ValueError(f"loss_fn returned (loss_sum, count) with loss_sum a {what}; it must be a 0-dim floating tensor")
+        integer_tensor = isinstance(count, torch.Tensor) and count.dim() == 0 and not count.is_floating_point() \
+            and not count.is_complex() and count.dtype != torch.bool
+        if not (integer_tensor or (isinstance(count, int) and not isinstance(count, bool))):
+            what = f"{count.dtype} tensor of shape {tuple(count.shape)}" if isinstance(count, torch.Tensor) \
+                else f"{type(count).__name__} {count!r}"
+            raise ValueError(
+                f"loss_fn returned (loss_sum, count) with count a {what}; the count is the number of elements "
+                "loss_sum adds up: a Python int or a 0-dim integer tensor (e.g. (target != -100).sum())"
+            )
+        return PAIR
+    raise ValueError(
+        f"loss_fn returned a {type(result).__name__}; return a 0-dim floating mean, or a pair (loss_sum, count)"
+    )
 
 
 def check_loss_on_meta(
     loss_fn: LossFn, output: torch.Tensor, target: torch.Tensor, context: Callable[[], AbstractContextManager]
-) -> None:
-    """Run `loss_fn` on the meta output of the model and a meta target of `target`'s shape and dtype.
+) -> str | None:
+    """Run `loss_fn` on the meta output of the model and a meta target of `target`'s shape and dtype;
+    return its kind (MEAN or PAIR), or None when it cannot run on meta tensors.
 
-    A target that does not fit the output then fails on every rank before the step, not on the
-    last stage's rank alone in the middle of the schedule. Best effort: a loss that cannot run on
-    meta tensors (class weights on a device, boolean masks, .item()) is not checked.
+    A target that does not fit the output, or a result that is neither a 0-dim mean nor a
+    (sum, count) pair, then fails on every rank before the step, not on the last stage's rank alone
+    in the middle of the schedule. A loss that cannot run on meta tensors (class weights on a
+    device, boolean masks, .item()) is classified on the last stage before the step instead.
     """
     try:
         with context(), torch.no_grad():
-            loss_fn(output, torch.empty(target.shape, dtype=target.dtype, device="meta"))
+            result = loss_fn(output, torch.empty(target.shape, dtype=target.dtype, device="meta"))
     except Exception as error:
         # No meta kernel, data-dependent ops (.item(), masks) or real tensors mixed in: this check
         # cannot tell, the real run will. Anything else is the loss's verdict.
@@ -40,3 +116,68 @@ def check_loss_on_meta(
                 f"loss_fn fails on the model's output {tuple(output.shape)} {output.dtype} and a target microbatch "
                 f"{tuple(target.shape)} {target.dtype}: {error}"
             ) from error
+        return None
+    return loss_kind(result)
+
+
+@torch.no_grad()
+def probe_counts(
+    loss_fn: LossFn, output: torch.Tensor, targets: list[torch.Tensor], context: Callable[[], AbstractContextManager]
+) -> tuple[str, list[int]]:
+    """Kind and per-microbatch counts of a loss, before the schedule, from the targets alone.
+
+    `output` is the model's output on meta (its shape, dtype and tensor-parallel layout). A loss
+    with a `count(target)` method is asked directly; any other is called on a zero output of that
+    layout, which costs one loss evaluation per microbatch on the last stage. A mean loss has no
+    counts (an empty list).
+    """
+    counter = getattr(loss_fn, "count", None)
+    if callable(counter):
+        return PAIR, [int(counter(target)) for target in targets]
+    zeros = _zeros_like_meta(output, targets[0].device)
+    counts = []
+    for target in targets:
+        with context():
+            result = loss_fn(zeros, target)
+        if loss_kind(result) == MEAN:
+            return MEAN, []
+        counts.append(int(result[1]))
+    return PAIR, counts
+
+
+def _zeros_like_meta(output: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if isinstance(output, DTensor):
+        local = torch.zeros(output.to_local().shape, dtype=output.dtype, device=device)
+        return DTensor.from_local(local, output.device_mesh, output.placements, shape=output.shape,
+                                  stride=output.stride(), run_check=False)
+    return torch.zeros(output.shape, dtype=output.dtype, device=device)
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """How the last stage turns each microbatch's loss into what its backward starts from.
+
+    kind MEAN: loss / microbatches. Kind PAIR: loss_sum / (global count / dp); data parallelism then
+    averages over the dp ranks, which leaves sum / global count. A global count of 0 (nothing to
+    count anywhere) scales by 0: loss 0 and zero gradients, never NaN.
+    """
+
+    kind: str | None  # None: not known before the step (an evaluation, which backpropagates nothing)
+    divisor: float  # MEAN: the microbatch count; PAIR: global count / dp (0 when nothing counts)
+    expected_count: int = 0  # PAIR: what this rank's microbatches count together, found before the step
+
+    def apply(self, result: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss value to report, the count it stands for, the tensor to backpropagate)."""
+        kind = loss_kind(result)
+        if self.kind is not None and kind != self.kind:
+            raise ValueError(f"loss_fn returned a {kind} loss where an earlier call returned a {self.kind} loss; "
+                             "a loss must return the same kind of result for every microbatch")
+        if kind == MEAN:
+            return _value(result), torch.ones((), device=result.device), result / self.divisor
+        loss_sum, count = result
+        scaled = loss_sum / self.divisor if self.divisor else loss_sum * 0.0
+        return _value(loss_sum), torch.as_tensor(count, device=_value(loss_sum).device), scaled
+
+
+def _value(loss: torch.Tensor) -> torch.Tensor:
+    return (loss.to_local() if isinstance(loss, DTensor) else loss).detach().float()

@@ -8,10 +8,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mesh3d.agree import gather_or_raise
 from mesh3d.data_parallel import GradientSync
 from mesh3d.grad_norm import clip_grad_norm_
+from mesh3d.loss import MEAN, PAIR, LossScale, probe_counts
 from mesh3d.mesh import Layout
-from mesh3d.pipeline.boundary import Spec
+from mesh3d.pipeline.boundary import Boundaries
 from mesh3d.pipeline.runtime import PipelineRuntime
 from mesh3d.pipeline.tied import TiedWeights
 from mesh3d.state import StateMap
@@ -59,8 +61,9 @@ class ParallelModel:
 
     # -- running ------------------------------------------------------------------------------
 
-    def _check(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> list[Spec]:
-        """Every check of a step or evaluation, on every rank, before any message; the boundary specs."""
+    def _check(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> tuple[Boundaries, str | None]:
+        """Every check of a step or evaluation, on every rank, before any message; the boundary
+        shapes and the loss's kind as the meta run saw it."""
         m = self.schedule.microbatches
         if inputs.dim() == 0 or inputs.shape[0] % m != 0:
             raise ValueError(
@@ -75,23 +78,26 @@ class ParallelModel:
                 f"sequence length {inputs.shape[1] if inputs.dim() >= 2 else None} is not divisible by tp={tp}; the tp "
                 f"plan uses sequence parallel, which splits dim 1 over the tp ranks: use a multiple of {tp}"
             )
-        specs = self.runtime.check(inputs, targets)
+        checked = self.runtime.check(inputs, targets)
         if self.tensor_parallel.loss_parallel:
             check_loss_parallel_output(self.runtime.output_placements, self.runtime.output_ndim)
-        return specs
+        return checked
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every microbatch; gradients accumulate into `.grad`.
 
-        Gradients equal those of one process computing loss_fn(model(inputs), targets).backward()
-        on the global batch (the dp ranks' shares together): data-parallel gradients are reduced
-        once, on each stage's last backward. Returns the global mean loss, a 0-dim tensor with
-        the same value on every rank.
+        With a (loss_sum, count) loss (the default cross-entropy is one), gradients equal those of
+        one process computing sum(loss_sums) / sum(counts) over the whole global batch (every
+        microbatch, the dp ranks' shares together) and calling backward(): the global token mean,
+        exact with masked targets. With a mean loss, the mean of the microbatch means. Data-parallel
+        gradients are reduced once, on each stage's last backward. Returns that loss, a 0-dim
+        tensor with the same value on every rank (0 when nothing is counted).
         """
-        specs = self._check(inputs, targets)  # fail before tied gradients are set aside
+        boundaries, kind = self._check(inputs, targets)  # fail before tied gradients are set aside
+        scale = self._loss_scale(boundaries, kind, targets)
         self.tied.set_aside_grads()
         try:
-            local_sum = self.runtime.run(inputs, targets, specs, train=True)
+            totals = self.runtime.run(inputs, targets, boundaries, scale, train=True)
         except BaseException:
             # The step is lost. Drop what data parallelism holds unreduced (zero_grad cannot reach
             # it) and give tied copies back their earlier gradients; .grad may still hold parts of
@@ -102,16 +108,18 @@ class ParallelModel:
             raise
         settle_gradients(self.parameters())
         self.tied.sync_grads()
-        return self._mean_loss(local_sum)
+        return self._global_loss(totals, scale)
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean loss of a forward pass only (no gradients, modules in eval mode), the same on every rank."""
-        specs = self._check(inputs, targets)
+        """The loss of a forward pass only (no gradients, modules in eval mode), the same on every
+        rank: the global token mean for a (loss_sum, count) loss, else the mean of microbatch means."""
+        boundaries, kind = self._check(inputs, targets)
+        scale = LossScale(kind, divisor=1.0)  # nothing is backpropagated: only the kind matters
         modes = {m: m.training for stage in self.stages.values() for m in stage.modules()}
         self.eval()
         try:
-            return self._mean_loss(self.runtime.run(inputs, targets, specs, train=False))
+            return self._global_loss(self.runtime.run(inputs, targets, boundaries, scale, train=False))
         finally:
             for module, training in modes.items():
                 module.training = training
@@ -127,12 +135,62 @@ class ParallelModel:
     def eval(self) -> ParallelModel:
         return self.train(False)
 
-    def _mean_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
-        # Only last-stage ranks add to the sum; each of their tp ranks holds the same value.
-        total = local_sum.detach().float().clone()
+    def _loss_scale(self, boundaries: Boundaries, kind: str | None, targets: torch.Tensor) -> LossScale:
+        """How the last stage scales each microbatch's loss: by 1/m for a mean loss; for a pair loss
+        by the global count, learned here from the targets before the first backward.
+
+        A loss with a count(target) method (the default) is counted directly on the last stage's
+        ranks, with one all-reduce over dp among them. Any other pair loss, or a loss that could not
+        run on meta tensors, is probed on a zero output there, and every rank learns the result or
+        the error in one all-gather, so a loss that fails does so everywhere before any message.
+        """
+        m, rt = self.schedule.microbatches, self.runtime
+        if kind == MEAN:
+            return LossScale(MEAN, float(m))
+        chunks = targets.to(self.layout.device).chunk(m)
+        if kind == PAIR and callable(getattr(rt.loss_fn, "count", None)):
+            if not rt.has_last_stage:
+                return LossScale(PAIR, 0.0)  # never applied here
+            local = torch.stack([torch.as_tensor(rt.loss_fn.count(t), device=self.layout.device) for t in chunks])
+            both = torch.stack([local.sum(), local.sum()]).long()  # [this rank's, the global] count
+            if self.layout.dp > 1:
+                dist.all_reduce(both[1:], group=self.layout.group("dp"))
+            mine, total = both.tolist()  # the step's one host sync for the count
+            return LossScale(PAIR, total / self.layout.dp, mine)
+        probed, error = None, None  # (kind, this rank's total count) from the last stage
+        if rt.has_last_stage:
+            try:
+                found_kind, counts = probe_counts(rt.loss_fn, boundaries.output, list(chunks), rt.loss_context)
+                probed = (found_kind, sum(counts))
+            except Exception as failure:  # noqa: BLE001 - every rank must raise it, not only this one
+                error = f"loss_fn failed before the step on the last stage: {type(failure).__name__}: {failure}"
+        voices = [v for v in gather_or_raise(probed if self.layout.tp_rank == 0 else None, error) if v is not None]
+        if {k for k, _ in voices} == {MEAN}:
+            return LossScale(MEAN, float(m))
+        if {k for k, _ in voices} != {PAIR}:
+            raise ValueError("loss_fn returned a mean on some ranks and a (loss_sum, count) pair on others; "
+                             "return the same kind of result for every batch")
+        return LossScale(PAIR, sum(c for _, c in voices) / self.layout.dp, probed[1] if probed else 0)
+
+    def _global_loss(self, totals: torch.Tensor, scale: LossScale | None = None) -> torch.Tensor:
+        """Every rank's [loss values, counts] summed over the world: the global loss, on every rank.
+
+        Only last-stage ranks at tp rank 0 contribute (the other tp ranks hold the same values).
+        A pair loss whose counts during the step differ from those found before it (a count that
+        depends on the output) is an error on every rank: the gradients were scaled wrongly.
+        """
+        mine = totals.detach() if self.layout.tp_rank == 0 else torch.zeros_like(totals)
+        recount = scale is not None and scale.kind == PAIR and bool(totals[1] != scale.expected_count)
+        everything = torch.cat([mine, torch.tensor([float(recount)], dtype=mine.dtype, device=mine.device)])
         if self.layout.world_size > 1:
-            dist.all_reduce(total)
-        return total / (self.schedule.microbatches * self.layout.dp * self.layout.tp)
+            dist.all_reduce(everything)
+        value, count, mismatches = everything.tolist()
+        if mismatches:
+            raise ValueError(
+                "loss_fn returned counts during the step that differ from those it gave before the step on the "
+                "same targets; a (loss_sum, count) loss's count must depend on the target only"
+            )
+        return torch.tensor(value / count if count else 0.0, dtype=torch.float32, device=self.layout.device)
 
     @property
     def peak_live_activations(self) -> int:

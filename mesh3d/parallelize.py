@@ -12,22 +12,25 @@ its axis (torchtitan's parallelize_llama has the same shape):
    along tp and dp;
 4. tensor parallelism per stage (tensor/apply.py), on the meta stages too, so boundary shapes are
    the local shards' shapes;
-5. data parallelism per stage (data_parallel/), each stage its own FSDP/DDP root;
-6. the pipeline runtime (pipeline/runtime.py), with the once-per-step gradient sync as its hook.
+5. torch.compile per block (compiled_blocks.py), when asked;
+6. data parallelism per stage (data_parallel/), each stage its own FSDP/DDP root, carrying the
+   mixed-precision policy (with dp = 1 too, when a compute dtype is asked for);
+7. the pipeline runtime (pipeline/runtime.py), with the once-per-step gradient sync as its hook.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from mesh3d.agree import check_same_everywhere
-from mesh3d.data_parallel import DataParallelConfig, apply_data_parallel
+from mesh3d.compiled_blocks import compile_blocks, resolve_compile
+from mesh3d.data_parallel import DataParallelConfig, MixedPrecision, apply_data_parallel
 from mesh3d.initialize import initialize, make_replicas_identical, to_device
-from mesh3d.loss import cross_entropy_loss
+from mesh3d.loss import LossFn, cross_entropy_loss
 from mesh3d.mesh import Layout, build_mesh
 from mesh3d.parallel_model import ParallelModel
 from mesh3d.pipeline.config import PipelineConfig
@@ -52,7 +55,7 @@ def parallelize(
     schedule: str = "interleaved_1f1b",
     microbatches: int | None = None,
     virtual_stages: int | None = None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    loss_fn: LossFn | None = None,
     activation_checkpoint: str = "never",
     layers_per_stage: Sequence[int] | None = None,
     stage_balance: str = "layers",
@@ -61,6 +64,9 @@ def parallelize(
     tp_plan: dict[str, ParallelStyle] | None = None,
     reshard_after_forward: bool | None = None,
     loss_parallel: bool = False,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+    compile: bool | str = False,
 ) -> ParallelModel:
     """Split `model` into pipeline stages, keep this rank's, and return a ParallelModel.
 
@@ -73,7 +79,11 @@ def parallelize(
         microbatches: microbatches per step; default pp. 1F1B-type schedules need >= pp.
         virtual_stages: stages per pp rank; default 2 for interleaved_1f1b when the model has
             at least 2*pp layers (else 1), and 1 for the other schedules.
-        loss_fn: loss_fn(output, target) -> mean loss of one microbatch; default cross-entropy.
+        loss_fn: loss_fn(output, target) -> a microbatch's 0-dim mean loss (the step averages the
+            microbatch means), or a pair (loss_sum, count) (the step's loss is the sum of every
+            loss_sum over the sum of every count, all microbatches and dp ranks: exact with masked
+            targets; the count must depend on the target only). Default: next-token cross-entropy
+            as such a pair, positions whose target is -100 not counted (docs/numerics.md).
         activation_checkpoint: "never", "always", or "except_last" (the last microbatch of each
             step keeps its activations instead of recomputing them).
         layers_per_stage: explicit layer counts, one per stage (pp * virtual_stages, in stage order).
@@ -90,10 +100,20 @@ def parallelize(
         loss_parallel: keep the logits vocab-sharded and compute the loss under torch's
             loss_parallel(); the tp plan must leave the output head's result a DTensor sharded on
             its last dim. Unused when tp == 1.
+        param_dtype: the compute dtype (e.g. torch.bfloat16); None computes in the model's dtype.
+            Parameters, what the optimizer updates and checkpoints hold, stay fp32; the loss is
+            computed in fp32; stage-boundary activations and their gradients travel in param_dtype.
+            Every layout, dp = 1 and DDP included, uses torch's FSDP2 MixedPrecisionPolicy.
+        reduce_dtype: the dtype gradients are accumulated and reduced over dp in (default fp32).
+        compile: torch.compile each block of `layers` (True: inductor; or a backend name such as
+            "aot_eager"); composes with tensor and data parallelism, activation checkpointing and
+            tied weights, and keeps parameter names.
     """
     find_layers(model)  # the model protocol, before any collective
     layout = _resolve_layout(layout, pp, dp, tp)
-    data = DataParallelConfig.resolve(dp_mode, reshard_after_forward, layout.pp)
+    precision = MixedPrecision.resolve(model, param_dtype, reduce_dtype)
+    data = DataParallelConfig.resolve(dp_mode, reshard_after_forward, layout.pp, layout.dp, precision)
+    compile_backend = resolve_compile(compile)
     tensor = TensorParallelConfig.resolve(model, layout.tp, tp_plan, loss_parallel)
     pipe = PipelineConfig.resolve(
         model, layout.pp, schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
@@ -101,7 +121,7 @@ def parallelize(
         stage_balance=stage_balance, end_weight=end_weight,
     )
     lowered = lower(pipe.schedule)
-    _check_same_config_everywhere(f"{pipe} {data} {tensor}")
+    _check_same_config_everywhere(f"{pipe} {data} {tensor} compile={compile_backend}")
 
     split = split_model(model, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank))
     stages = to_device(split.stages, layout.device, materialize=split.from_meta)
@@ -112,8 +132,10 @@ def parallelize(
     _initialize(split, stages, tied, layout)
     if tensor.plan:
         _apply_tensor_parallel(split, stages, tied, tensor, layout)
+    if compile_backend is not None:
+        compile_blocks(stages.values(), compile_backend)
     grad_sync = None
-    if layout.dp > 1:
+    if data.wraps(layout.dp):
         tied.separate_stages()  # each stage is its own FSDP/DDP root: no Parameter shared by two
         grad_sync = apply_data_parallel(stages, layout, data)
 
@@ -121,7 +143,7 @@ def parallelize(
         layout.pp_rank, layout.group_ranks("pp"), layout.group("pp") if layout.pp > 1 else None, layout.device
     )
     runtime = PipelineRuntime(
-        stages, split.meta_stages, lowered, peers, loss_fn or cross_entropy_loss, pipe.activation_checkpoint,
+        stages, precision.computed(split.meta_stages), lowered, peers, loss_fn or cross_entropy_loss, pipe.activation_checkpoint,
         before_backward=grad_sync.before_backward if grad_sync is not None else None,
         loss_context=loss_context(tensor.loss_parallel),
     )

@@ -24,20 +24,34 @@ def test_warmup_then_cosine():
     assert all(lr_at(s, **kw) >= lr_at(s + 1, **kw) for s in range(10, 120))
 
 
-def test_training_script_loss_falls(tmp_path):
-    """The README's command, shortened: from ~ln(256) to well below it, with a JSONL line per step."""
-    metrics = tmp_path / "metrics.jsonl"
+def _train(*flags: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(var, None)
-    cmd = [sys.executable, "examples/llama/train.py", "--steps", "40", "--warmup", "10", "--log-every", "10",
-           "--metrics", str(metrics)]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "examples/llama/train.py", *flags], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_training_script_loss_falls(tmp_path):
+    """The README's command, shortened: from ~ln(256) to well below it, with a JSONL line per step."""
+    metrics = tmp_path / "metrics.jsonl"
+    done = _train("--steps", "40", "--warmup", "10", "--log-every", "10", "--metrics", str(metrics))
     assert "step    11  loss" in done.stdout and "tokens/s" in done.stdout
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 41))
-    assert set(records[0]) == {"step", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"}
+    assert set(records[0]) == {"step", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "param_dtype", "compile"}
+    assert records[0]["param_dtype"] == "fp32" and records[0]["compile"] is False
     assert records[0]["loss"] == pytest.approx(math.log(256), rel=0.03)
     last = sum(r["loss"] for r in records[-5:]) / 5
     assert last < records[0]["loss"] - 2.0, [r["loss"] for r in records]
+
+
+def test_training_script_in_bf16(tmp_path):
+    """--param-dtype bf16 in one process (mixed precision without data parallelism): the JSONL says so."""
+    metrics = tmp_path / "metrics.jsonl"
+    _train("--steps", "3", "--seq-len", "32", "--param-dtype", "bf16", "--metrics", str(metrics))
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["param_dtype"] for r in records] == ["bf16"] * 3
+    assert records[0]["loss"] == pytest.approx(math.log(256), rel=0.03)

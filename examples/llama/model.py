@@ -209,8 +209,13 @@ def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position of the microbatch."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    """Mean next-token cross-entropy over the positions of one batch whose target is not -100.
+
+    The one-process form. Through mesh3d, leave `loss_fn` out: its default is the same loss as a
+    (sum, count) pair, which stays the global token mean when microbatches count different numbers
+    of positions (this mean, averaged over microbatches, would not).
+    """
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
 
 
 def llama_tp_plan(loss_parallel: bool = False) -> dict[str, ParallelStyle]:

@@ -35,8 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mesh3d  # noqa: E402
 from examples.llama.config import CONFIGS, ModelArgs, get_config  # noqa: E402
-from examples.llama.model import Transformer, count_parameters, llama_tp_plan, loss_fn  # noqa: E402
+from examples.llama.model import Transformer, count_parameters, llama_tp_plan  # noqa: E402
 from mesh3d.data import ByteTokenizer, DistributedLoader, TokenDataset  # noqa: E402
+
+
+PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dp-mode", default="fsdp", choices=["fsdp", "ddp"])
     p.add_argument("--activation-checkpoint", default="never", choices=["never", "always", "except_last"])
     p.add_argument("--loss-parallel", action="store_true", help="keep logits vocab-sharded over tp for the loss")
+    p.add_argument("--param-dtype", default="fp32", choices=sorted(PARAM_DTYPES),
+                   help="compute dtype; bf16 keeps fp32 master weights, reduces gradients in fp32")
+    p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (inductor)")
     p.add_argument("--placement-report", default=None, help="rank 0 writes each rank's node and mesh coordinate here (JSON)")
     p.add_argument("--config", default="debug", choices=sorted(CONFIGS))
     p.add_argument("--n-layers", type=int, default=None, help="override the config's number of layers")
@@ -147,11 +153,14 @@ def parallelize(model: Transformer, layout, args) -> mesh3d.ParallelModel:
         schedule=args.schedule,
         microbatches=args.microbatches,
         virtual_stages=args.virtual_stages,
-        loss_fn=loss_fn,
+        # The default loss: next-token cross-entropy over the global batch's counted tokens
+        # (targets of -100 are not counted), exact for any layout and microbatch count.
         activation_checkpoint=args.activation_checkpoint,
         dp_mode=args.dp_mode,
         tp_plan=llama_tp_plan(loss_parallel=args.loss_parallel),
         loss_parallel=args.loss_parallel,
+        param_dtype=PARAM_DTYPES[args.param_dtype],
+        compile=args.compile,
     )
     if args.seed != 0:  # parallelize ran init_weights() with its default seed 0
         for stage in pm.stages.values():
@@ -224,7 +233,7 @@ def main(argv=None) -> list[dict]:
             group["lr"] = lr
         inputs, targets = next(loader)
         optimizer.zero_grad(set_to_none=True)
-        loss = pm.step(inputs, targets)  # the global mean loss, on every rank
+        loss = pm.step(inputs, targets)  # the global token-mean loss, on every rank
         max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
         grad_norm = pm.clip_grad_norm_(max_norm)
         optimizer.step()
@@ -236,6 +245,8 @@ def main(argv=None) -> list[dict]:
             "grad_norm": grad_norm.item(),
             "tokens_per_s": tokens_per_step / (time.perf_counter() - step_start),
             "elapsed_s": time.perf_counter() - start,
+            "param_dtype": args.param_dtype,
+            "compile": args.compile,
         }
         history.append(record)
         if metrics_file:  # rank 0 only

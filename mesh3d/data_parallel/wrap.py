@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from mesh3d.data_parallel.gradient_sync import GradientSync
+from mesh3d.data_parallel.mixed_precision import MixedPrecision
 from mesh3d.mesh import Layout
 
 DP_MODES = ("fsdp", "ddp")
@@ -28,11 +29,15 @@ class DataParallelConfig:
 
     mode: str  # "fsdp" or "ddp"
     reshard_after_forward: bool  # FSDP: free gathered parameters after each forward
+    precision: MixedPrecision
 
     @classmethod
-    def resolve(cls, dp_mode: str, reshard_after_forward: bool | None, pp: int) -> DataParallelConfig:
+    def resolve(
+        cls, dp_mode: str, reshard_after_forward: bool | None, pp: int, dp: int, precision: MixedPrecision
+    ) -> DataParallelConfig:
         """Check parallelize's dp arguments (pure, the same on every rank) and fill in the default:
-        with pp > 1 microbatches reuse gathered parameters, so FSDP keeps them until the last backward."""
+        with pp > 1 microbatches reuse gathered parameters, so FSDP keeps them until the last
+        backward; with dp = 1 (a wrap for mixed precision only) there is nothing to free."""
         if dp_mode not in DP_MODES:
             raise ValueError(f"dp_mode={dp_mode!r}; choose one of {list(DP_MODES)}")
         if dp_mode == "ddp" and reshard_after_forward is not None:
@@ -42,15 +47,21 @@ class DataParallelConfig:
             )
         if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward must be True, False or None, got {reshard_after_forward!r}")
-        return cls(dp_mode, pp == 1 if reshard_after_forward is None else reshard_after_forward)
+        default = pp == 1 and dp > 1
+        return cls(dp_mode, default if reshard_after_forward is None else reshard_after_forward, precision)
+
+    def wraps(self, dp: int) -> bool:
+        """Whether stages are wrapped at all: for data parallelism, or for mixed precision alone."""
+        return dp > 1 or self.precision.enabled
 
     def __str__(self) -> str:
-        return f"dp_mode={self.mode} reshard={self.reshard_after_forward}"
+        return f"dp_mode={self.mode} reshard={self.reshard_after_forward} {self.precision}"
 
 
 def apply_data_parallel(stages: dict[int, nn.Module], layout: Layout, config: DataParallelConfig) -> GradientSync:
-    """Wrap each block of every stage, then the stage itself, over layout's dp dim; returns the
-    once-per-step gradient sync the pipeline runtime calls before each backward.
+    """Wrap each block of every stage, then the stage itself, over layout's dp dim (of any size,
+    1 included: the mixed-precision policy applies all the same); returns the once-per-step
+    gradient sync the pipeline runtime calls before each backward.
 
     Each stage becomes its own FSDP/DDP root, so no Parameter may be shared by two stages
     (tied copies must be separated first).
@@ -65,8 +76,8 @@ def apply_data_parallel(stages: dict[int, nn.Module], layout: Layout, config: Da
         wrap = functools.partial(replicate, mesh=mesh)
     for stage in stages.values():
         for block in stage.layers.values():
-            wrap(block)
-        wrap(stage)
+            wrap(block, mp_policy=config.precision.policy(root=False))
+        wrap(stage, mp_policy=config.precision.policy(root=True))
     return GradientSync(stages, reshard_between_backwards=config.mode == "fsdp" and config.reshard_after_forward)
 
 

@@ -1,7 +1,8 @@
 """The interpreter: runs one rank's lowered action list on real tensors.
 
 Per step it splits the batch into microbatches, and for each action: F runs a stage (the last
-stage adds the loss, scaled by 1/m) and keeps what its backward needs; B runs the stage's
+stage adds the loss, scaled as the step's LossScale says: by 1/m, or by the global count) and
+keeps what its backward needs; B runs the stage's
 backward with the received output gradient; RECV and SEND go to the step's mailbox (p2p.py),
 which posts receives early and hands tensors between stages of this rank in memory.
 """
@@ -18,8 +19,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from mesh3d.loss import LossFn, check_loss_on_meta
-from mesh3d.pipeline.boundary import BoundaryShapes, Spec
+from mesh3d.loss import LossFn, LossScale, check_loss_on_meta
+from mesh3d.pipeline.boundary import Boundaries, BoundaryShapes
 from mesh3d.pipeline.lower import LoweredSchedule, lower
 from mesh3d.pipeline.p2p import Mailbox, PipelinePeers, Traffic
 from mesh3d.pipeline.schedules import Action, Kind
@@ -41,7 +42,7 @@ class PipelineRuntime:
         meta_stages: every stage of the model on the meta device, used to learn boundary shapes.
         lowered: the lowered schedule (every rank's list; this runtime runs `peers.pp_rank`'s).
         peers: this rank's pp group.
-        loss_fn: loss_fn(output, target) -> mean loss of one microbatch.
+        loss_fn: loss_fn(output, target) -> a microbatch's mean loss, or (loss_sum, count) (see loss.py).
         activation_checkpoint: "never", "always" or "except_last" (the last microbatch is kept).
         before_backward: called as before_backward(stage, is_last_backward_of_stage) before every
             backward; data parallelism uses it to reduce gradients once, on the last one.
@@ -80,23 +81,29 @@ class PipelineRuntime:
         self.counters = RuntimeCounters()  # of the last training step
         self.output_placements = None  # the model output's DTensor placements (tensor parallel), from the meta run
         self.output_ndim = 0
-        self._losses_checked: set[tuple] = set()
+        self._loss_kinds: dict[tuple, str | None] = {}
         last_backward = {}
         for index, action in enumerate(self.train_actions):
             if action.kind == Kind.B:
                 last_backward[action.stage] = index
         self._last_backward_index = set(last_backward.values())
 
-    def check(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> list[Spec]:
-        """Everything that can fail before the first message, on every rank; returns the boundary specs.
+    @property
+    def has_last_stage(self) -> bool:
+        """Whether this rank computes the loss."""
+        return self.n_stages - 1 in self.stages
+
+    def check(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> tuple[Boundaries, str | None]:
+        """Everything that can fail before the first message, on every rank; returns the boundary
+        shapes and the loss's kind (MEAN or PAIR; None when it cannot run on meta tensors).
 
         Call once per step, before `run`: it runs the stages (and the loss) on meta tensors.
         """
         if torch.is_autocast_enabled(self.device.type):
             raise ValueError(
                 "pm.step/evaluate ran under torch.autocast, which mesh3d does not support yet: stage-boundary "
-                "dtypes are fixed before the step from a meta run, which autocast does not change. Cast the "
-                "model to the dtype you want instead (e.g. model.to(torch.bfloat16))"
+                "dtypes are fixed before the step from a meta run, which autocast does not change. Use "
+                "mesh3d.parallelize(..., param_dtype=torch.bfloat16) for mixed precision instead"
             )
         m = self.microbatches
         microbatch = inputs[: len(inputs) // m]
@@ -104,24 +111,30 @@ class PipelineRuntime:
         output = boundaries.output
         self.output_placements = tuple(output.placements) if isinstance(output, DTensor) else None
         self.output_ndim = output.ndim
+        kind = None
         if targets is not None:
             target = targets[: len(targets) // m]
             key = (tuple(microbatch.shape), microbatch.dtype, tuple(target.shape), target.dtype)
-            if key not in self._losses_checked:
-                check_loss_on_meta(self.loss_fn, output, target, self.loss_context)
-                self._losses_checked.add(key)
-        return boundaries.specs
+            if key not in self._loss_kinds:
+                self._loss_kinds[key] = check_loss_on_meta(self.loss_fn, output, target, self.loss_context)
+            kind = self._loss_kinds[key]
+        return boundaries, kind
 
-    def run(self, inputs: torch.Tensor, targets: torch.Tensor | None, specs: list[Spec], *, train: bool) -> torch.Tensor:
-        """Run every microbatch through this rank's actions (after `check`, which gave `specs`);
-        returns the sum of the microbatch losses computed here (0 on ranks without the last stage)."""
+    def run(
+        self, inputs: torch.Tensor, targets: torch.Tensor | None, boundaries: Boundaries, scale: LossScale, *, train: bool
+    ) -> torch.Tensor:
+        """Run every microbatch through this rank's actions (after `check`, which gave `boundaries`).
+
+        Returns [sum of the loss values, sum of their counts] computed here (a mean loss counts 1
+        per microbatch; zeros on ranks without the last stage)."""
         m = self.microbatches
         input_chunks = inputs.to(self.device).chunk(m)
         target_chunks = targets.to(self.device).chunk(m) if targets is not None else None
         counters = RuntimeCounters()
         if train:
             self.counters = counters  # an evaluation does not replace the last step's figures
-        step = _Step(self, input_chunks, target_chunks, Mailbox(self.peers, self.schedule, specs, counters), train, counters)
+        mailbox = Mailbox(self.peers, self.schedule, boundaries.specs, counters)
+        step = _Step(self, input_chunks, target_chunks, mailbox, scale, train, counters)
         for index, action in enumerate(self.train_actions if train else self.eval_actions):
             step.execute(action, is_last_backward=index in self._last_backward_index)
         return step.finish()
@@ -130,16 +143,18 @@ class PipelineRuntime:
 class _Step:
     """The state of one step: the mailbox, what backwards need, losses."""
 
-    def __init__(self, runtime: PipelineRuntime, input_chunks, target_chunks, mailbox: Mailbox, train: bool,
-                 counters: RuntimeCounters):
+    def __init__(self, runtime: PipelineRuntime, input_chunks, target_chunks, mailbox: Mailbox, scale: LossScale,
+                 train: bool, counters: RuntimeCounters):
         self.rt = runtime
         self.counters = counters
         self.inputs = input_chunks
         self.targets = target_chunks
         self.mailbox = mailbox
+        self.scale = scale
         self.train = train
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.losses: list[torch.Tensor] = []
+        self.counts: list[torch.Tensor] = []
 
     def execute(self, action: Action, is_last_backward: bool) -> None:
         kind = action.kind
@@ -169,9 +184,11 @@ class _Step:
                 out = module(x)
             if last:
                 with rt.loss_context():
-                    loss = rt.loss_fn(out, self.targets[mb])
-                self.losses.append((loss.to_local() if isinstance(loss, DTensor) else loss).detach())
-                out = loss / rt.microbatches  # scaled before backward, so grads accumulate to the global mean
+                    result = rt.loss_fn(out, self.targets[mb])
+                # Scaled before backward, so gradients accumulate to the global mean.
+                value, count, out = self.scale.apply(result)
+                self.losses.append(value)
+                self.counts.append(count)
         if self.train:
             self.saved[(stage, mb)] = (x, out)
             self.counters.live_activations += 1
@@ -196,6 +213,7 @@ class _Step:
     def finish(self) -> torch.Tensor:
         self.mailbox.wait_sends()
         if self.losses:
-            return torch.stack(self.losses).sum()
-        return torch.zeros((), device=self.rt.device)
+            # float64: a count over a large global batch is exact, and so is the final sum of sums.
+            return torch.stack([torch.stack(self.losses).double().sum(), torch.stack(self.counts).double().sum()])
+        return torch.zeros(2, dtype=torch.float64, device=self.rt.device)
 
