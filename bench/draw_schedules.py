@@ -16,7 +16,11 @@ FIGURES = [
     ("1f1b", 4, 8, 1),
     ("interleaved_1f1b", 4, 8, 2),
     ("interleaved_1f1b", 4, 5, 2),  # microbatches not a multiple of pp: uneven rounds
+    ("zero_bubble", 4, 8, 1),  # drawn with the weight gradient half of each backward (w_cost=1)
+    ("zero_bubble", 4, 8, 2),
+    ("zbv", 4, 8, 2),
 ]
+SPLIT_BACKWARD = {"zero_bubble", "zbv"}
 
 
 def main() -> None:
@@ -24,7 +28,7 @@ def main() -> None:
     for name, pp, microbatches, v in FIGURES:
         suffix = f"_v{v}" if v > 1 else ""
         path = IMAGES / f"{name}_pp{pp}_m{microbatches}{suffix}.png"
-        report = draw(name, pp, microbatches, v, path=path)
+        report = draw(name, pp, microbatches, v, path=path, w_cost=1.0 if name in SPLIT_BACKWARD else 0.0)
         print(
             f"{path.name}: bubble {report.bubble_fraction:.2%}, "
             f"peak activations per rank {report.peak_activations}, makespan {report.makespan:g}, "

@@ -33,8 +33,18 @@ def resolve_compile(compile: bool | str) -> str | None:
     raise ValueError(f"compile={compile!r}; pass True (inductor), False, or one of {list(COMPILE_BACKENDS)}")
 
 
-def compile_blocks(stages: Iterable[nn.Module], backend: str) -> None:
-    """Compile the forward of every block in each stage's `layers`, in place."""
+def compile_blocks(stages: Iterable[nn.Module], backend: str, split_backward: bool = False) -> None:
+    """Compile the forward of every block in each stage's `layers`, in place.
+
+    split_backward: the schedule runs each backward in two passes over one graph (I, then W with
+    the graph kept). AOTAutograd's compiled backward reuses ("donates") buffers, which forbids a
+    second pass, so donation is turned off (`torch._functorch.config.donated_buffer`, process-wide:
+    it costs some memory in every compiled backward of this process).
+    """
+    if split_backward:
+        import torch._functorch.config
+
+        torch._functorch.config.donated_buffer = False
     for stage in stages:
         for block in stage.layers.values():
             block.forward = functools.partial(_unaliased_call, torch.compile(block.forward, backend=backend))

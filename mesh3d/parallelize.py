@@ -133,7 +133,7 @@ def parallelize(
     if tensor.plan:
         _apply_tensor_parallel(split, stages, tied, tensor, layout)
     if compile_backend is not None:
-        compile_blocks(stages.values(), compile_backend)
+        compile_blocks(stages.values(), compile_backend, split_backward=pipe.schedule.splits_backward)
     grad_sync = None
     if data.wraps(layout.dp):
         tied.separate_stages()  # each stage is its own FSDP/DDP root: no Parameter shared by two

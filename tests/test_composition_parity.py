@@ -1,8 +1,9 @@
 """pp x dp x tp training equals one process: losses, clipped grad norms and parameters after 3 AdamW steps.
 
 Every (pp, dp, tp) whose product is 1, 2, 4 or 8, tied and untied, FSDP over dp, interleaved 1F1B
-(the default schedule); DDP on every layout with dp > 1; 1F1B, GPipe, other microbatch counts,
-activation checkpointing, reshard_after_forward=True and loss parallel on a subset. Each data-parallel
+(the default schedule); DDP on every layout with dp > 1; 1F1B, GPipe, the zero-bubble schedules,
+other microbatch counts, activation checkpointing, reshard_after_forward=True and loss parallel
+on a subset. Each data-parallel
 rank steps on its share of the global batch; the reference is one process on the whole batch.
 One process-group launch per world size (two for 8) runs all its cases.
 """
@@ -42,6 +43,13 @@ EXTRA = {
         ((2, 2, 2), True, {"reshard_after_forward": True, "activation_checkpoint": "always"}),
         ((2, 2, 2), False, {"loss_parallel": True, "microbatches": 4}),
         ((4, 2, 1), True, {"virtual_stages": 2, "microbatches": 2 * 4, "activation_checkpoint": "except_last"}),
+        # Zero-bubble schedules (split backward) composed with FSDP, DDP, TP, ties and recompute.
+        ((2, 2, 2), True, {"schedule": "zbv", "microbatches": 4}),
+        ((2, 2, 2), False, {"schedule": "zero_bubble", "virtual_stages": 2, "activation_checkpoint": "always"}),
+        ((2, 2, 2), True, {"schedule": "zero_bubble", "dp_mode": "ddp", "microbatches": 4}),
+        ((4, 1, 2), True, {"schedule": "zbv", "activation_checkpoint": "always"}),
+        ((4, 1, 2), False, {"schedule": "zero_bubble", "microbatches": 8}),
+        ((2, 4, 1), True, {"schedule": "zbv", "dp_mode": "ddp"}),
     ],
 }
 

@@ -56,7 +56,7 @@ def _bad_configs():
 
 
 EXPECTED = {
-    "unknown schedule": "unknown pipeline schedule 'zero_bubble_v'; choose one of ['1f1b', 'gpipe', 'interleaved_1f1b']",
+    "unknown schedule": "unknown pipeline schedule 'zero_bubble_v'; choose one of ['1f1b', 'gpipe', 'interleaved_1f1b', 'zbv', 'zero_bubble']",
     "too few microbatches": "schedule '1f1b' needs microbatches >= pp, got microbatches=3 with pp=4; use at least 4",
     "too few microbatches interleaved": "schedule 'interleaved_1f1b' needs microbatches >= pp, got microbatches=2 with pp=4",
     "more stages than layers": "cannot split 6 layers into 8 pipeline stages (pp x virtual_stages)",

@@ -1,7 +1,9 @@
 """Pipelined training equals one process: losses, clipped grad norms and parameters after 3 AdamW steps.
 
 For pp in {2, 4}: every schedule (interleaved with 2 stages per rank), microbatches pp, 2*pp and
-pp+1, tied and untied, every activation-checkpoint mode. One process-group launch per pp runs all
+pp+1, tied and untied, every activation-checkpoint mode; the zero-bubble schedules (ZB-H1,
+interleaved zero bubble with 2 stages per rank, ZBV) with the activation-checkpoint modes spread
+over their cases. ZBV puts both ends of a tie on rank 0, so no tie group is built. One process-group launch per pp runs all
 its cases; the single-process references are computed once, here, and shipped to the ranks.
 Each rank also checks its runtime's peak live activations against the simulator's.
 """
@@ -15,28 +17,32 @@ from mesh3d.pipeline import simulate
 from multiprocess import run_on_ranks
 from pipeline_cases import TOLERANCE, batches, pipeline_run, reference_run, worst_error
 
-SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}  # name -> virtual stages
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]  # (name, virtual stages)
+ZERO_BUBBLE = [("zero_bubble", 1), ("zero_bubble", 2), ("zbv", 2)]
 AC_MODES = ("never", "always", "except_last")
 MICROBATCH_SIZE = 2
 
 
 def cases(pp):
     counts = (pp, 2 * pp, pp + 1)
-    return list(itertools.product(SCHEDULES, counts, (False, True), AC_MODES))
+    every = list(itertools.product(SCHEDULES, counts, (False, True), AC_MODES))
+    spread = [(s, m, tied, AC_MODES[i % 3])
+              for i, (s, m, tied) in enumerate(itertools.product(ZERO_BUBBLE, counts, (False, True)))]
+    return every + spread
 
 
 def _run_cases(pp, references):
     layout = mesh3d.build_mesh(pp=pp, dp=1, tp=1)
     outcome = {}
-    for schedule, m, tied, ac in cases(pp):
-        v = SCHEDULES[schedule]
+    for (schedule, v), m, tied, ac in cases(pp):
         data = batches(MICROBATCH_SIZE * m)
         result = pipeline_run(layout, tied, data, schedule=schedule, microbatches=m, virtual_stages=v, activation_checkpoint=ac)
         error, where = worst_error(result, references[(tied, m)])
         pm = result[-1]
         simulated = simulate(schedule, pp, m, v).peak_activations[layout.pp_rank]
         recomputed = pm.runtime.counters.recomputed_forwards
-        outcome[(schedule, m, tied, ac)] = (error, where, pm.peak_live_activations, simulated, recomputed)
+        tie_groups = sum(tie.group is not None for tie in pm.tied.ties)
+        outcome[((schedule, v), m, tied, ac)] = (error, where, pm.peak_live_activations, simulated, recomputed, tie_groups)
     return outcome
 
 
@@ -51,13 +57,14 @@ def test_pipeline_matches_single_process(pp):
     failures = []
     for rank, outcome in enumerate(per_rank):
         assert len(outcome) == len(cases(pp))
-        for (schedule, m, tied, ac), (error, where, peak, simulated, recomputed) in outcome.items():
-            case = f"rank {rank} {schedule} m={m} tied={tied} ac={ac}"
+        for ((schedule, v), m, tied, ac), (error, where, peak, simulated, recomputed, tie_groups) in outcome.items():
+            case = f"rank {rank} {schedule} v={v} m={m} tied={tied} ac={ac}"
             if error > TOLERANCE:
                 failures.append(f"{case}: relative error {error:.2e} at {where}")
             if peak != simulated:
                 failures.append(f"{case}: runtime peak live activations {peak}, simulator {simulated}")
-            v = SCHEDULES[schedule]
+            if schedule == "zbv" and tie_groups:
+                failures.append(f"{case}: zbv holds both tie ends on rank 0, yet a tie group was built")
             stage_forwards = v * m
             want_recomputed = {"never": 0, "always": stage_forwards, "except_last": stage_forwards - v}[ac]
             if recomputed != want_recomputed:

@@ -140,7 +140,10 @@ def test_placements():
 @pytest.mark.parametrize(
     "args, match",
     [
-        (("zero_bubble", 2, 4), r"unknown pipeline schedule 'zero_bubble'; choose one of \['1f1b', 'gpipe', 'interleaved_1f1b'\]"),
+        (("dualpipe", 2, 4), r"unknown pipeline schedule 'dualpipe'; choose one of \['1f1b', 'gpipe', 'interleaved_1f1b', 'zbv', 'zero_bubble'\]"),
+        (("zbv", 4, 3, 2), "needs microbatches >= pp, got microbatches=3 with pp=4"),
+        (("zbv", 2, 4, 3), "places exactly 2 stages per rank"),
+        (("zero_bubble", 4, 2, 2), "needs microbatches >= pp"),
         (("1f1b", 4, 3), "needs microbatches >= pp, got microbatches=3 with pp=4"),
         (("interleaved_1f1b", 4, 2, 2), "needs microbatches >= pp"),
         (("gpipe", 2, 4, 2), "runs one stage per rank, but virtual_stages=2"),
@@ -159,10 +162,66 @@ def test_gpipe_accepts_fewer_microbatches_than_stages():
 def test_every_builtin_schedule_passes_the_single_stream_check():
     """lower() runs check_lowered (each rank's communication completes in issue order)."""
     count = 0
-    for name, virtual in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved_1f1b", (1, 2, 3))):
+    for name, virtual in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved_1f1b", (1, 2, 3)), ("zero_bubble", (1, 2)), ("zbv", (2,))):
         for p in range(1, 9):
             for m in range(1 if name == "gpipe" else p, 3 * p + 2):
                 for v in virtual:
                     lower(build_schedule(name, p, m, v))
                     count += 1
     assert count > 400
+
+
+# Zero-bubble schedules, with f = 1, b = 2 of which w = 1 (so I = W = F in cost).
+ZB_COSTS = {"f_cost": 1.0, "b_cost": 2.0, "w_cost": 1.0}
+
+
+@pytest.mark.parametrize("p", PPS)
+def test_zero_bubble_h1_bubble_is_a_third_of_1f1b(p):
+    for m in range(p, 3 * p + 1):
+        report = simulate("zero_bubble", p, m, 1, **ZB_COSTS)
+        assert report.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-9), m
+        assert max(report.peak_activations) <= p, (m, report.peak_activations)
+        one_f_one_b = simulate("1f1b", p, m, 1, **ZB_COSTS)
+        assert report.makespan - 3 * m == pytest.approx((one_f_one_b.makespan - 3 * m) / 3), m
+
+
+@pytest.mark.parametrize("p", PPS)
+def test_interleaved_zero_bubble_beats_interleaved_1f1b_and_zb_h1(p):
+    for m in range(p, 3 * p + 1):
+        bubble = simulate("zero_bubble", p, m, 2, **ZB_COSTS).bubble_fraction
+        assert bubble < simulate("interleaved_1f1b", p, m, 2, **ZB_COSTS).bubble_fraction, m
+        assert bubble < simulate("zero_bubble", p, m, 1, **ZB_COSTS).bubble_fraction, m
+
+
+@pytest.mark.parametrize("p", PPS)
+def test_zbv_beats_zb_h1_within_2p_half_stage_activations(p):
+    for m in range(p, 3 * p + 1):
+        report = simulate("zbv", p, m, 2, **ZB_COSTS)  # lowers too: it can finish for every m >= p
+        assert report.schedule.placement == "v"
+        if m >= 2 * p:
+            assert report.bubble_fraction < simulate("zero_bubble", p, m, 1, **ZB_COSTS).bubble_fraction, m
+            assert max(report.peak_activations) <= 2 * p, (m, report.peak_activations)
+
+
+def test_split_backward_costs():
+    """b_cost stays the whole backward: I costs b - w, W costs w; w = 0 keeps the other schedules' figures."""
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+        assert simulate(name, 4, 8, v, w_cost=0.0).makespan == simulate(name, 4, 8, v).makespan
+    report = simulate("zero_bubble", 4, 8, 1, b_cost=3.0, w_cost=1.0)
+    durations = {a.kind: e.end - e.start for e in report.events for a in [e.action]}
+    assert durations == {Kind.F: 1.0, Kind.I: 2.0, Kind.W: 1.0}
+    assert simulate("zero_bubble", 2, 4).makespan > 0  # w = 0: W takes no time, still a valid schedule
+    with pytest.raises(ValueError, match="0 <= w_cost < b_cost"):
+        simulate("zero_bubble", 2, 4, w_cost=2.0)
+
+
+def test_zero_bubble_lists_f_i_w_once_each_and_w_after_its_i():
+    schedule = build_schedule("zbv", 4, 8, 2)
+    for rank, actions in enumerate(schedule.actions):
+        assert {a.kind for a in actions} == {Kind.F, Kind.I, Kind.W}
+        assert len(actions) == 3 * 2 * 8
+        assert {a.stage for a in actions} == {rank, 2 * 4 - 1 - rank}
+        position = {(a.kind, a.stage, a.microbatch): i for i, a in enumerate(actions)}
+        for (kind, stage, j), i in position.items():
+            if kind == Kind.W:
+                assert position[(Kind.I, stage, j)] < i

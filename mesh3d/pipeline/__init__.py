@@ -2,7 +2,8 @@
 
 from mesh3d.pipeline.draw import chrome_trace, draw
 from mesh3d.pipeline.lower import LoweredSchedule, lower
-from mesh3d.pipeline.schedules import SCHEDULES, Action, Kind, Schedule, ScheduleError, build_schedule
+from mesh3d.pipeline.catalog import SCHEDULES, build_schedule
+from mesh3d.pipeline.schedules import Action, Kind, Schedule, ScheduleError
 from mesh3d.pipeline.simulate import SimulationReport, simulate, simulate_schedule
 
 __all__ = [

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from mesh3d.pipeline.schedules import SCHEDULES, Schedule, build_schedule, check_schedule_config
+from mesh3d.pipeline.catalog import SCHEDULES, build_schedule, check_schedule_config
+from mesh3d.pipeline.schedules import Schedule
 from mesh3d.pipeline.split import find_layers, stage_layer_ranges
 
 ACTIVATION_CHECKPOINT_MODES = ("never", "always", "except_last")
@@ -39,14 +40,17 @@ class PipelineConfig:
         stage_balance: str,
         end_weight: float,
     ) -> PipelineConfig:
-        """Defaults: microbatches = pp; virtual_stages = 2 for a multi-stage schedule when the model
-        has at least 2*pp layers, else 1."""
+        """Defaults: microbatches = pp; virtual_stages = 1 for zero_bubble (ZB-H1), 2 for zbv, and for
+        interleaved_1f1b 2 when the model has at least 2*pp layers, else 1."""
         layers = find_layers(model)
         if microbatches is None:
             microbatches = pp
         if virtual_stages is None:
-            multi = schedule in SCHEDULES and SCHEDULES[schedule].multi_stage
-            virtual_stages = 2 if multi and len(layers) >= 2 * pp else 1
+            spec = SCHEDULES.get(schedule)
+            if spec is not None and spec.default_virtual_stages is not None:
+                virtual_stages = spec.default_virtual_stages
+            else:
+                virtual_stages = 2 if spec is not None and spec.multi_stage and len(layers) >= 2 * pp else 1
         check_schedule_config(schedule, pp, microbatches, virtual_stages)
         if activation_checkpoint not in ACTIVATION_CHECKPOINT_MODES:
             raise ValueError(

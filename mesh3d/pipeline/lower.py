@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 # ScheduleError and timeline are also reached through this module (they lived here once).
-from mesh3d.pipeline.schedules import COMPUTE, Action, Kind, Schedule, ScheduleError
+from mesh3d.pipeline.schedules import BACKWARD_INPUT, COMPUTE, Action, Kind, Schedule, ScheduleError
 from mesh3d.pipeline.timeline import dependencies, replay, timeline
 
 
@@ -62,7 +62,7 @@ def lower(schedule: Schedule) -> LoweredSchedule:
         keyed[rank].append((item.start, 1, (), action))
         if action.kind == Kind.F and action.stage < n_stages - 1:
             kind, consumer = Kind.SEND_F, action.stage + 1
-        elif action.kind == Kind.B and action.stage > 0:
+        elif action.kind in BACKWARD_INPUT and action.stage > 0:
             kind, consumer = Kind.SEND_B, action.stage - 1
         else:
             continue

@@ -23,7 +23,7 @@ from mesh3d.loss import LossFn, LossScale, check_loss_on_meta
 from mesh3d.pipeline.boundary import Boundaries, BoundaryShapes
 from mesh3d.pipeline.lower import LoweredSchedule, lower
 from mesh3d.pipeline.p2p import Mailbox, PipelinePeers, Traffic
-from mesh3d.pipeline.schedules import Action, Kind
+from mesh3d.pipeline.schedules import RELEASES, Action, Kind
 
 @dataclass
 class RuntimeCounters(Traffic):
@@ -82,11 +82,14 @@ class PipelineRuntime:
         self.output_placements = None  # the model output's DTensor placements (tensor parallel), from the meta run
         self.output_ndim = 0
         self._loss_kinds: dict[tuple, str | None] = {}
-        last_backward = {}
+        last_backward = {}  # per stage, its last action that finishes weight gradients (B, or W)
         for index, action in enumerate(self.train_actions):
-            if action.kind == Kind.B:
+            if action.kind in RELEASES:
                 last_backward[action.stage] = index
         self._last_backward_index = set(last_backward.values())
+        # Split backward (I then W): activation checkpointing recomputes the forward once, at I,
+        # and the graph it builds serves both halves (torch's checkpoint would recompute per pass).
+        self.split_backward = self.schedule.splits_backward
 
     @property
     def has_last_stage(self) -> bool:
@@ -153,6 +156,8 @@ class _Step:
         self.scale = scale
         self.train = train
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.output_grads: dict[tuple[int, int], torch.Tensor | None] = {}  # from I, for its W
+        self.rng_states: dict[tuple[int, int], tuple] = {}  # forwards to recompute at I
         self.losses: list[torch.Tensor] = []
         self.counts: list[torch.Tensor] = []
 
@@ -162,6 +167,10 @@ class _Step:
             self.forward(action.stage, action.microbatch)
         elif kind == Kind.B:
             self.backward(action.stage, action.microbatch, is_last_backward)
+        elif kind == Kind.I:
+            self.backward_input(action.stage, action.microbatch)
+        elif kind == Kind.W:
+            self.backward_weight(action.stage, action.microbatch, is_last_backward)
         elif kind in (Kind.RECV_F, Kind.RECV_B):
             self.mailbox.post_recv(action)
         else:
@@ -176,25 +185,42 @@ class _Step:
         recompute = self.train and (
             rt.activation_checkpoint == "always" or (rt.activation_checkpoint == "except_last" and mb != rt.microbatches - 1)
         )
-        with torch.set_grad_enabled(self.train):
-            if recompute:
+        if recompute:
+            self.counters.recomputed_forwards += 1
+        recompute_at_input_grad = recompute and rt.split_backward
+        if recompute_at_input_grad:
+            self.rng_states[(stage, mb)] = _rng_state(rt.device)
+        with torch.set_grad_enabled(self.train and not recompute_at_input_grad):
+            if recompute and not recompute_at_input_grad:
                 out = checkpoint(module, x, use_reentrant=False)
-                self.counters.recomputed_forwards += 1
             else:
                 out = module(x)
             if last:
-                with rt.loss_context():
-                    result = rt.loss_fn(out, self.targets[mb])
-                # Scaled before backward, so gradients accumulate to the global mean.
-                value, count, out = self.scale.apply(result)
+                value, count, out = self._loss(out, mb)
                 self.losses.append(value)
                 self.counts.append(count)
         if self.train:
-            self.saved[(stage, mb)] = (x, out)
+            self.saved[(stage, mb)] = (x, None if recompute_at_input_grad else out)
             self.counters.live_activations += 1
             self.counters.peak_live_activations = max(self.counters.peak_live_activations, self.counters.live_activations)
         if not last:
             self.mailbox.put(Kind.F, stage, stage + 1, mb, out.detach())
+
+    def _loss(self, out: torch.Tensor, mb: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(value, count, what to backpropagate): scaled before backward, so gradients accumulate
+        to those of the global loss."""
+        with self.rt.loss_context():
+            result = self.rt.loss_fn(out, self.targets[mb])
+        return self.scale.apply(result)
+
+    def _recompute(self, stage: int, mb: int, x: torch.Tensor) -> torch.Tensor:
+        """The forward again, with the RNG as the first time, now building the graph I and W use."""
+        with _restored_rng(self.rng_states.pop((stage, mb)), self.rt.device), torch.enable_grad():
+            out = self.rt.stages[stage](x)
+            if stage == self.rt.n_stages - 1:
+                out = self._loss(out, mb)[2]
+        self.saved[(stage, mb)] = (x, out)
+        return out
 
     def backward(self, stage: int, mb: int, is_last_backward: bool) -> None:
         rt = self.rt
@@ -210,6 +236,42 @@ class _Step:
             grad = x.grad if x.grad is not None else torch.zeros_like(x)
             self.mailbox.put(Kind.B, stage, stage - 1, mb, grad)
 
+    def backward_input(self, stage: int, mb: int) -> None:
+        """I: the input gradient only, sent on at once; the graph is kept for W. Data parallelism
+        neither reduces nor reshards here (W does, on the stage's last one)."""
+        rt = self.rt
+        x, out = self.saved[(stage, mb)]
+        if rt.before_backward is not None:
+            rt.before_backward(stage, False)
+        if out is None:
+            out = self._recompute(stage, mb, x)
+        grad = None if stage == rt.n_stages - 1 else self.mailbox.take(Kind.B, stage, mb)
+        self.output_grads[(stage, mb)] = grad
+        if stage == 0:
+            return  # token ids: no input gradient to compute
+        if out.requires_grad and x.requires_grad:
+            with rt.loss_context() if grad is None else contextlib.nullcontext():
+                torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)
+        # W's pass reaches x again: give it a fresh .grad rather than adding into the tensor in flight.
+        input_grad, x.grad = (x.grad if x.grad is not None else torch.zeros_like(x)), None
+        self.mailbox.put(Kind.B, stage, stage - 1, mb, input_grad)
+
+    def backward_weight(self, stage: int, mb: int, is_last_backward: bool) -> None:
+        """W: the weight gradients, by a backward pass over the graph I kept.
+
+        The pass is a whole backward (it walks the input-gradient chain again to reach every
+        weight), which keeps it correct under FSDP/DDP hooks, tensor parallelism, activation
+        checkpointing and compiled blocks alike; it frees the activation."""
+        rt = self.rt
+        x, out = self.saved.pop((stage, mb))
+        grad = self.output_grads.pop((stage, mb))
+        if rt.before_backward is not None:
+            rt.before_backward(stage, is_last_backward)
+        if out.requires_grad:
+            with rt.loss_context() if grad is None else contextlib.nullcontext():
+                torch.autograd.backward(out, grad)
+        self.counters.live_activations -= 1
+
     def finish(self) -> torch.Tensor:
         self.mailbox.wait_sends()
         if self.losses:
@@ -217,3 +279,18 @@ class _Step:
             return torch.stack([torch.stack(self.losses).double().sum(), torch.stack(self.counts).double().sum()])
         return torch.zeros(2, dtype=torch.float64, device=self.rt.device)
 
+
+
+def _rng_state(device: torch.device) -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+@contextlib.contextmanager
+def _restored_rng(state: tuple, device: torch.device):
+    """Run with the RNG as it was at `state` (dropout draws the same masks), then put it back."""
+    cpu, cuda = state
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield

@@ -3,8 +3,8 @@
 A schedule is the intermediate representation (IR) every other part of the engine reads:
 `timeline.py` replays them with costs, `lower.py` adds the communication and checks the lists can
 finish, `simulate.py` reports what they cost, `runtime.py` executes them, `draw.py` draws them.
-Generators here only decide the order of compute on each rank; they know nothing about tensors or
-process groups.
+Generators here (GPipe, 1F1B, interleaved 1F1B) and in `zero_bubble.py` only decide the order of
+compute on each rank; they know nothing about tensors or process groups. `catalog.py` names them.
 
 Stages are numbered 0..pp*v-1 along the model; with loop placement stage s lives on pp rank s % pp,
 so rank r holds stages r, r+pp, r+2pp, ... (its "chunks" 0..v-1).
@@ -13,7 +13,6 @@ so rank r holds stages r, r+pp, r+2pp, ... (its "chunks" 0..v-1).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -22,6 +21,8 @@ class Kind(str, enum.Enum):
 
     F = "F"  # forward of one stage on one microbatch
     B = "B"  # full backward (input and weight gradients) of one stage on one microbatch
+    I = "I"  # input-gradient half of a backward (zero-bubble schedules): what the previous stage waits for
+    W = "W"  # weight-gradient half of a backward: nobody waits for it; it frees the activation
     SEND_F = "SEND_F"  # send a forward activation to the next stage's rank
     RECV_F = "RECV_F"  # post the receive of a forward activation from the previous stage's rank
     SEND_B = "SEND_B"  # send an input gradient to the previous stage's rank
@@ -31,7 +32,9 @@ class Kind(str, enum.Enum):
         return self.value
 
 
-COMPUTE = (Kind.F, Kind.B)
+COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W)
+BACKWARD_INPUT = (Kind.B, Kind.I)  # a backward that produces the input gradient (sent to the previous stage)
+RELEASES = (Kind.B, Kind.W)  # the action after which a forward's activation is no longer held
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,11 @@ class Schedule:
 
     def stage_rank(self, stage: int) -> int:
         return stage_to_rank(stage, self.pp, self.virtual_stages, self.placement)
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether backwards run as I and W (zero-bubble schedules) rather than as B."""
+        return any(a.kind == Kind.I for acts in self.actions for a in acts)
 
     def local_stages(self, rank: int) -> list[int]:
         return [s for s in range(self.n_stages) if self.stage_rank(s) == rank]
@@ -155,47 +163,3 @@ def _one_forward_one_backward(forwards: list[Action], backwards: list[Action], w
         order += [forward, backward]
     order += backwards[len(forwards) - warmup :]
     return order
-
-
-@dataclass(frozen=True)
-class ScheduleSpec:
-    generator: Callable[[int, int, int], Schedule]
-    multi_stage: bool  # may hold more than one stage per rank (virtual_stages > 1)
-    needs_pp_microbatches: bool  # deadlocks or idles with fewer microbatches than pp
-
-
-SCHEDULES: dict[str, ScheduleSpec] = {
-    "gpipe": ScheduleSpec(gpipe, multi_stage=False, needs_pp_microbatches=False),
-    "1f1b": ScheduleSpec(one_f_one_b, multi_stage=False, needs_pp_microbatches=True),
-    "interleaved_1f1b": ScheduleSpec(interleaved_one_f_one_b, multi_stage=True, needs_pp_microbatches=True),
-}
-
-
-def check_schedule_config(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> None:
-    """Raise ValueError with what to change if `schedule` cannot run with these sizes.
-
-    Pure arithmetic, so every rank raises the same error before any collective.
-    """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
-    spec = SCHEDULES[schedule]
-    for name, value in (("pp", pp), ("microbatches", microbatches), ("virtual_stages", virtual_stages)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if virtual_stages > 1 and not spec.multi_stage:
-        multi = sorted(n for n, s in SCHEDULES.items() if s.multi_stage)
-        raise ValueError(
-            f"schedule {schedule!r} runs one stage per rank, but virtual_stages={virtual_stages}; "
-            f"use virtual_stages=1 or a multi-stage schedule ({', '.join(multi)})"
-        )
-    if spec.needs_pp_microbatches and microbatches < pp:
-        raise ValueError(
-            f"schedule {schedule!r} needs microbatches >= pp, got microbatches={microbatches} with pp={pp}; "
-            f"use at least {pp} microbatches (or schedule='gpipe')"
-        )
-
-
-def build_schedule(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """The compute-only schedule IR for one of SCHEDULES, after checking the sizes."""
-    check_schedule_config(schedule, pp, microbatches, virtual_stages)
-    return SCHEDULES[schedule].generator(pp, microbatches, virtual_stages)

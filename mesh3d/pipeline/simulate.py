@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mesh3d.pipeline.lower import lower
-from mesh3d.pipeline.schedules import Action, Kind, Schedule, build_schedule
+from mesh3d.pipeline.catalog import build_schedule
+from mesh3d.pipeline.schedules import RELEASES, Action, Kind, Schedule
 from mesh3d.pipeline.timeline import TimedAction, timeline
 
 
@@ -34,22 +35,25 @@ class SimulationReport:
 
 
 def peak_live_activations(actions: tuple[Action, ...] | list[Action]) -> int:
-    """Most forwards whose backward has not run yet, over one rank's list (forward-only: 0)."""
-    if not any(a.kind == Kind.B for a in actions):
+    """Most forwards whose backward has not finished with them yet (B, or W of a split backward:
+    what W needs stays live until it runs), over one rank's list (forward-only: 0)."""
+    if not any(a.kind in RELEASES for a in actions):
         return 0
     live = peak = 0
     for action in actions:
         if action.kind == Kind.F:
             live += 1
             peak = max(peak, live)
-        elif action.kind == Kind.B:
+        elif action.kind in RELEASES:
             live -= 1
     return peak
 
 
-def simulate_schedule(schedule: Schedule, *, f_cost: float = 1.0, b_cost: float = 2.0, comm_cost: float = 0.0) -> SimulationReport:
+def simulate_schedule(
+    schedule: Schedule, *, f_cost: float = 1.0, b_cost: float = 2.0, w_cost: float = 0.0, comm_cost: float = 0.0
+) -> SimulationReport:
     """Simulate a schedule object (see `simulate` for the by-name form)."""
-    events = timeline(schedule, f_cost, b_cost, comm_cost)
+    events = timeline(schedule, f_cost, b_cost, comm_cost, w_cost)
     makespan = max(e.end for e in events)
     busy = [0.0] * schedule.pp
     for e in events:
@@ -67,9 +71,13 @@ def simulate(
     *,
     f_cost: float = 1.0,
     b_cost: float = 2.0,
+    w_cost: float = 0.0,
     comm_cost: float = 0.0,
 ) -> SimulationReport:
     """Run a schedule on paper: costs per stage forward/backward, zero-cost messages by default.
+
+    `b_cost` is a stage's whole backward and `w_cost` its weight-gradient part: a split backward
+    (zero-bubble schedules) costs b_cost - w_cost for I and w_cost for W.
 
     Returns a SimulationReport with `.makespan`, `.bubble_fraction` and `.peak_activations` (one
     per pp rank). Raises ValueError for sizes the schedule cannot run and ScheduleError if the
@@ -77,4 +85,4 @@ def simulate(
     """
     built = build_schedule(schedule, pp, microbatches, virtual_stages)
     lower(built)  # rejects a schedule whose communication could not finish
-    return simulate_schedule(built, f_cost=f_cost, b_cost=b_cost, comm_cost=comm_cost)
+    return simulate_schedule(built, f_cost=f_cost, b_cost=b_cost, w_cost=w_cost, comm_cost=comm_cost)

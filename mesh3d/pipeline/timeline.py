@@ -28,16 +28,29 @@ def dependencies(action: Action, n_stages: int) -> list[Action]:
     s, j = action.stage, action.microbatch
     if action.kind == Kind.F:
         return [Action(s - 1, Kind.F, j)] if s > 0 else []
-    if action.kind == Kind.B:
-        later = [Action(s + 1, Kind.B, j)] if s < n_stages - 1 else []
+    if action.kind in (Kind.B, Kind.I):  # a schedule uses B throughout, or I and W throughout
+        later = [Action(s + 1, action.kind, j)] if s < n_stages - 1 else []
         return [Action(s, Kind.F, j)] + later
+    if action.kind == Kind.W:
+        return [Action(s, Kind.I, j)]
     raise ValueError(f"{action} is not a compute action")
+
+
+def backward_kinds(schedule: Schedule) -> tuple[Kind, ...]:
+    """The backward kinds a schedule uses: (B,), (I, W), or () for forward only; mixing is an error."""
+    used = {a.kind for acts in schedule.actions for a in acts} - {Kind.F}
+    if not used:
+        return ()
+    if used == {Kind.B}:
+        return (Kind.B,)
+    if used == {Kind.I, Kind.W}:
+        return (Kind.I, Kind.W)
+    raise ScheduleError(f"{schedule.name}: backward actions {sorted(map(str, used))}; use B throughout, or I and W throughout")
 
 
 def _check_complete(schedule: Schedule) -> None:
     """Every forward (and, if any backward is listed, every backward) once, on the stage's rank."""
     seen: dict[Action, int] = {}
-    has_backward = any(a.kind == Kind.B for acts in schedule.actions for a in acts)
     for rank, actions in enumerate(schedule.actions):
         for action in actions:
             key = Action(action.stage, action.kind, action.microbatch)
@@ -50,7 +63,7 @@ def _check_complete(schedule: Schedule) -> None:
             if key in seen:
                 raise ScheduleError(f"rank {rank}: {action} is listed twice")
             seen[key] = rank
-    kinds = COMPUTE if has_backward else (Kind.F,)
+    kinds = (Kind.F, *backward_kinds(schedule))
     for s in range(schedule.n_stages):
         for j in range(schedule.microbatches):
             for kind in kinds:
@@ -83,12 +96,21 @@ def replay(
     return [(r, acts[position[r]]) for r, acts in enumerate(actions_per_rank) if position[r] < len(acts)]
 
 
-def timeline(schedule: Schedule, f_cost: float = 1.0, b_cost: float = 2.0, comm_cost: float = 0.0) -> list[TimedAction]:
-    """Start and end of every compute action: each rank runs its list in order, as soon as inputs exist."""
+def timeline(
+    schedule: Schedule, f_cost: float = 1.0, b_cost: float = 2.0, comm_cost: float = 0.0, w_cost: float = 0.0
+) -> list[TimedAction]:
+    """Start and end of every compute action: each rank runs its list in order, as soon as inputs exist.
+
+    b_cost is a stage's whole backward; w_cost its weight-gradient part, so I costs b_cost - w_cost
+    and W costs w_cost (0 by default: a split backward then times like a whole one).
+    """
     _check_complete(schedule)
-    if f_cost <= 0 or b_cost <= 0 or comm_cost < 0:
-        raise ValueError(f"costs must be positive (comm_cost >= 0), got f={f_cost}, b={b_cost}, comm={comm_cost}")
-    cost = {Kind.F: f_cost, Kind.B: b_cost}
+    if f_cost <= 0 or b_cost <= 0 or comm_cost < 0 or not 0 <= w_cost < b_cost:
+        raise ValueError(
+            f"costs must be positive with 0 <= w_cost < b_cost and comm_cost >= 0, got f={f_cost}, b={b_cost}, "
+            f"w={w_cost}, comm={comm_cost}"
+        )
+    cost = {Kind.F: f_cost, Kind.B: b_cost, Kind.I: b_cost - w_cost, Kind.W: w_cost}
     finished: dict[Action, float] = {}
     free_at = [0.0] * schedule.pp
     timed: list[TimedAction] = []

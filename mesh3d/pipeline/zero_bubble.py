@@ -1,0 +1,157 @@
+"""Zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024).
+
+Each backward is split in two: I, the gradient with respect to the stage's input, which the
+previous stage waits for; and W, the gradient with respect to the stage's weights, which nobody
+waits for. W's can then fill what would be bubbles. An activation stays live until its W has run.
+
+The generators place W's by playing the schedule with unit costs (F = I = W = 1) and letting each
+rank run a waiting W whenever its next F or I cannot start (its input has not arrived, or it holds
+as many activations as it may):
+
+- `zero_bubble_h1` (ZB-H1): 1F1B's order of F and I, at most pp live activations. Bubble
+  (pp-1)/(3m+pp-1) with f = i = w, a third of 1F1B's.
+- `interleaved_zero_bubble` (v stages per rank, loop placement): interleaved 1F1B's order of F and
+  I, at most one live activation more than interleaved 1F1B holds.
+- `zero_bubble_v` (ZB-V: 2 stages per rank in a V, rank r holds stages r and 2pp-1-r, so the
+  first and last stage share rank 0): no fixed order; at each free moment a rank runs the ready I
+  of the earliest microbatch, else a ready F (earliest microbatch, later stage first) if it holds
+  fewer than 2pp half-stage activations, else a waiting W.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+
+from mesh3d.pipeline.schedules import (
+    Action,
+    Kind,
+    Schedule,
+    ScheduleError,
+    interleaved_one_f_one_b,
+    one_f_one_b,
+    stage_to_rank,
+)
+
+# A rank's policy: (rank, time, ready(action) -> bool, live activations, waiting W's) -> the action
+# to start now, or None to let the rank wait for the next event.
+Policy = Callable[[int, float, Callable[[Action], bool], int, list], "Action | None"]
+
+
+def zero_bubble_h1(pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    base = one_f_one_b(pp, microbatches)
+    actions = _play("zero_bubble", pp, microbatches, 1, "loop", _follow(base, limits=[pp] * pp))
+    return Schedule("zero_bubble", pp, microbatches, 1, actions)
+
+
+def interleaved_zero_bubble(pp: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
+    base = interleaved_one_f_one_b(pp, microbatches, virtual_stages)
+    limits = [_peak(acts) + 1 for acts in base.actions]
+    actions = _play("zero_bubble", pp, microbatches, virtual_stages, "loop", _follow(base, limits))
+    return Schedule("zero_bubble", pp, microbatches, virtual_stages, actions)
+
+
+def zero_bubble(pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """ZB-H1 with one stage per rank, interleaved zero bubble with more."""
+    if virtual_stages == 1:
+        return zero_bubble_h1(pp, microbatches)
+    return interleaved_zero_bubble(pp, microbatches, virtual_stages)
+
+
+def zero_bubble_v(pp: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
+    if virtual_stages != 2:
+        raise ValueError(f"schedule 'zbv' places exactly 2 stages per rank in a V, got virtual_stages={virtual_stages}")
+    n_stages = 2 * pp
+
+    def greedy(rank: int, now: float, ready, live: int, waiting: list) -> Action | None:
+        mine = [s for s in range(n_stages) if stage_to_rank(s, pp, 2, "v") == rank]
+        inputs = [Action(s, Kind.I, j) for s in mine for j in range(microbatches) if ready(Action(s, Kind.I, j))]
+        if inputs:
+            return min(inputs, key=lambda a: (a.microbatch, -a.stage))
+        if live < 2 * pp:
+            forwards = [Action(s, Kind.F, j) for s in mine for j in range(microbatches) if ready(Action(s, Kind.F, j))]
+            if forwards:
+                return min(forwards, key=lambda a: (a.microbatch, -a.stage))
+        return waiting[0] if waiting else None
+
+    return Schedule("zbv", pp, microbatches, 2, _play("zbv", pp, microbatches, 2, "v", greedy), placement="v")
+
+
+def _follow(base: Schedule, limits: list[int]) -> Policy:
+    """Run `base`'s forwards and backwards (as I) in its order; a W when the next cannot start."""
+    order = [[Action(a.stage, Kind.I if a.kind == Kind.B else a.kind, a.microbatch) for a in acts] for acts in base.actions]
+    position = [0] * base.pp
+
+    def policy(rank: int, now: float, ready, live: int, waiting: list) -> Action | None:
+        if position[rank] < len(order[rank]):
+            nxt = order[rank][position[rank]]
+            if ready(nxt) and (nxt.kind != Kind.F or live < limits[rank]):
+                position[rank] += 1
+                return nxt
+        return waiting[0] if waiting else None
+
+    return policy
+
+
+def _peak(actions) -> int:
+    live = peak = 0
+    for action in actions:
+        live += 1 if action.kind == Kind.F else -1
+        peak = max(peak, live)
+    return peak
+
+
+def _play(name: str, pp: int, microbatches: int, v: int, placement: str, policy: Policy) -> tuple[tuple[Action, ...], ...]:
+    """Event-driven play with unit costs; each rank asks `policy` what to start whenever it is free."""
+    n_stages = pp * v
+    finished: dict[Action, float] = {}
+    free_at = [0.0] * pp
+    live = [0] * pp
+    waiting: list[list[Action]] = [[] for _ in range(pp)]
+    order: list[list[Action]] = [[] for _ in range(pp)]
+    total, now, placed = 3 * n_stages * microbatches, 0.0, 0
+    events: list[float] = []  # finish times still ahead
+
+    def ready_at(now: float) -> Callable[[Action], bool]:
+        def ready(action: Action) -> bool:
+            if action in finished:
+                return False
+            s, j = action.stage, action.microbatch
+            if action.kind == Kind.F:
+                needs = [Action(s - 1, Kind.F, j)] if s > 0 else []
+                if j > 0:
+                    needs.append(Action(s, Kind.F, j - 1))  # a stage takes microbatches in order
+            else:
+                needs = [Action(s, Kind.F, j)] + ([Action(s + 1, Kind.I, j)] if s < n_stages - 1 else [])
+                if j > 0:
+                    needs.append(Action(s, Kind.I, j - 1))
+            return all(finished.get(d, float("inf")) <= now for d in needs)
+        return ready
+
+    while placed < total:
+        ready = ready_at(now)
+        for rank in range(pp):
+            if free_at[rank] > now:
+                continue
+            action = policy(rank, now, ready, live[rank], waiting[rank])
+            if action is None:
+                continue
+            if action.kind == Kind.W:
+                waiting[rank].remove(action)
+                live[rank] -= 1
+            elif action.kind == Kind.I:
+                waiting[rank].append(Action(action.stage, Kind.W, action.microbatch))
+            else:
+                live[rank] += 1
+            finished[action] = free_at[rank] = now + 1.0
+            order[rank].append(action)
+            placed += 1
+            heapq.heappush(events, now + 1.0)
+        while events and events[0] <= now:
+            heapq.heappop(events)
+        if not events:
+            if placed < total:
+                raise ScheduleError(f"{name}: the generator could not place every action (pp={pp}, m={microbatches})")
+            break
+        now = heapq.heappop(events)
+    return tuple(tuple(o) for o in order)
