@@ -15,6 +15,7 @@ import functools
 from collections.abc import Iterable
 
 import torch
+import torch._functorch.config
 from torch import nn
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -42,8 +43,6 @@ def compile_blocks(stages: Iterable[nn.Module], backend: str, split_backward: bo
     it costs some memory in every compiled backward of this process).
     """
     if split_backward:
-        import torch._functorch.config
-
         torch._functorch.config.donated_buffer = False
     for stage in stages:
         for block in stage.layers.values():

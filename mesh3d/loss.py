@@ -121,28 +121,35 @@ def check_loss_on_meta(
 
 
 @torch.no_grad()
+def probe_kind(
+    loss_fn: LossFn, output: torch.Tensor, target: torch.Tensor, context: Callable[[], AbstractContextManager]
+) -> str:
+    """The kind of a loss that cannot run on meta tensors: called once on a zero output of the
+    model output's layout (`output` is its meta form) and a real target; ValueError if the result
+    is neither a mean nor a pair."""
+    with context():
+        return loss_kind(loss_fn(_zeros_like_meta(output, target.device), target))
+
+
+@torch.no_grad()
 def probe_counts(
     loss_fn: LossFn, output: torch.Tensor, targets: list[torch.Tensor], context: Callable[[], AbstractContextManager]
-) -> tuple[str, list[int]]:
-    """Kind and per-microbatch counts of a loss, before the schedule, from the targets alone.
+) -> list[torch.Tensor]:
+    """A pair loss's count for each target microbatch, before the schedule, from the targets alone.
 
-    `output` is the model's output on meta (its shape, dtype and tensor-parallel layout). A loss
-    with a `count(target)` method is asked directly; any other is called on a zero output of that
-    layout, which costs one loss evaluation per microbatch on the last stage. A mean loss has no
-    counts (an empty list).
+    A loss with a `count(target)` method is asked directly; any other is called on a zero output
+    of the model output's layout (`output`, on meta), which costs one loss evaluation per
+    microbatch on the last stage. Counts stay on the device (no host sync here).
     """
     counter = getattr(loss_fn, "count", None)
     if callable(counter):
-        return PAIR, [int(counter(target)) for target in targets]
-    zeros = _zeros_like_meta(output, targets[0].device)
+        return [torch.as_tensor(counter(target), device=target.device) for target in targets]
     counts = []
     for target in targets:
         with context():
-            result = loss_fn(zeros, target)
-        if loss_kind(result) == MEAN:
-            return MEAN, []
-        counts.append(int(result[1]))
-    return PAIR, counts
+            count = loss_fn(_zeros_like_meta(output, target.device), target)[1]
+        counts.append(torch.as_tensor(count, device=target.device))
+    return counts
 
 
 def _zeros_like_meta(output: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -162,14 +169,14 @@ class LossScale:
     count anywhere) scales by 0: loss 0 and zero gradients, never NaN.
     """
 
-    kind: str | None  # None: not known before the step (an evaluation, which backpropagates nothing)
+    kind: str  # MEAN or PAIR
     divisor: float  # MEAN: the microbatch count; PAIR: global count / dp (0 when nothing counts)
     expected_count: int = 0  # PAIR: what this rank's microbatches count together, found before the step
 
     def apply(self, result: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss value to report, the count it stands for, the tensor to backpropagate)."""
         kind = loss_kind(result)
-        if self.kind is not None and kind != self.kind:
+        if kind != self.kind:
             raise ValueError(f"loss_fn returned a {kind} loss where an earlier call returned a {self.kind} loss; "
                              "a loss must return the same kind of result for every microbatch")
         if kind == MEAN:

@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from mesh3d.agree import gather_or_raise
 from mesh3d.data_parallel import GradientSync
+from mesh3d.global_loss import GlobalLoss
 from mesh3d.grad_norm import clip_grad_norm_
-from mesh3d.loss import MEAN, PAIR, LossScale, probe_counts
+from mesh3d.loss import LossScale
 from mesh3d.mesh import Layout
 from mesh3d.pipeline.boundary import Boundaries
 from mesh3d.pipeline.runtime import PipelineRuntime
@@ -58,12 +57,13 @@ class ParallelModel:
         self.stage_layers = stage_layers
         self.tensor_parallel = tensor_parallel
         self.grad_sync = grad_sync
+        self.loss = GlobalLoss(layout, runtime)
 
     # -- running ------------------------------------------------------------------------------
 
-    def _check(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> tuple[Boundaries, str | None]:
+    def _check(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[Boundaries, str]:
         """Every check of a step or evaluation, on every rank, before any message; the boundary
-        shapes and the loss's kind as the meta run saw it."""
+        shapes and the loss's kind (MEAN or PAIR)."""
         m = self.schedule.microbatches
         if inputs.dim() == 0 or inputs.shape[0] % m != 0:
             raise ValueError(
@@ -78,10 +78,10 @@ class ParallelModel:
                 f"sequence length {inputs.shape[1] if inputs.dim() >= 2 else None} is not divisible by tp={tp}; the tp "
                 f"plan uses sequence parallel, which splits dim 1 over the tp ranks: use a multiple of {tp}"
             )
-        checked = self.runtime.check(inputs, targets)
+        boundaries = self.runtime.check(inputs)
         if self.tensor_parallel.loss_parallel:
             check_loss_parallel_output(self.runtime.output_placements, self.runtime.output_ndim)
-        return checked
+        return boundaries, self.loss.kind(boundaries, inputs, targets)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every microbatch; gradients accumulate into `.grad`.
@@ -94,7 +94,7 @@ class ParallelModel:
         tensor with the same value on every rank (0 when nothing is counted).
         """
         boundaries, kind = self._check(inputs, targets)  # fail before tied gradients are set aside
-        scale = self._loss_scale(boundaries, kind, targets)
+        scale = self.loss.scale(boundaries, kind, targets)
         self.tied.set_aside_grads()
         try:
             totals = self.runtime.run(inputs, targets, boundaries, scale, train=True)
@@ -108,18 +108,18 @@ class ParallelModel:
             raise
         settle_gradients(self.parameters())
         self.tied.sync_grads()
-        return self._global_loss(totals, scale)
+        return self.loss.total(totals, scale)
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of a forward pass only (no gradients, modules in eval mode), the same on every
         rank: the global token mean for a (loss_sum, count) loss, else the mean of microbatch means."""
         boundaries, kind = self._check(inputs, targets)
-        scale = LossScale(kind, divisor=1.0)  # nothing is backpropagated: only the kind matters
+        scale = LossScale(kind, divisor=1.0)  # nothing is backpropagated: the values are all that count
         modes = {m: m.training for stage in self.stages.values() for m in stage.modules()}
         self.eval()
         try:
-            return self._global_loss(self.runtime.run(inputs, targets, boundaries, scale, train=False))
+            return self.loss.total(self.runtime.run(inputs, targets, boundaries, scale, train=False))
         finally:
             for module, training in modes.items():
                 module.training = training
@@ -134,63 +134,6 @@ class ParallelModel:
 
     def eval(self) -> ParallelModel:
         return self.train(False)
-
-    def _loss_scale(self, boundaries: Boundaries, kind: str | None, targets: torch.Tensor) -> LossScale:
-        """How the last stage scales each microbatch's loss: by 1/m for a mean loss; for a pair loss
-        by the global count, learned here from the targets before the first backward.
-
-        A loss with a count(target) method (the default) is counted directly on the last stage's
-        ranks, with one all-reduce over dp among them. Any other pair loss, or a loss that could not
-        run on meta tensors, is probed on a zero output there, and every rank learns the result or
-        the error in one all-gather, so a loss that fails does so everywhere before any message.
-        """
-        m, rt = self.schedule.microbatches, self.runtime
-        if kind == MEAN:
-            return LossScale(MEAN, float(m))
-        chunks = targets.to(self.layout.device).chunk(m)
-        if kind == PAIR and callable(getattr(rt.loss_fn, "count", None)):
-            if not rt.has_last_stage:
-                return LossScale(PAIR, 0.0)  # never applied here
-            local = torch.stack([torch.as_tensor(rt.loss_fn.count(t), device=self.layout.device) for t in chunks])
-            both = torch.stack([local.sum(), local.sum()]).long()  # [this rank's, the global] count
-            if self.layout.dp > 1:
-                dist.all_reduce(both[1:], group=self.layout.group("dp"))
-            mine, total = both.tolist()  # the step's one host sync for the count
-            return LossScale(PAIR, total / self.layout.dp, mine)
-        probed, error = None, None  # (kind, this rank's total count) from the last stage
-        if rt.has_last_stage:
-            try:
-                found_kind, counts = probe_counts(rt.loss_fn, boundaries.output, list(chunks), rt.loss_context)
-                probed = (found_kind, sum(counts))
-            except Exception as failure:  # noqa: BLE001 - every rank must raise it, not only this one
-                error = f"loss_fn failed before the step on the last stage: {type(failure).__name__}: {failure}"
-        voices = [v for v in gather_or_raise(probed if self.layout.tp_rank == 0 else None, error) if v is not None]
-        if {k for k, _ in voices} == {MEAN}:
-            return LossScale(MEAN, float(m))
-        if {k for k, _ in voices} != {PAIR}:
-            raise ValueError("loss_fn returned a mean on some ranks and a (loss_sum, count) pair on others; "
-                             "return the same kind of result for every batch")
-        return LossScale(PAIR, sum(c for _, c in voices) / self.layout.dp, probed[1] if probed else 0)
-
-    def _global_loss(self, totals: torch.Tensor, scale: LossScale | None = None) -> torch.Tensor:
-        """Every rank's [loss values, counts] summed over the world: the global loss, on every rank.
-
-        Only last-stage ranks at tp rank 0 contribute (the other tp ranks hold the same values).
-        A pair loss whose counts during the step differ from those found before it (a count that
-        depends on the output) is an error on every rank: the gradients were scaled wrongly.
-        """
-        mine = totals.detach() if self.layout.tp_rank == 0 else torch.zeros_like(totals)
-        recount = scale is not None and scale.kind == PAIR and bool(totals[1] != scale.expected_count)
-        everything = torch.cat([mine, torch.tensor([float(recount)], dtype=mine.dtype, device=mine.device)])
-        if self.layout.world_size > 1:
-            dist.all_reduce(everything)
-        value, count, mismatches = everything.tolist()
-        if mismatches:
-            raise ValueError(
-                "loss_fn returned counts during the step that differ from those it gave before the step on the "
-                "same targets; a (loss_sum, count) loss's count must depend on the target only"
-            )
-        return torch.tensor(value / count if count else 0.0, dtype=torch.float32, device=self.layout.device)
 
     @property
     def peak_live_activations(self) -> int:

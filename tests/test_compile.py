@@ -18,7 +18,9 @@ GLOBAL_BATCH = 8
 
 def _losses(layout, compile, steps=3, **options):
     import torch
+    from torch._dynamo.utils import counters
 
+    counters.clear()
     options.setdefault("activation_checkpoint", "always")
     pm = mesh3d.parallelize(meta_model(True, args=tp_args(True, n_layers=2)), layout, compile=compile, **options)
     optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-3)
@@ -29,7 +31,8 @@ def _losses(layout, compile, steps=3, **options):
         pm.clip_grad_norm_(1.0)
         optimizer.step()
         optimizer.zero_grad()
-    return losses, sorted(name for name, _ in pm.named_parameters()), pm.runtime.counters.recomputed_forwards
+    graphs = counters["stats"]["unique_graphs"]  # what torch.compile built (0 when eager)
+    return losses, sorted(name for name, _ in pm.named_parameters()), pm.runtime.counters.recomputed_forwards, graphs
 
 
 def _eager_and_compiled(sizes):
@@ -49,8 +52,9 @@ def test_compiled_blocks_equal_eager(sizes):
     world = sizes[0] * sizes[1] * sizes[2]
     for rank, pairs in enumerate(run_on_ranks(_eager_and_compiled, world, sizes, timeout=400)):
         for case, (eager, compiled) in pairs.items():
-            (eager_losses, eager_names, eager_recomputed), (losses, names, recomputed) = eager, compiled
+            (eager_losses, eager_names, eager_recomputed, eager_graphs), (losses, names, recomputed, graphs) = eager, compiled
             where = f"rank {rank} {case}"
+            assert eager_graphs == 0 and graphs >= 1, f"{where}: {graphs} graphs compiled (eager: {eager_graphs})"
             errors = [relative(a, b) for a, b in zip(losses, eager_losses)]
             assert max(errors) <= TOLERANCE, f"{where}: compiled {losses} vs eager {eager_losses}"
             assert names == eager_names, f"{where}: parameter names changed: {set(names) ^ set(eager_names)}"

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from mesh3d.loss import LossFn, LossScale, check_loss_on_meta
+from mesh3d.loss import LossFn, LossScale
 from mesh3d.pipeline.boundary import Boundaries, BoundaryShapes
 from mesh3d.pipeline.lower import LoweredSchedule, lower
 from mesh3d.pipeline.p2p import Mailbox, PipelinePeers, Traffic
@@ -81,7 +81,6 @@ class PipelineRuntime:
         self.counters = RuntimeCounters()  # of the last training step
         self.output_placements = None  # the model output's DTensor placements (tensor parallel), from the meta run
         self.output_ndim = 0
-        self._loss_kinds: dict[tuple, str | None] = {}
         last_backward = {}  # per stage, its last action that finishes weight gradients (B, or W)
         for index, action in enumerate(self.train_actions):
             if action.kind in RELEASES:
@@ -96,12 +95,10 @@ class PipelineRuntime:
         """Whether this rank computes the loss."""
         return self.n_stages - 1 in self.stages
 
-    def check(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> tuple[Boundaries, str | None]:
-        """Everything that can fail before the first message, on every rank; returns the boundary
-        shapes and the loss's kind (MEAN or PAIR; None when it cannot run on meta tensors).
-
-        Call once per step, before `run`: it runs the stages (and the loss) on meta tensors.
-        """
+    def check(self, inputs: torch.Tensor) -> Boundaries:
+        """Everything about the stages that can fail before the first message, on every rank;
+        returns the boundary shapes. Call once per step, before `run`: it runs the stages on meta
+        tensors (once per input shape)."""
         if torch.is_autocast_enabled(self.device.type):
             raise ValueError(
                 "pm.step/evaluate ran under torch.autocast, which mesh3d does not support yet: stage-boundary "
@@ -114,14 +111,7 @@ class PipelineRuntime:
         output = boundaries.output
         self.output_placements = tuple(output.placements) if isinstance(output, DTensor) else None
         self.output_ndim = output.ndim
-        kind = None
-        if targets is not None:
-            target = targets[: len(targets) // m]
-            key = (tuple(microbatch.shape), microbatch.dtype, tuple(target.shape), target.dtype)
-            if key not in self._loss_kinds:
-                self._loss_kinds[key] = check_loss_on_meta(self.loss_fn, output, target, self.loss_context)
-            kind = self._loss_kinds[key]
-        return boundaries, kind
+        return boundaries
 
     def run(
         self, inputs: torch.Tensor, targets: torch.Tensor | None, boundaries: Boundaries, scale: LossScale, *, train: bool
