@@ -57,7 +57,7 @@ class ParallelModel:
         self.stage_layers = stage_layers
         self.tensor_parallel = tensor_parallel
         self.grad_sync = grad_sync
-        self.loss = GlobalLoss(layout, runtime)
+        self.global_loss = GlobalLoss(layout, runtime)  # kind, count and total of the step's loss
 
     # -- running ------------------------------------------------------------------------------
 
@@ -81,7 +81,7 @@ class ParallelModel:
         boundaries = self.runtime.check(inputs)
         if self.tensor_parallel.loss_parallel:
             check_loss_parallel_output(self.runtime.output_placements, self.runtime.output_ndim)
-        return boundaries, self.loss.kind(boundaries, inputs, targets)
+        return boundaries, self.global_loss.kind(boundaries, inputs, targets)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every microbatch; gradients accumulate into `.grad`.
@@ -94,7 +94,7 @@ class ParallelModel:
         tensor with the same value on every rank (0 when nothing is counted).
         """
         boundaries, kind = self._check(inputs, targets)  # fail before tied gradients are set aside
-        scale = self.loss.scale(boundaries, kind, targets)
+        scale = self.global_loss.scale(boundaries, kind, targets)
         self.tied.set_aside_grads()
         try:
             totals = self.runtime.run(inputs, targets, boundaries, scale, train=True)
@@ -108,7 +108,7 @@ class ParallelModel:
             raise
         settle_gradients(self.parameters())
         self.tied.sync_grads()
-        return self.loss.total(totals, scale)
+        return self.global_loss.total(totals, scale)
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -119,7 +119,7 @@ class ParallelModel:
         modes = {m: m.training for stage in self.stages.values() for m in stage.modules()}
         self.eval()
         try:
-            return self.loss.total(self.runtime.run(inputs, targets, boundaries, scale, train=False))
+            return self.global_loss.total(self.runtime.run(inputs, targets, boundaries, scale, train=False))
         finally:
             for module, training in modes.items():
                 module.training = training
