@@ -26,7 +26,8 @@ REDUCE_DTYPES = (torch.float32, torch.bfloat16)
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """The compute and reduction dtypes; `enabled` when either differs from the parameters' dtype."""
+    """The compute and reduction dtypes; `enabled` when the compute dtype differs from the
+    parameters' (a reduce_dtype alone takes effect only where dp > 1 wraps the stages anyway)."""
 
     param_dtype: torch.dtype | None  # None: compute in the parameters' dtype
     reduce_dtype: torch.dtype
