@@ -2,6 +2,7 @@
 graph once: W never runs the nodes of the input-gradient chain that no weight hangs from."""
 
 import torch
+import torch._functorch.config
 from torch import nn
 
 from examples.llama.model import Transformer
@@ -114,3 +115,26 @@ def test_w_does_not_walk_the_input_gradient_chain_again():
     assert len(runs) == 2  # I runs each once
     backward_weight(pending)
     assert len(runs) == 2, "W ran an attention backward again"
+
+
+@torch._functorch.config.patch(donated_buffer=False)  # as compile_blocks sets it for split schedules
+def test_a_compiled_block_is_backpropagated_once():
+    """A compiled block's backward is one node computing input and weight gradients together: I
+    keeps the weight gradients it computed, and W does not run the node again."""
+    stage = _middle_stage()
+    for block in stage.layers.values():
+        block.forward = torch.compile(block.forward, backend="aot_eager")
+    x = torch.randn(2, 8, stage.layers["0"].attention.wq.weight.shape[1])
+    output_grad = torch.randn_like(x)
+    _assert_close(*_whole_and_split(stage, x, output_grad=output_grad))
+    stage.zero_grad(set_to_none=True)
+    stage_input = x.detach().requires_grad_(True)
+    out = stage(stage_input)
+    _, pending = backward_input(out, output_grad, stage_input)
+    compiled = [group for group in pending.groups if group.chain_nodes[0].name() == "CompiledFunctionBackward"]
+    assert len(compiled) == 2 and all(group.computed is not None for group in compiled)
+    runs = []
+    for group in compiled:
+        group.chain_nodes[0].register_prehook(lambda grads: runs.append(1))
+    backward_weight(pending)
+    assert not runs, "W ran a compiled block's backward again"

@@ -12,8 +12,10 @@ Data-parallel wrappers see W as a backward that their autograd hooks do not reac
 inside the graph); the runtime therefore tells them when a W has finished (see
 data_parallel/gradient_sync.py).
 
-A compiled block is one node whose backward computes its input and weight gradients together: W
-runs that node again, so a compiled block's backward costs twice in a split schedule.
+A compiled block is one node whose backward computes its input and weight gradients together, at
+I already: I keeps those weight gradients (instead of what arrived at the node), and W only
+accumulates them. A compiled block's I then costs its whole backward and its W almost nothing; the
+sum is still one backward.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ class _BranchGroup:
     weights: list[torch.Tensor]
     chain_nodes: list[Node]
     arrived: list[tuple[torch.Tensor | None, ...] | None] = field(default_factory=list)
+    # When the chain node already computed its branches' gradients at I (a compiled block's
+    # backward is one node that computes them all): those, to start W past the node.
+    computed: list[tuple[GradientEdge, torch.Tensor]] | None = None
 
 
 @dataclass
@@ -59,6 +64,8 @@ def backward_input(
         group.arrived = [None] * len(group.chain_nodes)
         for index, node in enumerate(group.chain_nodes):
             handles.append(node.register_prehook(_recorder(group.arrived, index)))
+        if len(group.chain_nodes) == 1:  # (with more, W pins chain nodes; keep to one way there)
+            handles.append(group.chain_nodes[0].register_hook(_branch_keeper(group, chain)))
     try:
         (input_grad,) = torch.autograd.grad(output, stage_input, output_grad, retain_graph=True)
     finally:
@@ -71,7 +78,9 @@ def backward_weight(pending: PendingWeightGrad) -> None:
     """W: accumulate every weight's gradient into its `.grad`, from what I recorded."""
     for group in pending.groups:
         roots, grads = [], []
-        for node, arrived in zip(group.chain_nodes, group.arrived):
+        if group.computed is not None:
+            roots, grads = [edge for edge, _ in group.computed], [grad for _, grad in group.computed]
+        for node, arrived in zip(group.chain_nodes, group.arrived if group.computed is None else ()):
             for index, grad in enumerate(arrived or ()):
                 if grad is not None:
                     roots.append(GradientEdge(node, index))
@@ -101,6 +110,21 @@ def _recorder(arrived: list, index: int):
         arrived[index] = tuple(grad_outputs)
 
     return record
+
+
+def _branch_keeper(group: _BranchGroup, chain: set[Node]):
+    """A post-hook for a group's single chain node: if the node computed the gradients of every
+    edge leaving the chain, keep them (and drop what arrived: W will not run the node again)."""
+    node = group.chain_nodes[0]
+    branches = [(k, GradientEdge(child, nr)) for k, (child, nr) in enumerate(node.next_functions)
+                if child is not None and child not in chain]
+
+    def keep(grad_inputs, _grad_outputs):
+        if branches and all(grad_inputs[k] is not None for k, _ in branches):
+            group.computed = [(edge, grad_inputs[k]) for k, edge in branches]
+            group.arrived = [None]
+
+    return keep
 
 
 def _accumulator(leaf: torch.Tensor) -> Node | None:
