@@ -4,8 +4,8 @@
   overwritten: `load` raises DamagedCheckpoint on every rank naming the checkpoint and the file,
   and train.py's resume (`resume_newest`) says so and loads the newest checkpoint that loads,
   whose weights equal those saved there.
-- A save whose shard write fails with ENOSPC raises that OSError on every rank and leaves the
-  previous checkpoint the newest.
+- A save whose first write (the RNG state) or shard write fails with ENOSPC raises that OSError on
+  every rank and leaves the previous checkpoint the newest.
 - A save of a NaN weight (on one rank) is refused on every rank, naming the parameter.
 A barrier after each error proves that no rank hangs.
 """
@@ -82,16 +82,21 @@ def _faults(root: str) -> dict:
         result["said"].append(said)
         result["errors_vs_step2"].append(worst_relative_error(full_state(pm), saved_at_2)[0])
 
-    # A full disk: rank 1's shard write fails with ENOSPC.
-    if layout.rank == 1:
-        from torch.distributed.checkpoint import filesystem
+    # A full disk: rank 1's first write (its RNG state), then its shard write, fails with ENOSPC.
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-        def no_space(*args, **kwargs):
-            raise OSError(errno.ENOSPC, "No space left on device")
+    result["enospc"] = []
+    from mesh3d.checkpoint import save_load
+    from torch.distributed.checkpoint import filesystem
 
-        filesystem._write_item = no_space
-    error = _error_of(lambda: mesh3d.checkpoint.save(root / "step6", pm, optimizer, step=6))
-    result["enospc"] = (type(error).__name__, getattr(error, "errno", None), str(error))
+    for module, name in ((save_load, "_write_rng"), (filesystem, "_write_item")):
+        original = getattr(module, name)
+        if layout.rank == 1:
+            setattr(module, name, no_space)
+        error = _error_of(lambda: mesh3d.checkpoint.save(root / "step6", pm, optimizer, step=6))
+        setattr(module, name, original)
+        result["enospc"].append((type(error).__name__, getattr(error, "errno", None), str(error)))
     result["latest_after_enospc"] = mesh3d.checkpoint.latest(root)
 
     # A NaN weight on rank 1 only.
@@ -117,9 +122,10 @@ def test_damaged_checkpoints_full_disk_and_nan_weights(tmp_path):
             assert len(said) == 1 and said[0].startswith(f"cannot resume from {tmp_path / f'damaged {how}' / 'step4'}")
         assert max(result["errors_vs_step2"]) <= TOLERANCE, result["errors_vs_step2"]
 
-        kind, code, message = result["enospc"]
-        assert (kind, code) == ("OSError", errno.ENOSPC), (rank, result["enospc"])
-        assert "failed on rank 1" in message and "previous checkpoint stays the newest" in message
+        for kind, code, message in result["enospc"]:
+            assert (kind, code) == ("OSError", errno.ENOSPC), (rank, result["enospc"])
+            assert "No space left on device" in message, (rank, message)
+        assert "failed on rank 1" in result["enospc"][1][2] and "previous checkpoint stays the newest" in message
         assert result["latest_after_enospc"] == str(tmp_path / "step4")
 
         kind, message = result["nan"]
