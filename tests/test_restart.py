@@ -78,3 +78,19 @@ def test_a_killed_worker_is_restarted_and_nothing_is_lost(tmp_path, fault_free, 
     for name, want in want_weights.items():
         error = ((weights[name] - want).norm() / want.norm()).item()
         assert error <= TOLERANCE, (name, error)
+
+
+def test_the_fault_hook_is_off_unless_asked_and_only_in_the_first_attempt(monkeypatch):
+    from examples.llama.fault_injection import FaultInjection
+
+    monkeypatch.delenv("MESH3D_FAULT", raising=False)
+    assert FaultInjection.from_env(1) is None
+    monkeypatch.setenv("MESH3D_FAULT", "kill@1:save:4")
+    fault = FaultInjection.from_env(1)
+    assert (fault.phase, fault.step) == ("save", 4) and FaultInjection.from_env(0) is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert FaultInjection.from_env(1) is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("MESH3D_FAULT", "explode@1:step:2")
+    with pytest.raises(SystemExit, match="ACTION@RANK:PHASE:STEP"):
+        FaultInjection.from_env(1)
