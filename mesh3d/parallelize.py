@@ -146,6 +146,7 @@ def parallelize(
     runtime = PipelineRuntime(
         stages, precision.computed(split.meta_stages), lowered, peers, loss_fn or cross_entropy_loss, pipe.activation_checkpoint,
         before_backward=grad_sync.before_backward if grad_sync is not None else None,
+        after_weight_backward=grad_sync.after_weight_backward if grad_sync is not None else None,
         loss_context=loss_context(tensor.loss_parallel),
     )
     return ParallelModel(layout, runtime, tied, state, pipe.stage_layers, tensor, grad_sync, declared_vocab_size(model))

@@ -34,6 +34,9 @@ EXTRA = {
         ((2, 2, 1), True, {"schedule": "1f1b"}),
         ((2, 1, 2), False, {"schedule": "gpipe", "microbatches": 4}),
         ((1, 2, 2), True, {"loss_parallel": True}),
+        # W starts inside the graph, past FSDP's hooks: resharded parameters and loss parallel there.
+        ((2, 2, 1), True, {"schedule": "zbv", "microbatches": 4, "reshard_after_forward": True}),
+        ((2, 1, 2), False, {"schedule": "zero_bubble", "loss_parallel": True, "microbatches": 4}),
     ],
     8: [
         ((2, 2, 2), True, {"schedule": "1f1b", "microbatches": 4}),

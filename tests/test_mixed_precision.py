@@ -1,4 +1,4 @@
-"""bf16 mixed precision at (2,2,2) interleaved FSDP, (2,4,1) DDP and (4,1,2) (dp = 1): fp32
+"""bf16 mixed precision at (2,2,2) interleaved FSDP, (2,4,1) DDP and (4,1,2) ZBV (dp = 1): fp32
 parameters, a loss curve that follows fp32's, half the bytes across stage boundaries, and
 checkpoints of fp32 master weights that resume under another layout.
 
@@ -19,7 +19,7 @@ from pipeline_cases import SEQ_LEN, VOCAB, meta_model, tp_args
 GLOBAL_BATCH = 16
 STEPS = 30
 LR = 3e-3
-LAYOUTS = {(2, 2, 2): {}, (2, 4, 1): {"dp_mode": "ddp", "schedule": "1f1b"}, (4, 1, 2): {}}
+LAYOUTS = {(2, 2, 2): {}, (2, 4, 1): {"dp_mode": "ddp", "schedule": "1f1b"}, (4, 1, 2): {"schedule": "zbv"}}
 
 
 def stride_batches(steps: int = STEPS, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:

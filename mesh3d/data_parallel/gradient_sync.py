@@ -31,6 +31,13 @@ class GradientSync:
         module.set_reshard_after_backward(is_last or self.reshard_between_backwards)
         self.synced_backwards += int(is_last)
 
+    def after_weight_backward(self, stage: int) -> None:
+        """After a split schedule's W (pipeline/split_backward.py): it starts inside the graph, so
+        FSDP's post-backward hooks, which sit on the input-gradient chain, did not run for it. Run
+        what they and the end of an ordinary backward would: accumulate the new gradients, and on
+        the stage's last backward reduce them (before_backward set the flags)."""
+        self.stages[stage]._get_fsdp_state()._root_post_backward_final_callback()
+
     def end_forward_only(self) -> None:
         """After a forward-only pass (eval): reshard what the forwards gathered, so the optimizer's
         update of the shards is what the next forward gathers, and clear the per-iteration state

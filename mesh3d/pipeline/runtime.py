@@ -24,6 +24,7 @@ from mesh3d.pipeline.boundary import Boundaries, BoundaryShapes
 from mesh3d.pipeline.lower import LoweredSchedule, lower
 from mesh3d.pipeline.p2p import Mailbox, PipelinePeers, Traffic
 from mesh3d.pipeline.schedules import RELEASES, Action, Kind
+from mesh3d.pipeline.split_backward import PendingWeightGrad, backward_input, backward_weight
 
 @dataclass
 class RuntimeCounters(Traffic):
@@ -46,6 +47,9 @@ class PipelineRuntime:
         activation_checkpoint: "never", "always" or "except_last" (the last microbatch is kept).
         before_backward: called as before_backward(stage, is_last_backward_of_stage) before every
             backward; data parallelism uses it to reduce gradients once, on the last one.
+        after_weight_backward: called as after_weight_backward(stage) after a W that started
+            inside the graph (split_backward.py), where data parallelism's autograd hooks do not
+            reach.
         loss_context: a factory of the context the last stage's loss and its backward run in
             (tensor parallelism's loss_parallel).
 
@@ -63,6 +67,7 @@ class PipelineRuntime:
         loss_fn: LossFn,
         activation_checkpoint: str = "never",
         before_backward: Callable[[int, bool], None] | None = None,
+        after_weight_backward: Callable[[int], None] | None = None,
         loss_context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
     ):
         self.stages = stages
@@ -72,6 +77,7 @@ class PipelineRuntime:
         self.loss_fn = loss_fn
         self.activation_checkpoint = activation_checkpoint
         self.before_backward = before_backward
+        self.after_weight_backward = after_weight_backward
         self.loss_context = loss_context
         self.schedule = lowered.schedule
         self.n_stages = self.schedule.n_stages
@@ -146,7 +152,8 @@ class _Step:
         self.scale = scale
         self.train = train
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.output_grads: dict[tuple[int, int], torch.Tensor | None] = {}  # from I, for its W
+        # from I, for its W: a PendingWeightGrad, or (output, output gradient) for a whole backward
+        self.pending_weight_grads: dict[tuple[int, int], PendingWeightGrad | tuple] = {}
         self.rng_states: dict[tuple[int, int], tuple] = {}  # forwards to recompute at I
         self.losses: list[torch.Tensor] = []
         self.counts: list[torch.Tensor] = []
@@ -209,7 +216,6 @@ class _Step:
             out = self.rt.stages[stage](x)
             if stage == self.rt.n_stages - 1:
                 out = self._loss(out, mb)[2]
-        self.saved[(stage, mb)] = (x, out)
         return out
 
     def backward(self, stage: int, mb: int, is_last_backward: bool) -> None:
@@ -227,39 +233,43 @@ class _Step:
             self.mailbox.put(Kind.B, stage, stage - 1, mb, grad)
 
     def backward_input(self, stage: int, mb: int) -> None:
-        """I: the input gradient only, sent on at once; the graph is kept for W. Data parallelism
-        neither reduces nor reshards here (W does, on the stage's last one)."""
+        """I: the input gradient only, sent on at once. What W needs stays: the gradients I saw
+        where weight branches leave the input-gradient chain (split_backward.py), or, for the
+        first stage (token ids: no input gradient), the output and its gradient for a whole
+        backward at W. Data parallelism neither reduces nor reshards here."""
         rt = self.rt
-        x, out = self.saved[(stage, mb)]
+        x, out = self.saved.pop((stage, mb))
         if rt.before_backward is not None:
             rt.before_backward(stage, False)
         if out is None:
             out = self._recompute(stage, mb, x)
         grad = None if stage == rt.n_stages - 1 else self.mailbox.take(Kind.B, stage, mb)
-        self.output_grads[(stage, mb)] = grad
-        if stage == 0:
-            return  # token ids: no input gradient to compute
-        if out.requires_grad and x.requires_grad:
+        pending = None
+        if stage > 0 and out.requires_grad and x.requires_grad:
             with rt.loss_context() if grad is None else contextlib.nullcontext():
-                torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)
-        # W's pass reaches x again: give it a fresh .grad rather than adding into the tensor in flight.
-        input_grad, x.grad = (x.grad if x.grad is not None else torch.zeros_like(x)), None
-        self.mailbox.put(Kind.B, stage, stage - 1, mb, input_grad)
+                input_grad, pending = backward_input(out, grad, x)
+        elif stage > 0:
+            input_grad = torch.zeros_like(x)  # nothing before this stage can change its output
+        self.pending_weight_grads[(stage, mb)] = pending if pending is not None else (out, grad)
+        if stage > 0:
+            self.mailbox.put(Kind.B, stage, stage - 1, mb, input_grad)
 
     def backward_weight(self, stage: int, mb: int, is_last_backward: bool) -> None:
-        """W: the weight gradients, by a backward pass over the graph I kept.
-
-        The pass is a whole backward (it walks the input-gradient chain again to reach every
-        weight), which keeps it correct under FSDP/DDP hooks, tensor parallelism, activation
-        checkpointing and compiled blocks alike; it frees the activation."""
+        """W: the weight gradients, from what I kept; frees the activation."""
         rt = self.rt
-        x, out = self.saved.pop((stage, mb))
-        grad = self.output_grads.pop((stage, mb))
+        pending = self.pending_weight_grads.pop((stage, mb))
         if rt.before_backward is not None:
             rt.before_backward(stage, is_last_backward)
-        if out.requires_grad:
-            with rt.loss_context() if grad is None else contextlib.nullcontext():
-                torch.autograd.backward(out, grad)
+        if isinstance(pending, PendingWeightGrad):
+            with rt.loss_context():
+                backward_weight(pending)
+            if rt.after_weight_backward is not None:
+                rt.after_weight_backward(stage)
+        else:  # a whole backward: the hooks of data parallelism run inside it as in B
+            out, grad = pending
+            if out.requires_grad:
+                with rt.loss_context() if grad is None else contextlib.nullcontext():
+                    torch.autograd.backward(out, grad)
         self.counters.live_activations -= 1
 
     def finish(self) -> torch.Tensor:

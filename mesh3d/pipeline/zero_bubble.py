@@ -10,8 +10,10 @@ as many activations as it may):
 
 - `zero_bubble_h1` (ZB-H1): 1F1B's order of F and I, at most pp live activations. Bubble
   (pp-1)/(3m+pp-1) with f = i = w, a third of 1F1B's.
-- `interleaved_zero_bubble` (v stages per rank, loop placement): interleaved 1F1B's order of F and
-  I, at most one live activation more than interleaved 1F1B holds.
+- `interleaved_zero_bubble` (v stages per rank, loop placement): at most one live activation more
+  than interleaved 1F1B holds, and of two orders the one that finishes first with f = i = w:
+  interleaved 1F1B's order of F and I with W's in the waits, or the greedy order ZB-V uses
+  (ready I first, else F, else W) on the loop placement. Neither wins for every (pp, m).
 - `zero_bubble_v` (ZB-V: 2 stages per rank in a V, rank r holds stages r and 2pp-1-r, so the
   first and last stage share rank 0): no fixed order; at each free moment a rank runs the ready I
   of the earliest microbatch, else a ready F (earliest microbatch, later stage first) if it holds
@@ -32,6 +34,7 @@ from mesh3d.pipeline.schedules import (
     one_f_one_b,
     stage_to_rank,
 )
+from mesh3d.pipeline.timeline import timeline
 
 # A rank's policy: (rank, time, ready(action) -> bool, live activations, waiting W's) -> the action
 # to start now, or None to let the rank wait for the next event.
@@ -47,8 +50,12 @@ def zero_bubble_h1(pp: int, microbatches: int, virtual_stages: int = 1) -> Sched
 def interleaved_zero_bubble(pp: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
     base = interleaved_one_f_one_b(pp, microbatches, virtual_stages)
     limits = [_peak(acts) + 1 for acts in base.actions]
-    actions = _play("zero_bubble", pp, microbatches, virtual_stages, "loop", _follow(base, limits))
-    return Schedule("zero_bubble", pp, microbatches, virtual_stages, actions)
+    candidates = [
+        Schedule("zero_bubble", pp, microbatches, virtual_stages,
+                 _play("zero_bubble", pp, microbatches, virtual_stages, "loop", policy))
+        for policy in (_follow(base, limits), _greedy(pp, microbatches, virtual_stages, "loop", limits))
+    ]
+    return min(candidates, key=_unit_makespan)  # the first (1F1B's order) on a tie
 
 
 def zero_bubble(pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
@@ -61,20 +68,37 @@ def zero_bubble(pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule
 def zero_bubble_v(pp: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
     if virtual_stages != 2:
         raise ValueError(f"schedule 'zbv' places exactly 2 stages per rank in a V, got virtual_stages={virtual_stages}")
-    n_stages = 2 * pp
+    greedy = _greedy(pp, microbatches, 2, "v", limits=[2 * pp] * pp)
+    return Schedule("zbv", pp, microbatches, 2, _play("zbv", pp, microbatches, 2, "v", greedy), placement="v")
 
-    def greedy(rank: int, now: float, ready, live: int, waiting: list) -> Action | None:
-        mine = [s for s in range(n_stages) if stage_to_rank(s, pp, 2, "v") == rank]
+
+def _greedy(pp: int, microbatches: int, v: int, placement: str, limits: list[int]) -> Policy:
+    """The ready I of the earliest microbatch (later stage first), else a ready F if the rank holds
+    fewer than its limit of activations, else a waiting W. Forwards go as in a V (earliest
+    microbatch, later stage first) or, on the loop placement, as interleaved 1F1B takes them
+    (rounds of pp microbatches, each through the rank's stages in order)."""
+    stages = [[s for s in range(pp * v) if stage_to_rank(s, pp, v, placement) == rank] for rank in range(pp)]
+    if placement == "v":
+        forward_order = lambda a: (a.microbatch, -a.stage)  # noqa: E731
+    else:
+        forward_order = lambda a: (a.microbatch // pp, a.stage, a.microbatch)  # noqa: E731
+
+    def policy(rank: int, now: float, ready, live: int, waiting: list) -> Action | None:
+        mine = stages[rank]
         inputs = [Action(s, Kind.I, j) for s in mine for j in range(microbatches) if ready(Action(s, Kind.I, j))]
         if inputs:
             return min(inputs, key=lambda a: (a.microbatch, -a.stage))
-        if live < 2 * pp:
+        if live < limits[rank]:
             forwards = [Action(s, Kind.F, j) for s in mine for j in range(microbatches) if ready(Action(s, Kind.F, j))]
             if forwards:
-                return min(forwards, key=lambda a: (a.microbatch, -a.stage))
+                return min(forwards, key=forward_order)
         return waiting[0] if waiting else None
 
-    return Schedule("zbv", pp, microbatches, 2, _play("zbv", pp, microbatches, 2, "v", greedy), placement="v")
+    return policy
+
+
+def _unit_makespan(schedule: Schedule) -> float:
+    return max(event.end for event in timeline(schedule, 1.0, 2.0, 0.0, 1.0))
 
 
 def _follow(base: Schedule, limits: list[int]) -> Policy:
