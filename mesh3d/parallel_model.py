@@ -102,8 +102,8 @@ class ParallelModel:
         gradients are reduced once, on each stage's last backward. Returns that loss, a 0-dim
         tensor with the same value on every rank (0 when nothing is counted).
         """
-        boundaries, kind = self._check(inputs, targets, "pm.step")  # fail before tied gradients are set aside
         with self._peer_failures("pm.step"):
+            boundaries, kind = self._check(inputs, targets, "pm.step")  # fail before tied gradients are set aside
             return self._step(inputs, targets, boundaries, kind)
 
     def _step(self, inputs: torch.Tensor, targets: torch.Tensor, boundaries: Boundaries, kind: str) -> torch.Tensor:
@@ -127,7 +127,8 @@ class ParallelModel:
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of a forward pass only (no gradients, modules in eval mode), the same on every
         rank: the global token mean for a (loss_sum, count) loss, else the mean of microbatch means."""
-        boundaries, kind = self._check(inputs, targets, "pm.evaluate")
+        with self._peer_failures("pm.evaluate"):
+            boundaries, kind = self._check(inputs, targets, "pm.evaluate")
         scale = LossScale(kind, divisor=1.0)  # nothing is backpropagated: the values are all that count
         modes = {m: m.training for stage in self.stages.values() for m in stage.modules()}
         self.eval()
