@@ -14,18 +14,27 @@ from typing import Any
 import torch.distributed as dist
 
 
+class ErrorText(str):
+    """An error's text that keeps its errno, when it was an OSError (a full disk stays ENOSPC)."""
+
+    errno: int | None = None
+
+
 def attempt(fn: Callable[[], object]) -> str | None:
     """Run fn on this rank; its exception as text (for `raise_if_any`), or None."""
     try:
         fn()
     except Exception as error:  # noqa: BLE001 - every rank must learn of it, not only this one
-        return f"{type(error).__name__}: {error}"
+        text = ErrorText(f"{type(error).__name__}: {error}")
+        text.errno = error.errno if isinstance(error, OSError) else None
+        return text
     return None
 
 
 def gather_or_raise(value: Any = None, error: str | None = None) -> list[Any]:
     """Every rank's `value`, in rank order; or, if any rank passed an `error`, that error raised
-    on every rank (the first failing rank's, marked with where it was found)."""
+    on every rank (the first failing rank's, marked with where it was found): an OSError with
+    its errno when `attempt` caught one, else a ValueError."""
     mine = (value, error)
     everyone = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -34,7 +43,13 @@ def gather_or_raise(value: Any = None, error: str | None = None) -> list[Any]:
     here = dist.get_rank() if dist.is_initialized() else 0
     for rank, (_, message) in enumerate(everyone):
         if message:
-            raise ValueError(message if rank == here else f"{message} (found on rank {rank})")
+            text = message if rank == here else f"{message} (found on rank {rank})"
+            code = getattr(message, "errno", None)
+            if code is None:
+                raise ValueError(text)
+            error = OSError(text)
+            error.errno = code
+            raise error
     return [v for v, _ in everyone]
 
 

@@ -13,11 +13,15 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_nccl_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mesh3d.agree import check_same_everywhere
+from mesh3d.rendezvous import attempt_store, uses_agent_store
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
+# torch's own default for a process group that is given no timeout (gloo and NCCL alike).
+DEFAULT_TIMEOUT = dist.default_pg_timeout
 _BACKEND_FOR_DEVICE = {"cuda": "nccl", "cpu": "gloo"}
 
 
@@ -31,14 +35,16 @@ class Layout:
         rank, world_size: global rank and world size.
         device: the torch.device this rank computes on.
         backend: the process-group backend ("gloo" or "nccl").
+        timeout: how long a collective or P2P wait lasts before it raises (the groups' timeout).
     """
 
-    def __init__(self, mesh: DeviceMesh, device: torch.device, backend: str):
+    def __init__(self, mesh: DeviceMesh, device: torch.device, backend: str, timeout: timedelta = DEFAULT_TIMEOUT):
         if tuple(mesh.mesh_dim_names or ()) != MESH_DIM_NAMES:
             raise ValueError(f"Layout needs a mesh with dims {MESH_DIM_NAMES}, got {mesh.mesh_dim_names}")
         self.mesh = mesh
         self.device = device
         self.backend = backend
+        self.timeout = timeout
         self.pp, self.dp, self.tp = (int(s) for s in mesh.shape)
         self.pp_rank, self.dp_rank, self.tp_rank = (int(c) for c in mesh.get_coordinate())
         self.rank = dist.get_rank()
@@ -87,7 +93,7 @@ class Layout:
         """
         key = tuple(sorted(members))
         if key not in self._subgroups:
-            self._subgroups[key] = dist.new_group(list(key))
+            self._subgroups[key] = dist.new_group(list(key), timeout=self.timeout)
         return self._subgroups[key] if self.rank in key else None  # new_group gives non-members a marker
 
     def __repr__(self) -> str:
@@ -163,9 +169,24 @@ def _pick_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
+def _as_timeout(timeout: float | timedelta | None) -> timedelta | None:
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"build_mesh: timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+    return timedelta(seconds=timeout)
+
+
 def _init_default_group(backend: str, device: torch.device, timeout: timedelta | None) -> None:
     device_id = device if device.type == "cuda" else None
-    if _launched_by_torchrun():
+    if _launched_by_torchrun() and uses_agent_store():
+        # torchrun's store outlives a restart: each attempt needs keys of its own (rendezvous.py).
+        store = attempt_store(timeout or DEFAULT_TIMEOUT)
+        dist.init_process_group(
+            backend=backend, store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout, device_id=device_id,
+        )
+    elif _launched_by_torchrun():
         # Started by torchrun (or anything that sets its environment variables).
         dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
     else:
@@ -187,7 +208,7 @@ def build_mesh(
     *,
     device: str | torch.device | None = None,
     backend: str | None = None,
-    timeout: timedelta | None = None,
+    timeout: float | timedelta | None = None,
 ) -> Layout:
     """Build the ("pp", "dp", "tp") device mesh and return this rank's Layout.
 
@@ -201,7 +222,9 @@ def build_mesh(
         tp: tensor-parallel degree (innermost dim: a tp group is consecutive global ranks).
         device: "cpu", "cuda" (cuda:LOCAL_RANK) or "cuda:N"; default: CUDA when available.
         backend: process-group backend; default: "nccl" for CUDA, "gloo" for CPU.
-        timeout: collective timeout of the default process group, when this call starts it.
+        timeout: seconds (or a timedelta) any collective or P2P wait may last before it raises,
+            for the default process group when this call starts it (and the groups the mesh
+            creates); default: torch's (30 minutes). See docs/reliability.md.
 
     Raises:
         ValueError: sizes below 1, a dp=-1 that does not divide, or a product that is not the world
@@ -213,6 +236,7 @@ def build_mesh(
     sizes on every rank.
     """
     pp, dp, tp = resolve_sizes(pp, dp, tp, _world_size_before_init())
+    timeout = _as_timeout(timeout)
     device = _pick_device(device)
     if backend is None:
         backend = _BACKEND_FOR_DEVICE[device.type]
@@ -228,5 +252,25 @@ def build_mesh(
         backend = existing
     # Ranks that asked for different layouts would build misaligned groups and hang later.
     check_same_everywhere((pp, dp, tp), _describe_layouts)
-    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIM_NAMES)
-    return Layout(mesh, device, backend)
+    mesh = init_device_mesh(
+        device.type, (pp, dp, tp), mesh_dim_names=MESH_DIM_NAMES, backend_override=_with_timeout(device, timeout)
+    )
+    return Layout(mesh, device, backend, _default_timeout(backend, timeout))
+
+
+def _default_timeout(backend: str, timeout: timedelta | None) -> timedelta:
+    if timeout is not None:
+        return timeout
+    return (default_pg_nccl_timeout if backend == "nccl" else None) or DEFAULT_TIMEOUT
+
+
+def _with_timeout(device: torch.device, timeout: timedelta | None) -> dict | None:
+    """init_device_mesh's per-dim group options carrying `timeout`: torch gives the groups it creates
+    for a mesh its own default (30 minutes), not the default group's timeout, and the pipeline's P2P
+    and data parallelism's collectives run on those groups."""
+    if timeout is None:
+        return None
+    name = _BACKEND_FOR_DEVICE[device.type]
+    options = dist.ProcessGroupNCCL.Options() if name == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return {dim: (name, options) for dim in MESH_DIM_NAMES}

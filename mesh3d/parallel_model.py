@@ -7,11 +7,13 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from mesh3d.batch_check import agree_on_batch, batch_problem
 from mesh3d.data_parallel import GradientSync
 from mesh3d.global_loss import GlobalLoss
 from mesh3d.grad_norm import clip_grad_norm_
-from mesh3d.loss import LossScale
+from mesh3d.loss import IGNORE_INDEX, LossScale
 from mesh3d.mesh import Layout
+from mesh3d.peer_timeout import located
 from mesh3d.pipeline.boundary import Boundaries
 from mesh3d.pipeline.runtime import PipelineRuntime
 from mesh3d.pipeline.tied import TiedWeights
@@ -28,6 +30,10 @@ class ParallelModel:
     data-parallel rank passes its own share of the global batch, every tp rank of one replica the
     same share.
 
+    A peer that does not answer within the layout's timeout (`build_mesh(timeout=)`) makes step,
+    evaluate and clip_grad_norm_ raise `mesh3d.PeerTimeout`, naming what waited and this rank's
+    mesh coordinates.
+
     Args:
         layout: this rank's Layout.
         runtime: the pipeline runtime over this rank's stages (it holds the schedule).
@@ -36,6 +42,7 @@ class ParallelModel:
         stage_layers: the layer range of every stage, in stage order.
         tensor_parallel: the resolved tensor-parallel configuration.
         grad_sync: the once-per-step dp gradient reduction; None when dp == 1.
+        vocab_size: the vocabulary the model declared; token ids and targets are checked against it.
     """
 
     def __init__(
@@ -47,6 +54,7 @@ class ParallelModel:
         stage_layers: list[range],
         tensor_parallel: TensorParallelConfig,
         grad_sync: GradientSync | None = None,
+        vocab_size: int | None = None,
     ):
         self.layout = layout
         self.runtime = runtime
@@ -57,21 +65,22 @@ class ParallelModel:
         self.stage_layers = stage_layers
         self.tensor_parallel = tensor_parallel
         self.grad_sync = grad_sync
+        self.vocab_size = vocab_size
         self.global_loss = GlobalLoss(layout, runtime)  # kind, count and total of the step's loss
 
     # -- running ------------------------------------------------------------------------------
 
-    def _check(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[Boundaries, str]:
+    def _check(self, inputs: torch.Tensor, targets: torch.Tensor, during: str) -> tuple[Boundaries, str]:
         """Every check of a step or evaluation, on every rank, before any message; the boundary
         shapes and the loss's kind (MEAN or PAIR)."""
+        ignore_index = getattr(self.runtime.loss_fn, "ignore_index", IGNORE_INDEX)
+        agree_on_batch(batch_problem(inputs, targets, self.vocab_size, ignore_index), self.layout.device, during)
         m = self.schedule.microbatches
         if inputs.dim() == 0 or inputs.shape[0] % m != 0:
             raise ValueError(
                 f"a batch of {inputs.shape[0] if inputs.dim() else 0} samples does not split into "
                 f"microbatches={m} equal microbatches (dim 0); use a batch size that is a multiple of {m}"
             )
-        if targets is not None and targets.shape[0] != inputs.shape[0]:
-            raise ValueError(f"inputs have {inputs.shape[0]} samples but targets have {targets.shape[0]}")
         tp = self.layout.tp
         if self.tensor_parallel.sequence_parallel and (inputs.dim() < 2 or inputs.shape[1] % tp != 0):
             raise ValueError(
@@ -93,7 +102,11 @@ class ParallelModel:
         gradients are reduced once, on each stage's last backward. Returns that loss, a 0-dim
         tensor with the same value on every rank (0 when nothing is counted).
         """
-        boundaries, kind = self._check(inputs, targets)  # fail before tied gradients are set aside
+        with self._peer_failures("pm.step"):
+            boundaries, kind = self._check(inputs, targets, "pm.step")  # fail before tied gradients are set aside
+            return self._step(inputs, targets, boundaries, kind)
+
+    def _step(self, inputs: torch.Tensor, targets: torch.Tensor, boundaries: Boundaries, kind: str) -> torch.Tensor:
         scale = self.global_loss.scale(boundaries, kind, targets)
         self.tied.set_aside_grads()
         try:
@@ -114,12 +127,14 @@ class ParallelModel:
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of a forward pass only (no gradients, modules in eval mode), the same on every
         rank: the global token mean for a (loss_sum, count) loss, else the mean of microbatch means."""
-        boundaries, kind = self._check(inputs, targets)
+        with self._peer_failures("pm.evaluate"):
+            boundaries, kind = self._check(inputs, targets, "pm.evaluate")
         scale = LossScale(kind, divisor=1.0)  # nothing is backpropagated: the values are all that count
         modes = {m: m.training for stage in self.stages.values() for m in stage.modules()}
         self.eval()
         try:
-            return self.global_loss.total(self.runtime.run(inputs, targets, boundaries, scale, train=False))
+            with self._peer_failures("pm.evaluate"):
+                return self.global_loss.total(self.runtime.run(inputs, targets, boundaries, scale, train=False))
         finally:
             for module, training in modes.items():
                 module.training = training
@@ -168,7 +183,13 @@ class ParallelModel:
         same on every rank. Returns the norm before clipping.
         """
         counted = lambda param: not self.tied.is_secondary_copy(param)  # noqa: E731
-        return clip_grad_norm_(self.parameters(), max_norm, norm_type, self.layout, counted)
+        with self._peer_failures("pm.clip_grad_norm_ (the gradient-norm all-reduce)"):
+            return clip_grad_norm_(self.parameters(), max_norm, norm_type, self.layout, counted)
+
+    def _peer_failures(self, during: str):
+        """A peer that does not answer in time becomes a PeerTimeout naming the wait and this rank's place."""
+        layout = self.layout
+        return located(layout.rank, layout.coordinate, layout.timeout, during)
 
     # -- whole-model state (the state map's) --------------------------------------------------
 

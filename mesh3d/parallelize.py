@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from mesh3d.agree import check_same_everywhere
+from mesh3d.batch_check import declared_vocab_size
 from mesh3d.compiled_blocks import compile_blocks, resolve_compile
 from mesh3d.data_parallel import DataParallelConfig, MixedPrecision, apply_data_parallel
 from mesh3d.initialize import initialize, make_replicas_identical, to_device
@@ -148,7 +149,7 @@ def parallelize(
         after_weight_backward=grad_sync.after_weight_backward if grad_sync is not None else None,
         loss_context=loss_context(tensor.loss_parallel),
     )
-    return ParallelModel(layout, runtime, tied, state, pipe.stage_layers, tensor, grad_sync)
+    return ParallelModel(layout, runtime, tied, state, pipe.stage_layers, tensor, grad_sync, declared_vocab_size(model))
 
 
 def _resolve_layout(layout: Layout | None, pp: int | None, dp: int | None, tp: int | None) -> Layout:

@@ -213,7 +213,7 @@ def test_edge_cases_on_two_ranks():
             frozen = name.startswith(("tok_embeddings", "output", "layers.0.", "layers.1.", "layers.2.", "layers.3."))
             assert no_grad == frozen, (rank, name)
         errors = out["errors"]
-        assert "loss_fn fails on the model's output (2, 8, 64)" in errors["bad targets"], errors
+        assert "targets of shape (4, 3) differ in batch or sequence size" in errors["bad targets"], errors
         assert "torch.autocast, which mesh3d does not support yet" in errors["autocast"], errors
         assert "module 'layers.7' is also registered as 'layers.0'" in errors["shared block"], errors
         assert out["distinct init"], rank

@@ -35,8 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mesh3d  # noqa: E402
 from examples.llama.config import CONFIGS, ModelArgs, get_config  # noqa: E402
+from examples.llama.bad_steps import BadStepGuard  # noqa: E402
+from examples.llama.fault_injection import FaultInjection  # noqa: E402
+from examples.llama.resume import resume_newest  # noqa: E402
 from examples.llama.model import Transformer, count_parameters, llama_tp_plan  # noqa: E402
 from mesh3d.data import ByteTokenizer, DistributedLoader, TokenDataset  # noqa: E402
+from mesh3d.rendezvous import restart_count  # noqa: E402
 
 
 PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -78,7 +82,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here, as DIR/step<N>")
     p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (and after the last step)")
     p.add_argument("--keep-last", type=int, default=None, help="keep only the newest K checkpoints")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir, if any")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --checkpoint-dir that loads, if any (and append to --metrics)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a collective or P2P wait may last before the job fails (a stopped rank); "
+                        "default 600, Megatron's --distributed-timeout-minutes 10")
+    p.add_argument("--max-bad-steps", type=int, default=3,
+                   help="stop after this many optimizer steps in a row skipped for a non-finite gradient norm")
     p.add_argument("--init-from-hf", default=None, metavar="DIR",
                    help="model config and weights from a Hugging Face Llama directory (config.json + safetensors)")
     p.add_argument("--export-hf", default=None, metavar="DIR", help="after training, write the model as Hugging Face safetensors")
@@ -87,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--resume needs --checkpoint-dir")
     if (args.checkpoint_every or args.keep_last is not None) and not args.checkpoint_dir:
         p.error("--checkpoint-every and --keep-last need --checkpoint-dir")
+    if args.timeout <= 0 or args.max_bad_steps < 1:
+        p.error("--timeout must be > 0 and --max-bad-steps >= 1")
     if args.checkpoint_every < 0 or (args.keep_last is not None and args.keep_last < 1):
         p.error("--checkpoint-every must be >= 0 and --keep-last >= 1")
     if args.init_from_hf and (args.n_layers is not None or args.tied is not None):
@@ -186,7 +198,7 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    layout = mesh3d.build_mesh(pp=args.pp, dp=args.dp, tp=args.tp)
+    layout = mesh3d.build_mesh(pp=args.pp, dp=args.dp, tp=args.tp, timeout=args.timeout)
     is_main = layout.rank == 0
     if args.placement_report:
         report = placement_report(layout)
@@ -199,11 +211,15 @@ def main(argv=None) -> list[dict]:
     n_params = count_parameters(model)
     pm = parallelize(model, layout, args)
     optimizer = build_optimizer(pm, args)
+    fault = FaultInjection.from_env(layout.rank)  # a test hook, off unless MESH3D_FAULT is set
+    if fault:
+        fault.arm(pm)
     start_step, origin = 0, f"initialized with seed {args.seed}"
-    resume_from = latest_checkpoint(args.checkpoint_dir) if args.resume else None
-    if resume_from:
+    resume_from, state = None, None
+    if args.resume:
         # Weights, optimizer state, RNG and the data position; the layout may differ from the saver's.
-        state = mesh3d.checkpoint.load(resume_from, pm, optimizer)
+        resume_from, state = resume_newest(args.checkpoint_dir, pm, optimizer, say=lambda line: is_main and print(line, flush=True))
+    if resume_from:
         loader.load_state_dict(state["data_state"])
         start_step, origin = state["step"], f"resumed from {resume_from} (step {state['step']})"
     elif args.init_from_hf:
@@ -221,13 +237,17 @@ def main(argv=None) -> list[dict]:
     metrics_file = None
     if args.metrics and is_main:
         Path(args.metrics).parent.mkdir(parents=True, exist_ok=True)
-        metrics_file = open(args.metrics, "a" if resume_from else "w")
+        metrics_file = open(args.metrics, "a" if args.resume else "w")  # a restarted job's log goes on
     history = []
     tokens_per_step = args.global_batch * args.seq_len
+    guard = BadStepGuard(args.max_bad_steps)
+    restart = restart_count()  # which torchrun attempt writes these lines
     start = time.perf_counter()
     last_saved = start_step if resume_from else None
     for step in range(start_step, args.steps):
         step_start = time.perf_counter()
+        if fault:
+            fault.at_step(step + 1)
         lr = lr_at(step, peak=args.lr, warmup=args.warmup, total=args.steps, min_ratio=args.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -235,8 +255,10 @@ def main(argv=None) -> list[dict]:
         optimizer.zero_grad(set_to_none=True)
         loss = pm.step(inputs, targets)  # the global token-mean loss, on every rank
         max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
-        grad_norm = pm.clip_grad_norm_(max_norm)
-        optimizer.step()
+        grad_norm = pm.clip_grad_norm_(max_norm)  # NaN or Inf when any gradient is, on every rank
+        stepped = guard.allows(grad_norm.item())
+        if stepped:
+            optimizer.step()
 
         record = {
             "step": step + 1,
@@ -247,6 +269,8 @@ def main(argv=None) -> list[dict]:
             "elapsed_s": time.perf_counter() - start,
             "param_dtype": args.param_dtype,
             "compile": args.compile,
+            "restart": restart,
+            "skipped": not stepped,
         }
         history.append(record)
         if metrics_file:  # rank 0 only
@@ -255,9 +279,11 @@ def main(argv=None) -> list[dict]:
         if is_main and (step % args.log_every == 0 or step + 1 == args.steps):
             print(
                 f"step {record['step']:5d}  loss {record['loss']:.4f}  lr {lr:.2e}  "
-                f"grad_norm {record['grad_norm']:.3f}  tokens/s {record['tokens_per_s']:,.0f}",
+                f"grad_norm {record['grad_norm']:.3f}  tokens/s {record['tokens_per_s']:,.0f}"
+                + ("  SKIPPED (non-finite gradient norm)" if not stepped else ""),
                 flush=True,
             )
+        guard.raise_if_too_many(step + 1, record["grad_norm"])
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             save_checkpoint(pm, optimizer, loader, step + 1, args, is_main)
             last_saved = step + 1
@@ -272,14 +298,6 @@ def main(argv=None) -> list[dict]:
             print(f"exported Hugging Face safetensors to {args.export_hf}", flush=True)
     torch.distributed.destroy_process_group()
     return history
-
-
-def latest_checkpoint(root: str) -> str | None:
-    """Rank 0's `latest`, on every rank: ranks listing the directory themselves could disagree
-    while another job writes there, and load it different checkpoints."""
-    choice = [mesh3d.checkpoint.latest(root)]
-    torch.distributed.broadcast_object_list(choice, src=0)
-    return choice[0]
 
 
 def save_checkpoint(pm, optimizer, loader, step: int, args, is_main: bool) -> None:

@@ -3,12 +3,14 @@
     mesh3d.checkpoint.save(path, pm, optimizer=None, *, step, data_state=None, extra=None)
     state = mesh3d.checkpoint.load(path, pm, optimizer=None)    # {"step", "data_state", "extra"}
     mesh3d.checkpoint.latest(root) -> path | None
+    mesh3d.checkpoint.complete_checkpoints(root) -> [path, ...]   # oldest first
     mesh3d.checkpoint.export_safetensors(pm, out_dir, config=None)
     mesh3d.checkpoint.import_safetensors(pm, in_dir)
 """
 
-from mesh3d.checkpoint.directories import latest
+from mesh3d.checkpoint.directories import complete_checkpoints, latest
+from mesh3d.checkpoint.integrity import DamagedCheckpoint
 from mesh3d.checkpoint.safetensors_io import export_safetensors, import_safetensors
 from mesh3d.checkpoint.save_load import load, save
 
-__all__ = ["export_safetensors", "import_safetensors", "latest", "load", "save"]
+__all__ = ["DamagedCheckpoint", "complete_checkpoints", "export_safetensors", "import_safetensors", "latest", "load", "save"]

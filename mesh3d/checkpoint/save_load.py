@@ -17,11 +17,12 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 import mesh3d
 from mesh3d.checkpoint import directories
+from mesh3d.checkpoint.integrity import read_whole
 from mesh3d.checkpoint.flat_state import (
     apply_loaded,
     check_against_checkpoint,
@@ -37,13 +38,13 @@ from mesh3d.checkpoint.train_state import (
     VERSION,
     check_json,
     read_rng_state,
-    read_train_state,
     rng_file,
     rng_state,
     set_rng_state,
     write_json,
 )
 from mesh3d.agree import attempt, gather_or_raise, raise_if_any
+from mesh3d.finite import first_non_finite
 from mesh3d.mesh import Layout
 from mesh3d.parallel_model import ParallelModel
 
@@ -75,9 +76,11 @@ def save(
             in `path`'s parent directory, removing the rest.
         writer_threads: files each rank writes in parallel (DCP's FileSystemWriter thread_count).
 
-    Returns the path. Raises ValueError on every rank for a bad argument (on any rank) and for a
-    failed preparation or publication; a failed shard write raises DCP's CheckpointException on
-    every rank. Either way the previous checkpoints are untouched.
+    Returns the path. Raises ValueError on every rank for a bad argument (on any rank), for a
+    parameter holding NaN or Inf (named) and for a failed preparation or publication; a shard
+    write that failed with an OSError (ENOSPC: a full disk) raises that OSError on every rank,
+    any other failed write DCP's CheckpointException. Either way nothing is published and the
+    previous checkpoints are untouched.
     """
     path = Path(path)
     layout = pm.layout
@@ -92,6 +95,7 @@ def save(
         if layout.rank == 0:
             check_json(extra, "extra")  # rank 0's is the one saved
         state = flat_state(pm, optimizer)
+        _check_finite(pm, layout)
     except ValueError as problem:
         error = str(problem)
     everyone = gather_or_raise((str(path), step, data_json), error)
@@ -105,11 +109,17 @@ def save(
     partial = directories.partial_path(path)
     raise_if_any(attempt(lambda: directories.prepare(path)) if layout.rank == 0 else None)
     raise_if_any(attempt(lambda: _write_rng(partial, layout)))
-    dcp.save(
-        state.entries,
-        storage_writer=FileSystemWriter(partial, thread_count=writer_threads),
-        planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-    )
+    try:
+        dcp.save(
+            state.entries,
+            storage_writer=FileSystemWriter(partial, thread_count=writer_threads),
+            planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+        )
+    except CheckpointException as failed:  # DCP raises it on every rank, whichever rank failed
+        os_error = _os_error_of(failed, path)
+        if os_error is None:
+            raise
+        raise os_error from failed
     # DCP's last step is rank 0 writing its metadata after every rank reported its writes: from
     # here on every file but the train state is in place.
     error = None
@@ -133,6 +143,29 @@ def save(
         error = attempt(lambda: _finish(partial, path, train_state, keep_last))
     raise_if_any(error)
     return str(path)
+
+
+def _check_finite(pm: ParallelModel, layout: Layout) -> None:
+    """A NaN or Inf weight saved is in every checkpoint after it: refuse it (raised on every rank)."""
+    name = first_non_finite(pm.named_parameters())
+    if name is not None:
+        raise ValueError(
+            f"checkpoint.save: parameter {name} holds NaN or Inf values (rank {layout.rank}, mesh coordinate "
+            f"{layout.coordinate}); refusing to save non-finite weights. Resume from the previous checkpoint, "
+            "with a lower learning rate or after checking the data"
+        )
+
+
+def _os_error_of(failed: CheckpointException, path: Path) -> OSError | None:
+    """The first failing rank's OSError (a full disk, a lost mount), with where it happened, or None."""
+    for rank, (error, _) in sorted(failed.failures.items()):
+        if isinstance(error, OSError):
+            return type(error)(
+                error.errno,
+                f"checkpoint.save: writing {path} failed on rank {rank}: {error.strerror or error}; it was not "
+                "published, the previous checkpoint stays the newest",
+            )
+    return None
 
 
 def _resolve_step(path: Path, step: int | None) -> int:
@@ -187,14 +220,15 @@ def load(
     parameter the checkpoint holds no optimizer state for (saved before its first step) starts
     with none, as it would have in the saving run.
 
+    Raises DamagedCheckpoint (a ValueError) on every rank, before reading any tensor, when a file of
+    the checkpoint is missing, cut short or unreadable, naming the checkpoint and the file.
     Raises ValueError on every rank, before reading any tensor, when the checkpoint does not fit
     the model (naming the first mismatching parameter) or the optimizer; the model and optimizer
     are then as they were.
     """
     path = Path(path)
     layout = pm.layout
-    train_state = read_train_state(path)
-    metadata = FileSystemReader(path).read_metadata()
+    train_state, metadata = read_whole(path)  # DamagedCheckpoint on every rank before any tensor is read
     created, state, error = [], None, None
     try:
         if optimizer is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mesh3d.peer_timeout import waiting_for
 from mesh3d.pipeline.schedules import Action, Kind, Schedule
 
 Spec = tuple[torch.Size, torch.dtype]
@@ -57,9 +58,9 @@ class Mailbox:
         self.schedule = schedule
         self.specs = specs  # each stage's output shape and dtype (an output's gradient has the same)
         self.traffic = traffic
-        self.inbox: dict[tuple[Kind, int, int], object] = {}  # tensor, or (work, buffer) of a posted irecv
+        self.inbox: dict[tuple[Kind, int, int], object] = {}  # tensor, or (work, buffer, what) of a posted irecv
         self.outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}
-        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.sends: list[tuple[dist.Work, torch.Tensor, str]] = []  # work, tensor, what it is (for errors)
 
     def put(self, kind: Kind, producer: int, consumer: int, microbatch: int, tensor: torch.Tensor) -> None:
         """A result of `producer` for `consumer`: kept here if it runs on this rank, else queued for its SEND."""
@@ -72,8 +73,9 @@ class Mailbox:
         """The activation (F) or output gradient (B) `stage` consumes, waiting for it if still in flight."""
         item = self.inbox.pop((kind, stage, microbatch))
         if isinstance(item, tuple):
-            work, buffer = item
-            work.wait()
+            work, buffer, what = item
+            with waiting_for(what):  # a peer that never sends: PeerTimeout naming this message
+                work.wait()
             return buffer
         return item
 
@@ -90,7 +92,9 @@ class Mailbox:
             tag=message_tag(self.schedule, action.kind, producer, action.microbatch),
         )
         self.traffic.bytes_received += buffer.numel() * buffer.element_size()
-        self.inbox[(Kind.F if forward else Kind.B, action.stage, action.microbatch)] = (work, buffer)
+        what = (f"P2P recv of the {'activation' if forward else 'output gradient'} of stage {action.stage}, "
+                f"microbatch {action.microbatch}, from global rank {self.peers.global_ranks[action.peer]}")
+        self.inbox[(Kind.F if forward else Kind.B, action.stage, action.microbatch)] = (work, buffer, what)
 
     def send(self, action: Action) -> None:
         """SEND_F / SEND_B: isend what the stage queued, after checking it has the announced shape."""
@@ -111,11 +115,14 @@ class Mailbox:
             group=self.peers.group,
             tag=message_tag(self.schedule, action.kind, stage, microbatch),
         )
-        self.sends.append((work, tensor))  # the tensor must live until the send completes
+        what = (f"P2P send of the {'output' if forward else 'input gradient'} of stage {stage}, microbatch {microbatch}, "
+                f"to global rank {self.peers.global_ranks[action.peer]}")
+        self.sends.append((work, tensor, what))  # the tensor must live until the send completes
         self.traffic.bytes_sent += tensor.numel() * tensor.element_size()
         self.traffic.messages_sent += 1
 
     def wait_sends(self) -> None:
-        for work, _ in self.sends:
-            work.wait()
+        for work, _, what in self.sends:
+            with waiting_for(what):
+                work.wait()
         self.sends = []

@@ -1,0 +1,118 @@
+"""Bad data refused on every rank before the first message (issue 16), at (pp, dp, tp) = (2, 1, 2).
+
+The LLaMA example declares its vocabulary (64 here). Each bad batch below makes pm.step (and
+pm.evaluate) raise the same ValueError on every rank: an input id equal to the vocabulary size
+(on one rank only: the verdict must still be everyone's), a negative input id, a target above
+the vocabulary (on another single rank), float token ids, float targets, targets of another
+sequence length and of another batch size. A barrier after each proves no rank hangs. The step
+after them, with good data, equals the first step of a freshly built model (fp32, rel 1e-5).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import mesh3d
+from checkpoint_cases import full_state, worst_relative_error
+from examples.llama.model import loss_fn
+from multiprocess import run_on_ranks
+from pipeline_cases import LR, MAX_NORM, TOLERANCE, VOCAB, batches, meta_model, tp_args
+
+# name -> (the rank that holds the bad batch, or None for all, what the message must say)
+CASES = {
+    "input id = vocab": (3, f"input token id {VOCAB} at position (0, 1) is outside [0, {VOCAB})"),
+    "negative input id": (None, "input token id -1 at position (1, 0) is outside"),
+    "target above vocab": (0, f"target 1000 at position (2, 3) is outside [0, {VOCAB}) or -100 (ignored)"),
+    "float inputs": (None, "inputs are torch.float32, but the model takes token ids"),
+    "float targets": (None, "targets are torch.float32, but the model's targets are token ids"),
+    "shorter targets": (None, "differ in batch or sequence size"),
+    "fewer targets": (None, "differ in batch or sequence size"),
+}
+
+
+def _bad(name: str, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs, targets = inputs.clone(), targets.clone()
+    if name == "input id = vocab":
+        inputs[0, 1] = VOCAB
+    elif name == "negative input id":
+        inputs[1, 0] = -1
+    elif name == "target above vocab":
+        targets[0, 0] = -100  # the ignore index is allowed
+        targets[2, 3] = 1000
+    elif name == "float inputs":
+        inputs = inputs.float()
+    elif name == "float targets":
+        targets = targets.float()
+    elif name == "shorter targets":
+        targets = targets[:, :-1]
+    else:
+        targets = targets[:-2]
+    return inputs, targets
+
+
+def _build(layout):
+    pm = mesh3d.parallelize(meta_model(False, n_layers=4, args=tp_args(False, 4)), layout, loss_fn=loss_fn,
+                            microbatches=2)
+    return pm, torch.optim.AdamW(pm.parameters(), lr=LR)
+
+
+def _one_step(pm, optimizer, inputs, targets) -> float:
+    loss = pm.step(inputs, targets).item()
+    pm.clip_grad_norm_(MAX_NORM)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _refuse_then_train() -> dict:
+    layout = mesh3d.build_mesh(pp=2, dp=1, tp=2)
+    pm, optimizer = _build(layout)
+    good = batches(4)[0]
+    messages = {}
+    for name, (holder, _) in CASES.items():
+        inputs, targets = _bad(name, *good) if holder in (None, layout.rank) else good
+        for call in (pm.step, pm.evaluate):
+            try:
+                call(inputs, targets)
+                messages[(name, call.__name__)] = "no error"
+            except ValueError as error:
+                messages[(name, call.__name__)] = str(error)
+            dist.barrier()
+    after = _one_step(pm, optimizer, *good)
+    state = full_state(pm)
+    fresh_pm, fresh_optimizer = _build(layout)
+    fresh = _one_step(fresh_pm, fresh_optimizer, *good)
+    return {"messages": messages, "loss": (after, fresh), "error": worst_relative_error(state, full_state(fresh_pm))}
+
+
+def test_bad_batches_are_refused_on_every_rank():
+    results = run_on_ranks(_refuse_then_train, 4, timeout=120)
+    for rank, result in enumerate(results):
+        for name, (holder, text) in CASES.items():
+            for call in ("step", "evaluate"):
+                message = result["messages"][(name, call)]
+                same = message.split(" (found on rank")[0] == results[0]["messages"][(name, call)].split(" (found on rank")[0]
+                assert same, (rank, name, message)
+                assert f"pm.{call}: bad batch: " in message and text in message, (rank, name, message)
+                if holder not in (None, rank):
+                    assert f"(found on rank {holder})" in message, (rank, name, message)
+        after, fresh = result["loss"]
+        assert abs(after - fresh) <= TOLERANCE * abs(fresh), (after, fresh)
+        error, at = result["error"]
+        assert error <= TOLERANCE, (error, at)
+
+
+def test_batch_problem_in_one_process():
+    """The local verdict alone: what is refused, what passes (no vocabulary declared: shapes only)."""
+    from mesh3d.batch_check import batch_problem
+
+    ids = torch.tensor([[1, 2], [3, 63]])
+    assert batch_problem(ids, ids, VOCAB) is None
+    assert batch_problem(ids, torch.tensor([[1, -100], [3, 4]]), VOCAB) is None
+    assert "outside [0, 64) or -100" in batch_problem(ids, torch.tensor([[1, -1], [3, 4]]), VOCAB)
+    assert "input token id 64 at position (1, 1)" in batch_problem(ids + 1, ids, VOCAB)
+    assert batch_problem(ids.float(), ids, None) is None  # no vocabulary: any inputs
+    assert "differ in batch or sequence size" in batch_problem(ids, ids[:, :1], None)
+    assert "differ in batch size" in batch_problem(ids, torch.tensor([1, 2, 3]), None)
+    assert batch_problem(ids, torch.tensor([5, 6]), None) is None  # one label per sample

@@ -1,0 +1,91 @@
+"""A rank that stops answering becomes an error on every other rank (issue 16).
+
+- In-process, 4 ranks at (pp, dp, tp) = (2, 2, 1), `build_mesh(timeout=10)`: rank 1 SIGSTOPs itself
+  inside its stage's forward in the second pipelined step (a helper process wakes it 25 s later,
+  so the harness can collect it). Every other rank raises mesh3d.PeerTimeout within 30 s of the
+  step's start, saying a peer did not answer within the 10 s timeout, what was waiting (a P2P
+  message or a collective) and its own mesh coordinates.
+- train.py under torchrun with `--timeout 10` and rank 1 in an endless loop inside step 2: the job
+  exits non-zero (instead of waiting 30 minutes), with the error in its log.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+import mesh3d
+from examples.llama.model import loss_fn
+from multiprocess import run_on_ranks
+from pipeline_cases import batches, meta_model
+from test_torchrun import ROOT, _env
+
+TIMEOUT_S = 10
+STOPPED_RANK = 1
+
+
+def _stopped_in_step_two() -> tuple[str, float] | str:
+    layout = mesh3d.build_mesh(pp=2, dp=2, tp=1, timeout=TIMEOUT_S)
+    pm = mesh3d.parallelize(meta_model(False, n_layers=4), layout, loss_fn=loss_fn, microbatches=2)
+    (first, second, _) = batches(8)
+    pm.step(*first)
+    if layout.rank == STOPPED_RANK:
+        def stop(module, args):
+            subprocess.Popen(["sh", "-c", f"sleep 25; kill -CONT {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+        pm.stages[min(pm.stages)].register_forward_pre_hook(stop)
+    began = time.monotonic()
+    try:
+        pm.step(*second)
+    except mesh3d.PeerTimeout as error:
+        return str(error), time.monotonic() - began
+    except RuntimeError:
+        if layout.rank == STOPPED_RANK:
+            return "woken"  # its peers are gone by now
+        raise
+    return "no error"
+
+
+def test_a_stopped_rank_is_an_error_on_every_other_rank():
+    results = run_on_ranks(_stopped_in_step_two, 4, timeout=90)
+    coordinates = {0: (0, 0, 0), 2: (1, 0, 0), 3: (1, 1, 0)}
+    for rank, (pp, dp, tp) in coordinates.items():
+        message, elapsed = results[rank]
+        assert elapsed < 30, (rank, elapsed, message)
+        assert f"rank {rank} (mesh coordinate pp {pp}, dp {dp}, tp {tp}): a peer did not answer within the " \
+               f"process-group timeout of {TIMEOUT_S} s while this rank waited for " in message, message
+        assert "P2P recv" in message or "P2P send" in message or "collective" in message, message
+
+
+def test_train_py_exits_instead_of_waiting(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           "--monitor-interval", "0.1", "examples/llama/train.py", "--pp", "2", "--dp", "2", "--seq-len", "32",
+           "--global-batch", "8", "--steps", "4", "--timeout", str(TIMEOUT_S), "--metrics", str(tmp_path / "m.jsonl")]
+    began = time.monotonic()
+    done = subprocess.run(cmd, cwd=ROOT, env={**_env(), "MESH3D_FAULT": "hang@1:step:2"}, capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode != 0
+    assert "PeerTimeout" in done.stderr and "did not answer within the process-group timeout of 10 s" in done.stderr, \
+        done.stderr[-4000:]
+    assert time.monotonic() - began < 120
+
+
+def test_timeout_argument_and_what_counts_as_a_peer_failure():
+    from datetime import timedelta
+
+    import pytest
+
+    from mesh3d.mesh import _as_timeout
+    from mesh3d.peer_timeout import is_peer_failure
+
+    assert _as_timeout(10) == timedelta(seconds=10) and _as_timeout(None) is None
+    for bad in (0, -1, "10", True):
+        with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+            _as_timeout(bad)
+    assert is_peer_failure(RuntimeError("[gloo] Timed out waiting 10000ms for recv operation to complete"))
+    assert is_peer_failure(RuntimeError("Read error [127.0.0.1]:62617: Connection reset by peer"))
+    assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_peer_failure(ValueError("timeout"))
