@@ -1,6 +1,7 @@
 """`--config-file run.toml`: flags under their long names with underscores, the command line on top,
 unknown keys refused with the valid ones listed, the effective config printed once and checkpointed."""
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -62,11 +63,15 @@ def test_bad_settings_name_the_problem(tmp_path, capsys, toml, message):
 def test_train_prints_and_checkpoints_the_effective_config(tmp_path):
     (tmp_path / "run.toml").write_text("steps = 2\nseq_len = 16\nglobal_batch = 4\nn_layers = 2\nwarmup = 1\n")
     ckpt = tmp_path / "ckpt"
+    tensorboard = ["--tensorboard", str(tmp_path / "tb")] if importlib.util.find_spec("tensorboard") else []
     done = subprocess.run([sys.executable, "examples/llama/train.py", "--config-file", str(tmp_path / "run.toml"),
-                           "--steps", "1", "--checkpoint-dir", str(ckpt), "--metrics", str(tmp_path / "m.jsonl")],
+                           "--steps", "1", "--checkpoint-dir", str(ckpt), "--metrics", str(tmp_path / "m.jsonl"),
+                           *tensorboard],
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     _check(done)
     assert done.stdout.count("effective config") == 1 and "\nseq_len = 16\n" in done.stdout
     saved = json.loads((ckpt / "step1" / "train_state.json").read_text())["extra"]["args"]
     assert (saved["steps"], saved["seq_len"], saved["global_batch"], saved["n_layers"]) == (1, 16, 4, 2)
     assert saved["config_file"] == str(tmp_path / "run.toml")
+    if tensorboard:  # the same run, logged for TensorBoard too
+        assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1

@@ -38,6 +38,7 @@ from examples.llama.config import CONFIGS, ModelArgs, get_config  # noqa: E402
 from examples.llama.model import Transformer, count_parameters, llama_tp_plan  # noqa: E402
 from examples.llama.evaluation import HeldOutEvaluator, due  # noqa: E402
 from examples.llama.run_config import config_file_argv, effective_config_toml  # noqa: E402
+from examples.llama.tensorboard_log import TensorBoardLog, tensorboard_available  # noqa: E402 - imports it only when used
 from examples.llama.text_data import build_datasets, build_tokenizer, check_vocab  # noqa: E402
 from mesh3d.data import DistributedLoader  # noqa: E402
 
@@ -85,6 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--token-dtype", default=None)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--metrics", default="runs/train.jsonl", help="JSONL file, one line per step")
+    p.add_argument("--tensorboard", default=None, metavar="DIR", help="also log the metrics as TensorBoard scalars here")
     p.add_argument("--config-file", default=None, metavar="TOML",
                    help="settings under the flags' long names with underscores; the command line overrides them")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -109,6 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--eval-every must be >= 0 and --eval-batches >= 1")
     if args.token_file and (args.tokenizer or args.data):
         p.error("--token-file is already tokenized: drop --tokenizer/--data")
+    if args.tensorboard and not tensorboard_available():
+        p.error("--tensorboard needs the tensorboard package: pip install tensorboard")
     return args
 
 
@@ -237,6 +241,7 @@ def main(argv=None) -> list[dict]:
     if args.metrics and is_main:
         Path(args.metrics).parent.mkdir(parents=True, exist_ok=True)
         metrics_file = open(args.metrics, "a" if resume_from else "w")
+    tensorboard = TensorBoardLog(args.tensorboard) if args.tensorboard and is_main else None
     history = []
     tokens_per_step = args.global_batch * args.seq_len
     start = time.perf_counter()
@@ -270,6 +275,8 @@ def main(argv=None) -> list[dict]:
         if metrics_file:  # rank 0 only
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
+        if tensorboard:  # rank 0 only
+            tensorboard.write(record)
         if is_main and (step % args.log_every == 0 or step + 1 == args.steps or "eval_loss" in record):
             evaluated = (f"  eval_loss {record['eval_loss']:.4f}  eval_ppl {record['eval_perplexity']:.2f}"
                          if "eval_loss" in record else "")
@@ -286,6 +293,8 @@ def main(argv=None) -> list[dict]:
         save_checkpoint(pm, optimizer, loader, final_step, args, is_main)
     if metrics_file:
         metrics_file.close()
+    if tensorboard:
+        tensorboard.close()
     if args.export_hf:
         mesh3d.checkpoint.export_safetensors(pm, args.export_hf)
         if is_main:
