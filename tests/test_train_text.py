@@ -97,3 +97,20 @@ def test_a_tokenizer_larger_than_the_model_is_refused(corpus):
     done = _run(corpus, "--vocab-size", "256", "--metrics", "", check=False)
     assert done.returncode != 0
     assert "vocab_size=384" in done.stderr and "vocab_size=256" in done.stderr and "--vocab-size 384" in done.stderr
+
+
+def test_which_tokenizer(tmp_path, corpus):
+    from argparse import Namespace
+
+    from examples.llama.text_data import build_tokenizer
+    from mesh3d.data import ByteTokenizer, HFTokenizer
+
+    hf_dir = tmp_path / "llama"
+    hf_dir.mkdir()
+    own = corpus[1]
+    other = train_bpe(hf_dir / "tokenizer.json", documents(50), vocab_size=300)
+    pick = lambda tokenizer, init_from_hf: build_tokenizer(Namespace(tokenizer=tokenizer, init_from_hf=init_from_hf))  # noqa: E731
+    assert isinstance(pick(None, None), ByteTokenizer)
+    assert isinstance(pick(None, str(tmp_path)), ByteTokenizer)  # a Hugging Face directory without tokenizer.json
+    assert pick(None, str(hf_dir)).path == other and isinstance(pick(None, str(hf_dir)), HFTokenizer)
+    assert pick(str(own), str(hf_dir)).path == own  # one named on the command line wins
