@@ -59,8 +59,8 @@ def plot_runs(runs: dict[str, list[dict]]):
         grad_norm.plot(*_series(records, "step", "grad_norm"), color=color, linewidth=1, label=label)
         throughput.plot(*_series(records, "step", "tokens_per_s"), color=color, linewidth=1, label=label)
     for ax, title, xlabel, ylabel in (
-        (by_step, "loss", "step", "cross-entropy (nats)"),
-        (by_tokens, "loss", "tokens", "cross-entropy (nats)"),
+        (by_step, "loss by step", "step", "cross-entropy (nats)"),
+        (by_tokens, "loss by tokens seen", "tokens", "cross-entropy (nats)"),
         (grad_norm, "gradient norm (before clipping)", "step", "norm"),
         (throughput, "throughput", "step", "tokens / s"),
     ):
