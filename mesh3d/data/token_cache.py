@@ -38,7 +38,9 @@ def default_cache_dir() -> Path:
 
 
 def default_workers() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
+    """The CPUs this process may run on (its affinity, under a batch scheduler), at most 8."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(8, cpus or 1))
 
 
 def build_token_cache(
@@ -112,7 +114,7 @@ def _build(files, tokenizer, text_field: str, cached: Path, workers: int, progre
             # fork: a worker starts in milliseconds (no re-import of torch); it touches no torch state.
             context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
             with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=context, initializer=_init_worker,
-                                     initargs=(tokenizer, text_field)) as pool:
+                                     initargs=(tokenizer, text_field, True)) as pool:
                 futures = {pool.submit(_tokenize_spans, spans, parts_dir / f"{i:06d}.bin"): (i, size)
                            for i, (spans, size) in enumerate(tasks)}
                 for future in as_completed(futures):
@@ -154,7 +156,10 @@ def _concatenate(parts_dir: Path, counts: list[int], dtype: np.dtype, cached: Pa
 _worker: dict = {}
 
 
-def _init_worker(tokenizer, text_field: str) -> None:
+def _init_worker(tokenizer, text_field: str, one_of_many: bool = False) -> None:
+    if one_of_many:
+        # The workers share the cores already: one thread each, not a Rust thread pool per worker.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker.update(tokenizer=tokenizer, text_field=text_field)
 
 
