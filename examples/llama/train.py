@@ -10,6 +10,9 @@
         --checkpoint-dir ckpt --checkpoint-every 50 --resume
     # start from Hugging Face Llama weights, write the result back as safetensors:
     python examples/llama/train.py --init-from-hf path/to/llama --export-hf runs/hf
+    # your tokenizer and JSONL/Parquet shards, held-out eval, settings kept in a TOML file:
+    python examples/llama/train.py --config-file run.toml --tokenizer tokenizer.json --vocab-size 4096 \
+        --data "shards/*.jsonl" --eval-every 50 --eval-batches 4
 
 The model is built on the meta device and handed to mesh3d.parallelize, which splits it into
 pipeline stages, shards each with the model's tensor-parallel plan and FSDP2 (or DDP) over the
