@@ -42,8 +42,9 @@ def test_training_script_loss_falls(tmp_path):
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 41))
     assert set(records[0]) == {"step", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "param_dtype", "compile",
-                               "restart", "skipped"}
+                               "restart", "skipped", "tokens"}
     assert records[0]["restart"] == 0 and records[0]["skipped"] is False
+    assert [r["tokens"] for r in records[:2]] == [16 * 128, 2 * 16 * 128]
     assert records[0]["param_dtype"] == "fp32" and records[0]["compile"] is False
     assert records[0]["loss"] == pytest.approx(math.log(256), rel=0.03)
     last = sum(r["loss"] for r in records[-5:]) / 5

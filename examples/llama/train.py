@@ -10,6 +10,9 @@
         --checkpoint-dir ckpt --checkpoint-every 50 --resume
     # start from Hugging Face Llama weights, write the result back as safetensors:
     python examples/llama/train.py --init-from-hf path/to/llama --export-hf runs/hf
+    # your tokenizer and JSONL/Parquet shards, held-out eval, settings kept in a TOML file:
+    python examples/llama/train.py --config-file run.toml --tokenizer tokenizer.json --vocab-size 4096 \
+        --data "shards/*.jsonl" --eval-every 50 --eval-batches 4
 
 The model is built on the meta device and handed to mesh3d.parallelize, which splits it into
 pipeline stages, shards each with the model's tensor-parallel plan and FSDP2 (or DDP) over the
@@ -39,7 +42,11 @@ from examples.llama.bad_steps import BadStepGuard  # noqa: E402
 from examples.llama.fault_injection import FaultInjection  # noqa: E402
 from examples.llama.resume import resume_newest  # noqa: E402
 from examples.llama.model import Transformer, count_parameters, llama_tp_plan  # noqa: E402
-from mesh3d.data import ByteTokenizer, DistributedLoader, TokenDataset  # noqa: E402
+from examples.llama.evaluation import HeldOutEvaluator, due  # noqa: E402
+from examples.llama.run_config import config_file_argv, effective_config_toml  # noqa: E402
+from examples.llama.tensorboard_log import TensorBoardLog, tensorboard_available  # noqa: E402 - imports it only when used
+from examples.llama.text_data import build_datasets, build_tokenizer, check_vocab  # noqa: E402
+from mesh3d.data import DistributedLoader  # noqa: E402
 from mesh3d.rendezvous import restart_count  # noqa: E402
 
 
@@ -73,11 +80,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm; 0 disables clipping")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
-    p.add_argument("--data", nargs="*", default=None, help="text files or directories (default: the stdlib corpus)")
+    p.add_argument("--data", nargs="*", default=None,
+                   help=".txt/.jsonl/.parquet files, directories and globs (default: the stdlib corpus)")
+    p.add_argument("--text-field", default="text", help="the JSONL field / Parquet column holding each document")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="a Hugging Face tokenizer.json (default: --init-from-hf's tokenizer.json, else bytes)")
+    p.add_argument("--tokenize-workers", type=int, default=None, help="processes that tokenize (default: CPUs, <= 8)")
+    p.add_argument("--vocab-size", type=int, default=None, help="override the config's vocabulary size")
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate on held-out data every N steps (0: never)")
+    p.add_argument("--eval-batches", type=int, default=4, help="global batches held out (by --seed) and evaluated")
     p.add_argument("--token-file", default=None, help="a pre-tokenized .npy (or raw, with --token-dtype) file")
     p.add_argument("--token-dtype", default=None)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--metrics", default="runs/train.jsonl", help="JSONL file, one line per step")
+    p.add_argument("--tensorboard", default=None, metavar="DIR", help="also log the metrics as TensorBoard scalars here")
+    p.add_argument("--config-file", default=None, metavar="TOML",
+                   help="settings under the flags' long names with underscores; the command line overrides them")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here, as DIR/step<N>")
     p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (and after the last step)")
@@ -92,7 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--init-from-hf", default=None, metavar="DIR",
                    help="model config and weights from a Hugging Face Llama directory (config.json + safetensors)")
     p.add_argument("--export-hf", default=None, metavar="DIR", help="after training, write the model as Hugging Face safetensors")
-    args = p.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = p.parse_args(config_file_argv(p, argv) + argv)
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
     if (args.checkpoint_every or args.keep_last is not None) and not args.checkpoint_dir:
@@ -101,8 +120,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--timeout must be > 0 and --max-bad-steps >= 1")
     if args.checkpoint_every < 0 or (args.keep_last is not None and args.keep_last < 1):
         p.error("--checkpoint-every must be >= 0 and --keep-last >= 1")
-    if args.init_from_hf and (args.n_layers is not None or args.tied is not None):
-        p.error("--init-from-hf takes the model's shape from its config.json; drop --n-layers/--tied")
+    if args.init_from_hf and (args.n_layers is not None or args.tied is not None or args.vocab_size is not None):
+        p.error("--init-from-hf takes the model's shape from its config.json; drop --n-layers/--tied/--vocab-size")
+    if args.eval_every < 0 or args.eval_batches < 1:
+        p.error("--eval-every must be >= 0 and --eval-batches >= 1")
+    if args.token_file and (args.tokenizer or args.data):
+        p.error("--token-file is already tokenized: drop --tokenizer/--data")
+    if args.tensorboard and not tensorboard_available():
+        p.error("--tensorboard needs the tensorboard package: pip install tensorboard")
     return args
 
 
@@ -112,14 +137,6 @@ def lr_at(step: int, *, peak: float, warmup: int, total: int, min_ratio: float) 
         return peak * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def build_dataset(args) -> TokenDataset:
-    if args.token_file:
-        return TokenDataset.from_token_file(args.token_file, args.seq_len, dtype=args.token_dtype)
-    if args.data:
-        return TokenDataset.from_text_files(args.data, args.seq_len)
-    return TokenDataset.from_stdlib(args.seq_len)
 
 
 def build_optimizer(model: mesh3d.ParallelModel, args) -> torch.optim.AdamW:
@@ -143,17 +160,16 @@ def model_config(args) -> ModelArgs:
         overrides["n_layers"] = args.n_layers
     if args.tied is not None:
         overrides["tie_embeddings"] = args.tied
+    if args.vocab_size is not None:
+        overrides["vocab_size"] = args.vocab_size
     return get_config(args.config, **overrides)
 
 
-def build_model(args) -> Transformer:
+def build_model(args, tokenizer) -> Transformer:
     """The whole model on the meta device: no memory until parallelize materializes this rank's part."""
     config = model_config(args)
-    if not args.token_file and config.vocab_size < ByteTokenizer.vocab_size:
-        raise SystemExit(
-            f"config {args.config} has vocab_size={config.vocab_size}, fewer than the byte tokenizer's "
-            f"{ByteTokenizer.vocab_size}; train it on a --token-file of its own vocabulary"
-        )
+    if not args.token_file:
+        check_vocab(tokenizer, config.vocab_size, args.init_from_hf or args.config)
     with torch.device("meta"):
         return Transformer(config)
 
@@ -205,9 +221,11 @@ def main(argv=None) -> list[dict]:
         if is_main:
             Path(args.placement_report).write_text(json.dumps(report))
 
-    dataset = build_dataset(args)
+    tokenizer = build_tokenizer(args)
+    model = build_model(args, tokenizer)  # the vocabulary is checked before any time goes into tokenizing
+    dataset, heldout = build_datasets(args, tokenizer)
     loader = DistributedLoader.for_layout(dataset, args.global_batch, layout, seed=args.seed)
-    model = build_model(args)
+    evaluator = HeldOutEvaluator(heldout, args.global_batch, layout, args.eval_batches) if heldout else None
     n_params = count_parameters(model)
     pm = parallelize(model, layout, args)
     optimizer = build_optimizer(pm, args)
@@ -227,9 +245,13 @@ def main(argv=None) -> list[dict]:
         origin = f"weights from {args.init_from_hf}"
     if is_main:
         name = args.init_from_hf or args.config
+        print(f"effective config (TOML):\n{effective_config_toml(args)}", flush=True)
+        tokenized_by = "pre-tokenized" if args.token_file else repr(tokenizer)
         print(
             f"{layout}\n{pm}\nmodel {name}: {n_params / 1e6:.2f}M parameters, {origin}\n"
-            f"data: {len(dataset.tokens) / 1e6:.1f}M tokens ({len(dataset)} samples of {args.seq_len}), "
+            f"tokenizer: {tokenized_by}\n"
+            f"data: {len(dataset.tokens) / 1e6:.1f}M tokens ({len(dataset)} samples of {args.seq_len} to train on"
+            f"{f', {len(heldout)} held out' if heldout else ''}), "
             f"global batch {args.global_batch} = dp {layout.dp} x {loader.local_batch_size}",
             flush=True,
         )
@@ -238,6 +260,7 @@ def main(argv=None) -> list[dict]:
     if args.metrics and is_main:
         Path(args.metrics).parent.mkdir(parents=True, exist_ok=True)
         metrics_file = open(args.metrics, "a" if args.resume else "w")  # a restarted job's log goes on
+    tensorboard = TensorBoardLog(args.tensorboard) if args.tensorboard and is_main else None
     history = []
     tokens_per_step = args.global_batch * args.seq_len
     guard = BadStepGuard(args.max_bad_steps)
@@ -272,14 +295,21 @@ def main(argv=None) -> list[dict]:
             "restart": restart,
             "skipped": not stepped,
         }
+        record["tokens"] = (step + 1) * tokens_per_step
+        if evaluator and due(step + 1, args.eval_every, args.steps):
+            record.update(evaluator(pm))
         history.append(record)
         if metrics_file:  # rank 0 only
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
-        if is_main and (step % args.log_every == 0 or step + 1 == args.steps):
+        if tensorboard:  # rank 0 only
+            tensorboard.write(record)
+        if is_main and (step % args.log_every == 0 or step + 1 == args.steps or "eval_loss" in record):
+            evaluated = (f"  eval_loss {record['eval_loss']:.4f}  eval_ppl {record['eval_perplexity']:.2f}"
+                         if "eval_loss" in record else "")
             print(
                 f"step {record['step']:5d}  loss {record['loss']:.4f}  lr {lr:.2e}  "
-                f"grad_norm {record['grad_norm']:.3f}  tokens/s {record['tokens_per_s']:,.0f}"
+                f"grad_norm {record['grad_norm']:.3f}  tokens/s {record['tokens_per_s']:,.0f}{evaluated}"
                 + ("  SKIPPED (non-finite gradient norm)" if not stepped else ""),
                 flush=True,
             )
@@ -292,6 +322,8 @@ def main(argv=None) -> list[dict]:
         save_checkpoint(pm, optimizer, loader, final_step, args, is_main)
     if metrics_file:
         metrics_file.close()
+    if tensorboard:
+        tensorboard.close()
     if args.export_hf:
         mesh3d.checkpoint.export_safetensors(pm, args.export_hf)
         if is_main:

@@ -1,8 +1,15 @@
-"""Data: token sources, byte tokenizer, samples, and the deterministic data-parallel loader."""
+"""Data: token sources and cache, tokenizers, samples, the held-out split and the deterministic data-parallel loader."""
 
 from mesh3d.data.corpus import load_token_file, stdlib_sources, tokenize_files
 from mesh3d.data.dataset import TokenDataset
+from mesh3d.data.heldout import SampleSubset, split_heldout
+from mesh3d.data.hf_tokenizer import HFTokenizer
 from mesh3d.data.loader import DistributedLoader
+from mesh3d.data.sources import expand_data_paths
+from mesh3d.data.token_cache import build_token_cache
 from mesh3d.data.tokenizer import ByteTokenizer
 
-__all__ = ["ByteTokenizer", "DistributedLoader", "TokenDataset", "load_token_file", "stdlib_sources", "tokenize_files"]
+__all__ = [
+    "ByteTokenizer", "DistributedLoader", "HFTokenizer", "SampleSubset", "TokenDataset", "build_token_cache",
+    "expand_data_paths", "load_token_file", "split_heldout", "stdlib_sources", "tokenize_files",
+]

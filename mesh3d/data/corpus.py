@@ -1,20 +1,19 @@
 """Where token streams come from: the Python standard library, text files, token files; cached.
 
 Every source ends as one 1-D numpy array of token ids (memory-mapped where it comes from disk).
-Text is tokenized once and cached as a .npy file keyed by the files' names, sizes and mtimes,
-so a second run starts in milliseconds.
+Text is tokenized once and cached as a .npy file keyed by the files' names, sizes and mtimes
+(token_cache.py), so a second run starts in milliseconds.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sysconfig
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from mesh3d.data.token_cache import build_token_cache
 from mesh3d.data.tokenizer import ByteTokenizer
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -32,10 +31,6 @@ def stdlib_sources() -> list[Path]:
     return files
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("MESH3D_CACHE", Path.home() / ".cache" / "mesh3d"))
-
-
 def tokenize_files(
     paths: list[str | Path],
     tokenizer: ByteTokenizer | None = None,
@@ -44,27 +39,10 @@ def tokenize_files(
     """Tokenize text files into one stream, each file ending with the end-of-document token.
 
     The result is cached under `cache_dir` (default: $MESH3D_CACHE or ~/.cache/mesh3d) and returned
-    memory-mapped. Concurrent ranks may build the same cache: each writes a private temporary
-    file and renames it into place, so readers never see a partial file.
+    memory-mapped; see `build_token_cache` for JSONL and Parquet, Hugging Face tokenizers and
+    parallel workers.
     """
-    tokenizer = tokenizer or ByteTokenizer()
-    paths = [Path(p) for p in paths]
-    missing = [str(p) for p in paths if not p.is_file()]
-    if missing:
-        raise FileNotFoundError(f"text files not found: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    cached = cache_dir / f"tokens-{_fingerprint(paths, tokenizer)}.npy"
-    if not cached.exists():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        eos = np.array([tokenizer.eos_id], dtype=tokenizer.dtype)
-        pieces = []
-        for path in paths:
-            pieces += [tokenizer.encode(path.read_bytes()), eos]
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".npy.tmp")
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, np.concatenate(pieces))
-        os.replace(tmp, cached)
-    return np.load(cached, mmap_mode="r")
+    return build_token_cache(paths, tokenizer or ByteTokenizer(), cache_dir=cache_dir)
 
 
 def load_token_file(path: str | Path, dtype: str | np.dtype | None = None) -> np.ndarray:
@@ -79,11 +57,3 @@ def load_token_file(path: str | Path, dtype: str | np.dtype | None = None) -> np
     if tokens.ndim != 1:
         raise ValueError(f"{path}: expected a 1-D array of token ids, got shape {tokens.shape}")
     return tokens
-
-
-def _fingerprint(paths: list[Path], tokenizer: ByteTokenizer) -> str:
-    digest = hashlib.sha256(tokenizer.name.encode())
-    for path in paths:
-        stat = path.stat()
-        digest.update(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()[:20]

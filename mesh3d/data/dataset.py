@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from mesh3d.data.corpus import load_token_file, stdlib_sources, tokenize_files
+from mesh3d.data.token_cache import build_token_cache
 from mesh3d.data.tokenizer import ByteTokenizer
 
 
@@ -52,23 +53,28 @@ class TokenDataset:
     @classmethod
     def from_text_files(cls, paths, seq_len: int, cache_dir: str | Path | None = None) -> "TokenDataset":
         """Your own text files (a list of paths, or directories searched for *.txt, *.md and *.py)."""
-        return cls(tokenize_files(_expand(paths), ByteTokenizer(), cache_dir), seq_len)
+        return cls(tokenize_files(paths, ByteTokenizer(), cache_dir), seq_len)
+
+    @classmethod
+    def from_corpus(
+        cls,
+        paths,
+        seq_len: int,
+        tokenizer=None,
+        *,
+        text_field: str = "text",
+        cache_dir: str | Path | None = None,
+        workers: int | None = None,
+        progress: bool = False,
+    ) -> "TokenDataset":
+        """Text, JSONL and Parquet files, directories and globs, tokenized once into the token cache
+        by `tokenizer` (default: bytes) in parallel workers; see `build_token_cache`."""
+        tokens = build_token_cache(paths, tokenizer or ByteTokenizer(), text_field=text_field, cache_dir=cache_dir,
+                                   workers=workers, progress=progress)
+        return cls(tokens, seq_len)
 
     @classmethod
     def from_token_file(cls, path: str | Path, seq_len: int, dtype=None) -> "TokenDataset":
         """A pre-tokenized file (.npy, or raw ids with `dtype`), memory-mapped."""
         return cls(load_token_file(path, dtype), seq_len)
 
-
-def _expand(paths) -> list[Path]:
-    if isinstance(paths, (str, Path)):
-        paths = [paths]
-    files: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in {".txt", ".md", ".py"})
-        else:
-            files.append(p)
-    if not files:
-        raise FileNotFoundError(f"no text files found in {[str(p) for p in paths]}")
-    return files

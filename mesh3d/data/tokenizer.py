@@ -14,11 +14,20 @@ class ByteTokenizer:
     name = "bytes-v1"
     vocab_size = 256
     eos_id = 0
+    # What the token cache asks of every tokenizer (see HFTokenizer): the end-of-document id follows each document.
+    separator = "eos"
+    separator_id = eos_id
     dtype = np.uint8
 
     def encode(self, text: str | bytes) -> np.ndarray:
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
         return np.frombuffer(data, dtype=self.dtype)
+
+    def encode_batch(self, texts: list[str | bytes]) -> list[np.ndarray]:
+        return [self.encode(text) for text in texts]
+
+    def __repr__(self) -> str:
+        return f"ByteTokenizer(vocab_size={self.vocab_size}, eos=byte {self.eos_id})"
 
     def decode(self, ids) -> str:
         data = bytes(int(i) for i in ids)

@@ -1,0 +1,35 @@
+"""Held-out evaluation for train.py: the same fixed batches at every evaluation, through `pm.evaluate`.
+
+The held-out samples (mesh3d.data.split_heldout) are cut into `batches` global batches in a fixed
+order; each data-parallel rank takes its share of each, as the training loader does. So every
+evaluation of a run, on any layout and after any resume, sees exactly the same tokens, and the
+eval loss of two layouts differs only by the order of floating-point sums.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mesh3d.data import DistributedLoader, SampleSubset
+
+
+class HeldOutEvaluator:
+    """`evaluator(pm)` -> {"eval_loss", "eval_perplexity"}: the mean of the global token-mean
+    losses of the held-out batches (each batch has as many tokens as any other, so this is the
+    token mean over all of them)."""
+
+    def __init__(self, heldout: SampleSubset, global_batch: int, layout, batches: int):
+        loader = DistributedLoader.for_layout(heldout, global_batch, layout, shuffle=False)
+        self.batches: list[tuple[torch.Tensor, torch.Tensor]] = [next(loader) for _ in range(batches)]
+
+    def __call__(self, pm) -> dict[str, float]:
+        losses = [pm.evaluate(inputs, targets).item() for inputs, targets in self.batches]
+        loss = sum(losses) / len(losses)
+        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0))}  # exp(80) ~ 5e34: no overflow
+
+
+def due(step: int, every: int, last_step: int) -> bool:
+    """Evaluate after every `every`-th step and after the last one (steps counted from 1)."""
+    return every > 0 and (step % every == 0 or step == last_step)

@@ -1,0 +1,116 @@
+"""train.py on your own corpus and tokenizer: a BPE tokenizer.json trained here, JSONL and Parquet shards.
+
+- One process and (pp, dp, tp) = (2, 1, 2) under torchrun train with the same losses and the same
+  held-out eval losses (relative 1e-4, as in test_torchrun.py), and the loss falls.
+- The second run finds the token cache the first one built (it tokenizes nothing).
+- The one-process run's step-3 checkpoint resumed at dp=2 gives the same later losses and eval loss:
+  the held-out split and the data position survive a change of layout.
+- A tokenizer larger than the model's vocabulary is refused, naming both sizes.
+"""
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("tokenizers")
+pytest.importorskip("pyarrow")
+
+from test_torchrun import ROOT, TIMEOUT_S, _assert_close, _check, _env  # noqa: E402
+from text_corpus import documents, train_bpe, write_jsonl, write_parquet  # noqa: E402
+
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    docs = documents(1200, seed=3)
+    tokenizer = train_bpe(root / "tokenizer" / "tokenizer.json", docs, vocab_size=384)
+    write_jsonl(root / "shards" / "part-0.jsonl", docs[:500])
+    write_jsonl(root / "shards" / "part-1.jsonl", docs[500:800])
+    write_parquet(root / "extra.parquet", docs[800:], row_group_size=100)
+    return root, tokenizer
+
+
+def _flags(corpus) -> list[str]:
+    root, tokenizer = corpus
+    return ["examples/llama/train.py", "--tokenizer", str(tokenizer), "--vocab-size", "384",
+            "--data", str(root / "shards" / "*.jsonl"), str(root / "extra.parquet"),
+            "--n-layers", "4", "--seq-len", "32", "--global-batch", "8", "--steps", str(STEPS), "--warmup", "2",
+            "--eval-every", "4", "--eval-batches", "2", "--log-every", "1"]
+
+
+def _run(corpus, *args: str, torchrun: int = 0, check: bool = True) -> subprocess.CompletedProcess:
+    launcher = [sys.executable]
+    if torchrun:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(torchrun)]
+    env = {**_env(), "MESH3D_CACHE": str(corpus[0] / "cache")}
+    done = subprocess.run([*launcher, *_flags(corpus), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    if check:
+        _check(done)
+    return done
+
+
+def _records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_bpe_on_jsonl_and_parquet_one_process_and_212_and_resumed(tmp_path, corpus):
+    ckpt = tmp_path / "ckpt"
+    one = _run(corpus, "--metrics", str(tmp_path / "one.jsonl"), "--checkpoint-dir", str(ckpt),
+               "--checkpoint-every", "4")
+    assert "tokenizing: 100%" in one.stderr and "HFTokenizer(" in one.stdout
+    assert "eval_loss" in one.stdout and "eval_ppl" in one.stdout
+    straight = _records(tmp_path / "one.jsonl")
+    losses = [r["loss"] for r in straight]
+    assert losses[0] == pytest.approx(math.log(384), rel=0.05)  # a uniform guess over the BPE vocabulary
+    assert sum(losses[-2:]) / 2 < losses[0] - 1.0, losses
+    evals = [(r["step"], r["eval_loss"]) for r in straight if "eval_loss" in r]
+    assert [step for step, _ in evals] == [4, 8] and evals[1][1] < evals[0][1]
+    assert all(r["eval_perplexity"] == pytest.approx(math.exp(r["eval_loss"])) for r in straight if "eval_loss" in r)
+
+    layout = _run(corpus, "--pp", "2", "--dp", "1", "--tp", "2", "--metrics", str(tmp_path / "212.jsonl"), torchrun=4)
+    assert "tokenizing" not in layout.stderr  # the cache the first run built
+    assert len(list((corpus[0] / "cache").glob("tokens-*.npy"))) == 1
+    parallel = _records(tmp_path / "212.jsonl")
+    assert parallel[0]["loss"] == pytest.approx(straight[0]["loss"], rel=1e-5)
+    _assert_close([r["loss"] for r in parallel], losses)
+    _assert_close([r["eval_loss"] for r in parallel if "eval_loss" in r], [loss for _, loss in evals])
+
+    resume_dir = tmp_path / "resume"
+    resume_dir.mkdir()
+    shutil.copytree(ckpt / "step4", resume_dir / "step4")
+    _run(corpus, "--dp", "2", "--checkpoint-dir", str(resume_dir), "--resume", "--metrics",
+         str(tmp_path / "resumed.jsonl"), torchrun=2)
+    resumed = _records(tmp_path / "resumed.jsonl")
+    assert [r["step"] for r in resumed] == list(range(5, STEPS + 1))
+    _assert_close([r["loss"] for r in resumed], losses[4:])
+    _assert_close([resumed[-1]["eval_loss"]], [evals[1][1]])
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused(corpus):
+    done = _run(corpus, "--vocab-size", "256", "--metrics", "", check=False)
+    assert done.returncode != 0
+    assert "vocab_size=384" in done.stderr and "vocab_size=256" in done.stderr and "--vocab-size 384" in done.stderr
+
+
+def test_which_tokenizer(tmp_path, corpus):
+    from argparse import Namespace
+
+    from examples.llama.text_data import build_tokenizer
+    from mesh3d.data import ByteTokenizer, HFTokenizer
+
+    hf_dir = tmp_path / "llama"
+    hf_dir.mkdir()
+    own = corpus[1]
+    other = train_bpe(hf_dir / "tokenizer.json", documents(50), vocab_size=300)
+    pick = lambda tokenizer, init_from_hf: build_tokenizer(Namespace(tokenizer=tokenizer, init_from_hf=init_from_hf))  # noqa: E731
+    assert isinstance(pick(None, None), ByteTokenizer)
+    assert isinstance(pick(None, str(tmp_path)), ByteTokenizer)  # a Hugging Face directory without tokenizer.json
+    assert pick(None, str(hf_dir)).path == other and isinstance(pick(None, str(hf_dir)), HFTokenizer)
+    assert pick(str(own), str(hf_dir)).path == own  # one named on the command line wins
