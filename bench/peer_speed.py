@@ -8,13 +8,18 @@ the embedding on the first stage, the final norm and head on the last). Each eng
 interleaved 1F1B (2 stages per rank, loop placement) and its ZBV (2 stages per rank, V placement:
 rank r holds stages r and 2pp-1-r); torch's ZBV splits the backward with its own
 `stage_backward_input`/`stage_backward_weight`, ours with pipeline/split_backward.py. Steps take
-turns (mesh3d interleaved, torch interleaved, mesh3d zbv, torch zbv, one process, ...) on the same
-batches, so load from elsewhere on the machine falls on all of them alike; each step is timed
-between barriers (the slowest rank) and the figure is the median.
+turns on the same batches (mesh3d interleaved, torch interleaved, mesh3d zbv, torch zbv, then one
+process), the four engines' order rotating by one every round, so load from elsewhere on the
+machine and the allocator's state after the previous step fall on all of them alike; each step is
+timed between barriers (the slowest rank) and the figure is the median.
 
 "One process" is the whole model's forward and backward on the whole batch, on rank 0 alone with
 one thread (the other ranks wait in a barrier). Pipeline efficiency is (one process / pp) / step
 time: 1.0 is a perfect pp-fold speed-up; bubbles, messages and per-action overhead take it down.
+On a CPU the whole batch at once runs slower per token than microbatches (its activations do
+not stay in cache), which can put that efficiency above 1; the bench therefore also times one
+process running the same microbatches one after another with gradient accumulation, the
+pipeline's own compute on one rank, and prints the efficiency against it too.
 Losses of the two engines on the same batch are printed side by side as a check that they compute
 the same thing.
 """
@@ -105,13 +110,15 @@ class _Engines:
 
         return step
 
-    def one_process(self, tokens, targets) -> float:
-        """The whole model on the whole batch on rank 0, fwd + bwd, timed on that rank."""
+    def one_process(self, tokens, targets, microbatches: int = 1) -> float:
+        """The whole model on rank 0, fwd + bwd of the whole batch (in `microbatches` pieces with
+        gradient accumulation), timed on that rank."""
         dist.barrier()
         seconds = 0.0
         if self.rank == 0:
             start = time.perf_counter()
-            _cross_entropy(self.whole(tokens), targets).backward()
+            for piece, target in zip(tokens.chunk(microbatches), targets.chunk(microbatches)):
+                (_cross_entropy(self.whole(piece), target) / microbatches).backward()
             seconds = time.perf_counter() - start
             self.whole.zero_grad(set_to_none=True)
         dist.barrier()
@@ -122,12 +129,14 @@ def _bench(args):
     torch.set_num_threads(1)
     engines = _Engines(args)
     generator = torch.Generator().manual_seed(1)
-    times = {name: [] for name in [*engines.steps, "one process"]}
+    times = {name: [] for name in [*engines.steps, "one process", "one process, microbatched"]}
     losses = {name: [] for name in engines.steps}
     for step_index in range(args.steps + 1):  # the first step of each warms up
         tokens = torch.randint(0, 256, (args.batch, args.seq_len + 1), generator=generator)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        for name, (step, params) in engines.steps.items():
+        names = list(engines.steps)
+        for name in names[step_index % len(names):] + names[:step_index % len(names)]:
+            step, params = engines.steps[name]
             dist.barrier()
             start = time.perf_counter()
             loss = step(inputs, targets)
@@ -140,8 +149,10 @@ def _bench(args):
             if loss is not None:
                 losses[name].append(float(loss))
         seconds = engines.one_process(inputs, targets)
+        microbatched = engines.one_process(inputs, targets, args.microbatches)
         if step_index:
             times["one process"].append(seconds)
+            times["one process, microbatched"].append(microbatched)
     return {name: statistics.median(t) for name, t in times.items()}, losses
 
 
@@ -161,11 +172,15 @@ def main() -> None:
     medians = per_rank[0][0]
     losses = {name: values for rank_losses in per_rank for name, values in rank_losses[1].items() if values}
     whole = medians.pop("one process")
+    microbatched = medians.pop("one process, microbatched")
     print(f"model: dim {args.dim}, {args.layers} layers, batch {args.batch} x {args.seq_len} tokens, "
           f"pp={args.pp}, {args.microbatches} microbatches, gloo on CPU, one thread per rank")
     print(f"one process, whole batch, one thread: {whole * 1e3:.1f} ms (limit for pp={args.pp}: {whole / args.pp * 1e3:.1f} ms)")
+    print(f"one process, the same {args.microbatches} microbatches one after another: {microbatched * 1e3:.1f} ms "
+          f"(limit for pp={args.pp}: {microbatched / args.pp * 1e3:.1f} ms)")
     for name, seconds in medians.items():
-        print(f"{name:>26}: step {seconds * 1e3:7.1f} ms, efficiency {whole / args.pp / seconds:.3f}, "
+        print(f"{name:>26}: step {seconds * 1e3:7.1f} ms, efficiency {whole / args.pp / seconds:.3f} "
+              f"(against the microbatched run: {microbatched / args.pp / seconds:.3f}), "
               f"first losses {[round(v, 5) for v in losses.get(name, [])[:2]]}")
     best = {side: min((s, n) for n, s in medians.items() if n.startswith(side)) for side in ("mesh3d", "torch")}
     print(f"best: mesh3d {best['mesh3d'][1]} {best['mesh3d'][0] * 1e3:.1f} ms, torch {best['torch'][1]} "

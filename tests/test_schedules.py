@@ -203,6 +203,16 @@ def test_zbv_beats_zb_h1_within_2p_half_stage_activations(p):
             assert max(report.peak_activations) <= 2 * p, (m, report.peak_activations)
 
 
+@pytest.mark.parametrize("p", PPS)
+def test_zbv_keeps_its_gain_when_input_gradients_cost_more_than_weight_gradients(p):
+    """On real blocks I costs about 1.3 and W 0.7 (bench/peer_speed.py's stage: 37 ms and 22 ms).
+    ZBV's pattern runs each I next to its W, so its bubble stays below half of interleaved 1F1B's;
+    a greedy order played with F = I = W lost that (p=4, m=8: 24 % where this gives 7.5 %)."""
+    for m in range(2 * p, 3 * p + 1):
+        zbv = simulate("zbv", p, m, 2, b_cost=2.0, w_cost=0.7).bubble_fraction
+        assert zbv < 0.5 * simulate("interleaved_1f1b", p, m, 2, b_cost=2.0, w_cost=0.7).bubble_fraction, m
+
+
 def test_split_backward_costs():
     """b_cost stays the whole backward: I costs b - w, W costs w; w = 0 keeps the other schedules' figures."""
     for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
