@@ -4,9 +4,10 @@ Each backward is split in two: I, the gradient with respect to the stage's input
 previous stage waits for; and W, the gradient with respect to the stage's weights, which nobody
 waits for. W's can then fill what would be bubbles. An activation stays live until its W has run.
 
-The generators place W's by playing the schedule with unit costs (F = I = W = 1) and letting each
-rank run a waiting W whenever its next F or I cannot start (its input has not arrived, or it holds
-as many activations as it may):
+The generators play the schedule with unit costs (F = I = W = 1). ZB-H1 and interleaved zero
+bubble let each rank run a waiting W whenever its next F or I cannot start (its input has not
+arrived, or it holds as many activations as it may); ZBV lists each W next to its I and leaves
+W's to the waits only in the cooldown:
 
 - `zero_bubble_h1` (ZB-H1): 1F1B's order of F and I, at most pp live activations. Bubble
   (pp-1)/(3m+pp-1) with f = i = w, a third of 1F1B's.
@@ -124,11 +125,8 @@ def _follow_then_inputs_first(pp: int, microbatches: int, patterns: list[list[Ac
                 position[rank] += 1
                 return nxt
             return None
-        inputs = [Action(s, Kind.I, j) for s in (rank, 2 * pp - 1 - rank) for j in range(microbatches)
-                  if ready(Action(s, Kind.I, j))]
-        if inputs:
-            return min(inputs, key=lambda a: (a.microbatch, -a.stage))
-        return waiting[0] if waiting else None
+        earliest_input = _earliest_ready_input((rank, 2 * pp - 1 - rank), microbatches, ready)
+        return earliest_input or (waiting[0] if waiting else None)
 
     return policy
 
@@ -144,9 +142,9 @@ def _greedy(pp: int, microbatches: int, v: int, limits: list[int]) -> Policy:
 
     def policy(rank: int, now: float, ready, live: int, waiting: list) -> Action | None:
         mine = stages[rank]
-        inputs = [Action(s, Kind.I, j) for s in mine for j in range(microbatches) if ready(Action(s, Kind.I, j))]
-        if inputs:
-            return min(inputs, key=lambda a: (a.microbatch, -a.stage))
+        earliest_input = _earliest_ready_input(mine, microbatches, ready)
+        if earliest_input is not None:
+            return earliest_input
         if live < limits[rank]:
             forwards = [Action(s, Kind.F, j) for s in mine for j in range(microbatches) if ready(Action(s, Kind.F, j))]
             if forwards:
@@ -154,6 +152,12 @@ def _greedy(pp: int, microbatches: int, v: int, limits: list[int]) -> Policy:
         return waiting[0] if waiting else None
 
     return policy
+
+
+def _earliest_ready_input(stages, microbatches: int, ready) -> Action | None:
+    """The ready I of the earliest microbatch among `stages` (the later stage first), or None."""
+    inputs = [Action(s, Kind.I, j) for s in stages for j in range(microbatches) if ready(Action(s, Kind.I, j))]
+    return min(inputs, key=lambda a: (a.microbatch, -a.stage)) if inputs else None
 
 
 def _unit_makespan(schedule: Schedule) -> float:
