@@ -6,6 +6,17 @@ posted early (`irecv` into a buffer shaped from the meta run) and waited on only
 that consumes it starts. Every message has a tag unique within the step, so gloo (which matches
 by tag) and NCCL (which matches by order; the lowering fixed one order on both ends) both pair
 them correctly. Sends are waited on at the end of the step.
+
+On CPU (gloo) two things go further, because there a receive posted late is paid on the critical
+path (posting an `irecv` for a message the peer already sent took 2-6 ms of the receiving rank's
+time per 512 KB message, 3 % of a pp=2 ZBV step) and a fresh buffer costs page faults:
+
+- every receive of the step is posted at its start: gloo matches by tag, so the order of
+  posting does not matter there (NCCL keeps the lowered order: its receives run in issue order
+  on one stream, and one posted early would hold up the sends behind it);
+- receive buffers are kept between steps (`ReceiveBuffers`, one per message slot, as torch's
+  PipelineStage keeps its own): a step hands them back only once it finished, so a step that
+  failed half-way leaves its buffers to the messages that may still land in them.
 """
 
 from __future__ import annotations
@@ -46,6 +57,23 @@ def message_tag(schedule: Schedule, kind: Kind, producer_stage: int, microbatch:
     return (direction * schedule.n_stages + producer_stage) * schedule.microbatches + microbatch
 
 
+class ReceiveBuffers:
+    """Receive buffers kept between steps, one per message slot (CPU only: on CUDA a buffer reused
+    by the next step's receive could still be read by this step's kernels)."""
+
+    def __init__(self):
+        self._free: dict[tuple, torch.Tensor] = {}
+
+    def get(self, slot: tuple, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buffer = self._free.pop(slot, None)
+        if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+            buffer = torch.empty(shape, dtype=dtype, device=device)
+        return buffer
+
+    def give_back(self, slot: tuple, buffer: torch.Tensor) -> None:
+        self._free[slot] = buffer
+
+
 class Mailbox:
     """One step's tensors between stages: in memory on this rank, isend/irecv across ranks.
 
@@ -53,7 +81,8 @@ class Mailbox:
     arrives and by its producer stage when it leaves; a gradient likewise.
     """
 
-    def __init__(self, peers: PipelinePeers, schedule: Schedule, specs: list[Spec], traffic: Traffic):
+    def __init__(self, peers: PipelinePeers, schedule: Schedule, specs: list[Spec], traffic: Traffic,
+                 buffers: ReceiveBuffers | None = None):
         self.peers = peers
         self.schedule = schedule
         self.specs = specs  # each stage's output shape and dtype (an output's gradient has the same)
@@ -61,6 +90,10 @@ class Mailbox:
         self.inbox: dict[tuple[Kind, int, int], object] = {}  # tensor, or (work, buffer, what) of a posted irecv
         self.outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}
         self.sends: list[tuple[dist.Work, torch.Tensor, str]] = []  # work, tensor, what it is (for errors)
+        # CPU (gloo, matched by tag): every receive posted at the start, into buffers kept between steps.
+        self.posts_ahead = peers.device.type == "cpu"
+        self.buffers = buffers if self.posts_ahead else None
+        self.posted: dict[Action, torch.Tensor] = {}  # receives posted this step, and their buffers
 
     def put(self, kind: Kind, producer: int, consumer: int, microbatch: int, tensor: torch.Tensor) -> None:
         """A result of `producer` for `consumer`: kept here if it runs on this rank, else queued for its SEND."""
@@ -79,12 +112,26 @@ class Mailbox:
             return buffer
         return item
 
+    def post_receives_ahead(self, actions: tuple[Action, ...]) -> None:
+        """On CPU: post every receive among `actions` now (their RECV actions then do nothing)."""
+        if self.posts_ahead:
+            for action in actions:
+                if action.kind in (Kind.RECV_F, Kind.RECV_B):
+                    self.post_recv(action)
+
     def post_recv(self, action: Action) -> None:
-        """RECV_F / RECV_B: post the irecv now, into a buffer shaped from the meta run."""
+        """RECV_F / RECV_B: post the irecv now (unless already posted), into a buffer shaped from
+        the meta run."""
+        if action in self.posted:
+            return
         forward = action.kind == Kind.RECV_F
         producer = action.stage - 1 if forward else action.stage + 1
         shape, dtype = self.specs[producer if forward else action.stage]
-        buffer = torch.empty(shape, dtype=dtype, device=self.peers.device)
+        if self.buffers is not None:
+            buffer = self.buffers.get(action, shape, dtype, self.peers.device)
+        else:
+            buffer = torch.empty(shape, dtype=dtype, device=self.peers.device)
+        self.posted[action] = buffer
         work = dist.irecv(
             buffer,
             src=self.peers.global_ranks[action.peer],
@@ -121,8 +168,14 @@ class Mailbox:
         self.traffic.bytes_sent += tensor.numel() * tensor.element_size()
         self.traffic.messages_sent += 1
 
-    def wait_sends(self) -> None:
+    def close(self) -> None:
+        """End of a step that finished: wait for the sends; the receive buffers go back for the
+        next step (every receive was waited on by the compute that consumed it)."""
         for work, _, what in self.sends:
             with waiting_for(what):
                 work.wait()
         self.sends = []
+        if self.buffers is not None:
+            for action, buffer in self.posted.items():
+                self.buffers.give_back(action, buffer)
+        self.posted = {}

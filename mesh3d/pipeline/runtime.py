@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from mesh3d.loss import LossFn, LossScale
 from mesh3d.pipeline.boundary import Boundaries, BoundaryShapes
 from mesh3d.pipeline.lower import LoweredSchedule, lower
-from mesh3d.pipeline.p2p import Mailbox, PipelinePeers, Traffic
+from mesh3d.pipeline.p2p import Mailbox, PipelinePeers, ReceiveBuffers, Traffic
 from mesh3d.pipeline.schedules import RELEASES, Action, Kind
 from mesh3d.pipeline.split_backward import PendingWeightGrad, backward_input, backward_weight
 
@@ -85,6 +85,7 @@ class PipelineRuntime:
         self.train_actions = lowered.actions[peers.pp_rank]
         self.eval_actions = lower(self.schedule.forward_only()).actions[peers.pp_rank]
         self.counters = RuntimeCounters()  # of the last training step
+        self.receive_buffers = ReceiveBuffers()  # kept between steps on CPU (p2p.py)
         self.output_placements = None  # the model output's DTensor placements (tensor parallel), from the meta run
         self.output_ndim = 0
         last_backward = {}  # per stage, its last action that finishes weight gradients (B, or W)
@@ -132,9 +133,11 @@ class PipelineRuntime:
         counters = RuntimeCounters()
         if train:
             self.counters = counters  # an evaluation does not replace the last step's figures
-        mailbox = Mailbox(self.peers, self.schedule, boundaries.specs, counters)
+        mailbox = Mailbox(self.peers, self.schedule, boundaries.specs, counters, self.receive_buffers)
         step = _Step(self, input_chunks, target_chunks, mailbox, scale, train, counters)
-        for index, action in enumerate(self.train_actions if train else self.eval_actions):
+        actions = self.train_actions if train else self.eval_actions
+        mailbox.post_receives_ahead(actions)
+        for index, action in enumerate(actions):
             step.execute(action, is_last_backward=index in self._last_backward_index)
         return step.finish()
 
@@ -273,7 +276,7 @@ class _Step:
         self.counters.live_activations -= 1
 
     def finish(self) -> torch.Tensor:
-        self.mailbox.wait_sends()
+        self.mailbox.close()
         if self.losses:
             # float64: a count over a large global batch is exact, and so is the final sum of sums.
             return torch.stack([torch.stack(self.losses).double().sum(), torch.stack(self.counts).double().sum()])
