@@ -22,6 +22,13 @@ process running the same microbatches one after another with gradient accumulati
 pipeline's own compute on one rank, and prints the efficiency against it too.
 Losses of the two engines on the same batch are printed side by side as a check that they compute
 the same thing.
+
+Each engine's step is also cut in two: compute (each rank's time inside its stages' forward and
+backward calls, waits for messages excluded: torch's `forward_one_chunk`/`backward_one_chunk`/
+`backward_weight_one_chunk`, which its schedules call after their receives completed, with its loss
+and its final division of the gradients by m; mesh3d's F/B/I/W less the time in `Mailbox.take`) and the rest of the step (step time less the busiest
+rank's compute: waits, messages, the interpreter). No schedule can take less than its busiest rank's
+compute, so the compute column bounds what a better engine could gain on the same stages.
 """
 
 from __future__ import annotations
@@ -40,10 +47,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble  # noqa: E402
+from torch.distributed.pipelining.schedules import _PipelineSchedule  # noqa: E402
+from torch.distributed.pipelining.stage import _PipelineStageBase  # noqa: E402
 
 import mesh3d  # noqa: E402
 from examples.llama.config import get_config  # noqa: E402
 from examples.llama.model import Transformer  # noqa: E402
+from mesh3d.pipeline import runtime as mesh3d_runtime  # noqa: E402
 from multiprocess import run_on_ranks  # noqa: E402
 
 TORCH_SCHEDULES = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble}
@@ -78,6 +88,34 @@ def _torch_stage(model: Transformer, stage: int, n_stages: int) -> torch.nn.Modu
 
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+class _ComputeClock:
+    """Seconds this rank spent computing since `reset`: inside both engines' stage calls, less the
+    time mesh3d's calls waited for a message inside them."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        for owner, names, sign in ((_PipelineStageBase, ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk",
+                                                          "scale_grads"), 1),
+                                   (_PipelineSchedule, ("_maybe_compute_loss",), 1),
+                                   (mesh3d_runtime._Step, ("forward", "backward", "backward_input", "backward_weight"), 1),
+                                   (mesh3d_runtime.Mailbox, ("take",), -1)):
+            for name in names:
+                setattr(owner, name, self._timed(getattr(owner, name), sign))
+
+    def _timed(self, method, sign: int):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += sign * (time.perf_counter() - start)
+
+        return timed
+
+    def reset(self) -> None:
+        self.seconds = 0.0
 
 
 class _Engines:
@@ -127,9 +165,11 @@ class _Engines:
 
 def _bench(args):
     torch.set_num_threads(1)
+    clock = _ComputeClock()
     engines = _Engines(args)
     generator = torch.Generator().manual_seed(1)
     times = {name: [] for name in [*engines.steps, "one process", "one process, microbatched"]}
+    compute = {name: [] for name in engines.steps}
     losses = {name: [] for name in engines.steps}
     for step_index in range(args.steps + 1):  # the first step of each warms up
         tokens = torch.randint(0, 256, (args.batch, args.seq_len + 1), generator=generator)
@@ -138,6 +178,7 @@ def _bench(args):
         for name in names[step_index % len(names):] + names[:step_index % len(names)]:
             step, params = engines.steps[name]
             dist.barrier()
+            clock.reset()
             start = time.perf_counter()
             loss = step(inputs, targets)
             dist.barrier()
@@ -146,6 +187,7 @@ def _bench(args):
                 p.grad = None
             if step_index:
                 times[name].append(elapsed)
+                compute[name].append(clock.seconds)
             if loss is not None:
                 losses[name].append(float(loss))
         seconds = engines.one_process(inputs, targets)
@@ -153,7 +195,7 @@ def _bench(args):
         if step_index:
             times["one process"].append(seconds)
             times["one process, microbatched"].append(microbatched)
-    return {name: statistics.median(t) for name, t in times.items()}, losses
+    return {name: statistics.median(t) for name, t in times.items()}, losses, times, compute
 
 
 def main() -> None:
@@ -170,6 +212,11 @@ def main() -> None:
         parser.error(f"--layers={args.layers} must be a multiple of 2 * pp = {2 * args.pp} (two stages per rank)")
     per_rank = run_on_ranks(_bench, args.pp, args, timeout=3600)
     medians = per_rank[0][0]
+    # Per step: step time less the busiest rank's compute in that step; medians of both.
+    busiest = {name: [max(rank[3][name][i] for rank in per_rank) for i in range(len(per_rank[0][2][name]))]
+               for name in per_rank[0][3]}
+    rest = {name: statistics.median(t - c for t, c in zip(per_rank[0][2][name], busiest[name])) for name in busiest}
+    compute = {name: [statistics.median(rank[3][name]) for rank in per_rank] for name in busiest}
     losses = {name: values for rank_losses in per_rank for name, values in rank_losses[1].items() if values}
     whole = medians.pop("one process")
     microbatched = medians.pop("one process, microbatched")
@@ -182,6 +229,8 @@ def main() -> None:
         print(f"{name:>26}: step {seconds * 1e3:7.1f} ms, efficiency {whole / args.pp / seconds:.3f} "
               f"(against the microbatched run: {microbatched / args.pp / seconds:.3f}), "
               f"first losses {[round(v, 5) for v in losses.get(name, [])[:2]]}")
+        print(f"{'':>28}compute per rank {[round(c * 1e3, 1) for c in compute[name]]} ms, "
+              f"rest of the step {rest[name] * 1e3:.1f} ms ({rest[name] / seconds:.1%})")
     best = {side: min((s, n) for n, s in medians.items() if n.startswith(side)) for side in ("mesh3d", "torch")}
     print(f"best: mesh3d {best['mesh3d'][1]} {best['mesh3d'][0] * 1e3:.1f} ms, torch {best['torch'][1]} "
           f"{best['torch'][0] * 1e3:.1f} ms, ratio {best['mesh3d'][0] / best['torch'][0]:.3f}")
