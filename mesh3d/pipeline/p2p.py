@@ -92,8 +92,10 @@ class Mailbox:
         self.sends: list[tuple[dist.Work, torch.Tensor, str]] = []  # work, tensor, what it is (for errors)
         # CPU (gloo, matched by tag): every receive posted at the start, into buffers kept between steps.
         self.posts_ahead = peers.device.type == "cpu"
-        self.buffers = buffers if self.posts_ahead else None
-        self.posted: dict[Action, torch.Tensor] = {}  # receives posted this step, and their buffers
+        self.buffers = (buffers if buffers is not None else ReceiveBuffers()) if self.posts_ahead else None
+        # CPU only: receives posted this step and their buffers, to hand back at close(). (On CUDA
+        # a received tensor is freed with its last use, as before.)
+        self.posted: dict[Action, torch.Tensor] = {}
 
     def put(self, kind: Kind, producer: int, consumer: int, microbatch: int, tensor: torch.Tensor) -> None:
         """A result of `producer` for `consumer`: kept here if it runs on this rank, else queued for its SEND."""
@@ -128,10 +130,9 @@ class Mailbox:
         producer = action.stage - 1 if forward else action.stage + 1
         shape, dtype = self.specs[producer if forward else action.stage]
         if self.buffers is not None:
-            buffer = self.buffers.get(action, shape, dtype, self.peers.device)
+            buffer = self.posted[action] = self.buffers.get(action, shape, dtype, self.peers.device)
         else:
             buffer = torch.empty(shape, dtype=dtype, device=self.peers.device)
-        self.posted[action] = buffer
         work = dist.irecv(
             buffer,
             src=self.peers.global_ranks[action.peer],
