@@ -23,12 +23,13 @@ pipeline's own compute on one rank, and prints the efficiency against it too.
 Losses of the two engines on the same batch are printed side by side as a check that they compute
 the same thing.
 
-Each engine's step is also cut in two: compute (each rank's time inside its stages' forward and
-backward calls, waits for messages excluded: torch's `forward_one_chunk`/`backward_one_chunk`/
-`backward_weight_one_chunk`, which its schedules call after their receives completed, with its loss
-and its final division of the gradients by m; mesh3d's F/B/I/W less the time in `Mailbox.take`) and the rest of the step (step time less the busiest
-rank's compute: waits, messages, the interpreter). No schedule can take less than its busiest rank's
-compute, so the compute column bounds what a better engine could gain on the same stages.
+Each engine's step is also cut in two. Compute is each rank's time inside its stages' forward
+and backward calls, waits for messages excluded: torch's `forward_one_chunk`/`backward_one_chunk`/
+`backward_weight_one_chunk` (which its schedules call after their receives completed), its loss
+and its final division of the gradients by m; mesh3d's F/B/I/W less the time in `Mailbox.take`.
+The rest of the step is the step time less the busiest rank's compute: waits, messages, the
+interpreter. No schedule can take less than its busiest rank's compute, so the compute column
+bounds what a better engine could gain on the same stages.
 """
 
 from __future__ import annotations

@@ -90,12 +90,12 @@ class Mailbox:
         self.inbox: dict[tuple[Kind, int, int], object] = {}  # tensor, or (work, buffer, what) of a posted irecv
         self.outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}
         self.sends: list[tuple[dist.Work, torch.Tensor, str]] = []  # work, tensor, what it is (for errors)
-        # CPU (gloo, matched by tag): every receive posted at the start, into buffers kept between steps.
-        self.posts_ahead = peers.device.type == "cpu"
-        self.buffers = (buffers if buffers is not None else ReceiveBuffers()) if self.posts_ahead else None
-        # CPU only: receives posted this step and their buffers, to hand back at close(). (On CUDA
-        # a received tensor is freed with its last use, as before.)
-        self.posted: dict[Action, torch.Tensor] = {}
+        # CPU (gloo, matched by tag): every receive posted at the start, into buffers kept between
+        # steps; None elsewhere (a received tensor is then freed with its last use).
+        self.buffers: ReceiveBuffers | None = None
+        if peers.device.type == "cpu":
+            self.buffers = buffers if buffers is not None else ReceiveBuffers()
+        self.posted: dict[Action, torch.Tensor] = {}  # CPU: this step's receives, handed back at close()
 
     def put(self, kind: Kind, producer: int, consumer: int, microbatch: int, tensor: torch.Tensor) -> None:
         """A result of `producer` for `consumer`: kept here if it runs on this rank, else queued for its SEND."""
@@ -116,7 +116,7 @@ class Mailbox:
 
     def post_receives_ahead(self, actions: tuple[Action, ...]) -> None:
         """On CPU: post every receive among `actions` now (their RECV actions then do nothing)."""
-        if self.posts_ahead:
+        if self.buffers is not None:
             for action in actions:
                 if action.kind in (Kind.RECV_F, Kind.RECV_B):
                     self.post_recv(action)
