@@ -3,7 +3,7 @@
     python bench/batch_check.py                                              # the local check only
     torchrun --standalone --nproc-per-node 4 bench/batch_check.py --pp 2 --dp 2 --steps 20
 
-The local check (mesh3d/batch_check.py: dtype, shape, min/max of ids and targets against the
+The local check (mesh3d/step/batch_check.py: dtype, shape, min/max of ids and targets against the
 vocabulary) is timed on batches of a few sizes. Under torchrun, the agreement (one all-reduce
 of one int32 flag over the world) is timed alone, and pm.step of the LLaMA `debug` config is
 timed with the check and with it replaced by a no-op (the same steps, alternating, so that
@@ -29,7 +29,7 @@ import mesh3d  # noqa: E402
 import mesh3d.parallel_model  # noqa: E402
 from examples.llama.config import get_config  # noqa: E402
 from examples.llama.model import Transformer, loss_fn  # noqa: E402
-from mesh3d.batch_check import agree_on_batch, batch_problem  # noqa: E402
+from mesh3d.step.batch_check import agree_on_batch, batch_problem  # noqa: E402
 
 
 def _median_s(fn, repeats: int) -> float:

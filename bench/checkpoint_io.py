@@ -28,7 +28,7 @@ import torch.distributed as dist  # noqa: E402
 import mesh3d  # noqa: E402
 from examples.llama.config import get_config  # noqa: E402
 from examples.llama.model import Transformer, count_parameters, llama_tp_plan, loss_fn  # noqa: E402
-from mesh3d.shards import local_tensor  # noqa: E402
+from mesh3d.distributed.shards import local_tensor  # noqa: E402
 
 
 def _disk_bytes(path: Path) -> int:

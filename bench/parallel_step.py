@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import mesh3d  # noqa: E402
 from examples.llama.config import get_config  # noqa: E402
 from examples.llama.model import Transformer, loss_fn  # noqa: E402
-from mesh3d.shards import local_tensor  # noqa: E402
+from mesh3d.distributed.shards import local_tensor  # noqa: E402
 from multiprocess import run_on_ranks  # noqa: E402
 from pipeline_step import SavedBytes  # noqa: E402
 

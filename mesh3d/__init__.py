@@ -4,7 +4,7 @@ from mesh3d import checkpoint, data, pipeline
 from mesh3d.mesh import Layout, build_mesh
 from mesh3d.parallel_model import ParallelModel
 from mesh3d.parallelize import parallelize
-from mesh3d.peer_timeout import PeerTimeout
+from mesh3d.distributed.peer_timeout import PeerTimeout
 
 __all__ = ["Layout", "ParallelModel", "PeerTimeout", "build_mesh", "checkpoint", "data", "parallelize", "pipeline"]
 __version__ = "0.1.0"

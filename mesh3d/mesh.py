@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_nccl_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from mesh3d.agree import check_same_everywhere
-from mesh3d.rendezvous import attempt_store, uses_agent_store
+from mesh3d.distributed.agree import check_same_everywhere
+from mesh3d.distributed.rendezvous import attempt_store, uses_agent_store
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
 # torch's own default for a process group that is given no timeout (gloo and NCCL alike).

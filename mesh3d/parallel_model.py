@@ -7,17 +7,17 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from mesh3d.batch_check import agree_on_batch, batch_problem
+from mesh3d.step.batch_check import agree_on_batch, batch_problem
 from mesh3d.data_parallel import GradientSync
-from mesh3d.global_loss import GlobalLoss
-from mesh3d.grad_norm import clip_grad_norm_
-from mesh3d.loss import IGNORE_INDEX, LossScale
+from mesh3d.step.global_loss import GlobalLoss
+from mesh3d.step.grad_norm import clip_grad_norm_
+from mesh3d.model.loss import IGNORE_INDEX, LossScale
 from mesh3d.mesh import Layout
-from mesh3d.peer_timeout import located
+from mesh3d.distributed.peer_timeout import located
 from mesh3d.pipeline.boundary import Boundaries
 from mesh3d.pipeline.runtime import PipelineRuntime
 from mesh3d.pipeline.tied import TiedWeights
-from mesh3d.state import StateMap
+from mesh3d.model.state_map import StateMap
 from mesh3d.tensor import TensorParallelConfig, check_loss_parallel_output, settle_gradients
 
 

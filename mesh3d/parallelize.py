@@ -26,21 +26,21 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from mesh3d.agree import check_same_everywhere
-from mesh3d.batch_check import declared_vocab_size
-from mesh3d.compiled_blocks import compile_blocks, resolve_compile
+from mesh3d.distributed.agree import check_same_everywhere
+from mesh3d.step.batch_check import declared_vocab_size
+from mesh3d.model.compiled_blocks import compile_blocks, resolve_compile
 from mesh3d.data_parallel import DataParallelConfig, MixedPrecision, apply_data_parallel
-from mesh3d.initialize import initialize, make_replicas_identical, to_device
-from mesh3d.loss import LossFn, cross_entropy_loss
+from mesh3d.model.initialize import initialize, make_replicas_identical, to_device
+from mesh3d.model.loss import LossFn, cross_entropy_loss
 from mesh3d.mesh import Layout, build_mesh
 from mesh3d.parallel_model import ParallelModel
 from mesh3d.pipeline.config import PipelineConfig
-from mesh3d.pipeline.lower import lower
+from mesh3d.pipeline.schedule.lower import lower
 from mesh3d.pipeline.p2p import PipelinePeers
 from mesh3d.pipeline.runtime import PipelineRuntime
 from mesh3d.pipeline.split import Split, find_layers, split_model
 from mesh3d.pipeline.tied import TiedWeights, find_ties
-from mesh3d.state import StateMap
+from mesh3d.model.state_map import StateMap
 from mesh3d.tensor import TensorParallelConfig, apply_tensor_parallel, loss_context
 
 __all__ = ["parallelize"]

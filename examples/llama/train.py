@@ -47,7 +47,7 @@ from examples.llama.run_config import config_file_argv, effective_config_toml  #
 from examples.llama.tensorboard_log import TensorBoardLog, tensorboard_available  # noqa: E402 - imports it only when used
 from examples.llama.text_data import build_datasets, build_tokenizer, check_vocab  # noqa: E402
 from mesh3d.data import DistributedLoader  # noqa: E402
-from mesh3d.rendezvous import restart_count  # noqa: E402
+from mesh3d.distributed.rendezvous import restart_count  # noqa: E402
 
 
 PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from mesh3d.parallel_model import ParallelModel
-from mesh3d.shards import local_tensor
+from mesh3d.distributed.shards import local_tensor
 
 MODEL = "model."
 OPTIM_STATE = "optim.state."

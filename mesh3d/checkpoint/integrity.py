@@ -17,7 +17,7 @@ from pathlib import Path
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from mesh3d.agree import gather_or_raise
+from mesh3d.distributed.agree import gather_or_raise
 from mesh3d.checkpoint.directories import DCP_METADATA
 from mesh3d.checkpoint.train_state import TRAIN_STATE_FILE, read_train_state
 

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mesh3d.agree import attempt, raise_if_any
+from mesh3d.distributed.agree import attempt, raise_if_any
 from mesh3d.checkpoint import hf_llama
 from mesh3d.checkpoint.train_state import write_json
 from mesh3d.parallel_model import ParallelModel

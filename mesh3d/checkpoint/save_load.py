@@ -43,8 +43,8 @@ from mesh3d.checkpoint.train_state import (
     set_rng_state,
     write_json,
 )
-from mesh3d.agree import attempt, gather_or_raise, raise_if_any
-from mesh3d.finite import first_non_finite
+from mesh3d.distributed.agree import attempt, gather_or_raise, raise_if_any
+from mesh3d.step.finite import first_non_finite
 from mesh3d.mesh import Layout
 from mesh3d.parallel_model import ParallelModel
 

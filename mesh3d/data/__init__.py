@@ -7,7 +7,7 @@ from mesh3d.data.hf_tokenizer import HFTokenizer
 from mesh3d.data.loader import DistributedLoader
 from mesh3d.data.sources import expand_data_paths
 from mesh3d.data.token_cache import build_token_cache
-from mesh3d.data.tokenizer import ByteTokenizer
+from mesh3d.data.byte_tokenizer import ByteTokenizer
 
 __all__ = [
     "ByteTokenizer", "DistributedLoader", "HFTokenizer", "SampleSubset", "TokenDataset", "build_token_cache",

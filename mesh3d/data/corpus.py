@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from mesh3d.data.token_cache import build_token_cache
-from mesh3d.data.tokenizer import ByteTokenizer
+from mesh3d.data.byte_tokenizer import ByteTokenizer
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 

@@ -9,7 +9,7 @@ import torch
 
 from mesh3d.data.corpus import load_token_file, stdlib_sources, tokenize_files
 from mesh3d.data.token_cache import build_token_cache
-from mesh3d.data.tokenizer import ByteTokenizer
+from mesh3d.data.byte_tokenizer import ByteTokenizer
 
 
 class TokenDataset:

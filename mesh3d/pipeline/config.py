@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from mesh3d.pipeline.catalog import SCHEDULES, build_schedule, check_schedule_config
-from mesh3d.pipeline.schedules import Schedule
+from mesh3d.pipeline.schedule.catalog import SCHEDULES, build_schedule, check_schedule_config
+from mesh3d.pipeline.schedule.ir import Schedule
 from mesh3d.pipeline.split import find_layers, stage_layer_ranges
 
 ACTIVATION_CHECKPOINT_MODES = ("never", "always", "except_last")

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mesh3d.peer_timeout import waiting_for
-from mesh3d.pipeline.schedules import Action, Kind, Schedule
+from mesh3d.distributed.peer_timeout import waiting_for
+from mesh3d.pipeline.schedule.ir import Action, Kind, Schedule
 
 Spec = tuple[torch.Size, torch.dtype]
 

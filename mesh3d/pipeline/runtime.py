@@ -19,12 +19,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from mesh3d.loss import LossFn, LossScale
+from mesh3d.model.loss import LossFn, LossScale
 from mesh3d.pipeline.boundary import Boundaries, BoundaryShapes
-from mesh3d.pipeline.lower import LoweredSchedule, lower
+from mesh3d.pipeline.schedule.lower import LoweredSchedule, lower
 from mesh3d.pipeline.p2p import Mailbox, PipelinePeers, ReceiveBuffers, Traffic
-from mesh3d.pipeline.schedules import RELEASES, Action, Kind
-from mesh3d.pipeline.split_backward import PendingWeightGrad, backward_input, backward_weight
+from mesh3d.pipeline.schedule.ir import RELEASES, Action, Kind
+from mesh3d.pipeline.backward_halves import PendingWeightGrad, backward_input, backward_weight
 
 @dataclass
 class RuntimeCounters(Traffic):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mesh3d.mesh import Layout
-from mesh3d.shards import local_tensor
+from mesh3d.distributed.shards import local_tensor
 
 
 def find_ties(model: nn.Module) -> list[list[str]]:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mesh3d.agree import raise_if_any
-from mesh3d.loss import IGNORE_INDEX
+from mesh3d.distributed.agree import raise_if_any
+from mesh3d.model.loss import IGNORE_INDEX
 
 
 def declared_vocab_size(model: torch.nn.Module) -> int | None:

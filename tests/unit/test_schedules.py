@@ -3,8 +3,9 @@
 import pytest
 
 from mesh3d.pipeline import Action, Kind, Schedule, ScheduleError, build_schedule, lower, simulate
-from mesh3d.pipeline.lower import check_lowered, LoweredSchedule, timeline
-from mesh3d.pipeline.schedules import stage_to_rank
+from mesh3d.pipeline.schedule.lower import LoweredSchedule, check_lowered
+from mesh3d.pipeline.schedule.timeline import timeline
+from mesh3d.pipeline.schedule.ir import stage_to_rank
 
 PPS = (2, 4, 8)
 

@@ -11,7 +11,7 @@ import pytest
 
 from examples.llama.train import lr_at
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_warmup_then_cosine():

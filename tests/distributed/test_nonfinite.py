@@ -17,7 +17,7 @@ import mesh3d
 from checkpoint_cases import full_state, worst_relative_error
 from examples.llama.bad_steps import BadStepGuard, TooManyBadSteps
 from examples.llama.model import loss_fn
-from mesh3d.shards import local_tensor
+from mesh3d.distributed.shards import local_tensor
 from multiprocess import run_on_ranks
 from pipeline_cases import LR, MAX_NORM, TOLERANCE, batches, meta_model, tp_args
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mesh3d.agree import gather_or_raise
-from mesh3d.loss import MEAN, PAIR, LossScale, check_loss_on_meta, probe_counts, probe_kind
+from mesh3d.distributed.agree import gather_or_raise
+from mesh3d.model.loss import MEAN, PAIR, LossScale, check_loss_on_meta, probe_counts, probe_kind
 from mesh3d.mesh import Layout
 from mesh3d.pipeline.boundary import Boundaries
 from mesh3d.pipeline.runtime import PipelineRuntime

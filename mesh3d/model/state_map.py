@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mesh3d.mesh import Layout
-from mesh3d.shards import local_tensor, local_window
+from mesh3d.distributed.shards import local_tensor, local_window
 
 Spec = tuple[torch.Size, torch.dtype]
 

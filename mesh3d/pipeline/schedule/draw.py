@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import os
 
-from mesh3d.pipeline.schedules import Kind
-from mesh3d.pipeline.simulate import SimulationReport, simulate
+from mesh3d.pipeline.schedule.ir import Kind
+from mesh3d.pipeline.schedule.simulate import SimulationReport, simulate
 
 _US = 1000.0  # simulated time units -> trace microseconds, so one unit reads as one millisecond
 _CATEGORY = {Kind.F: "forward", Kind.B: "backward", Kind.I: "backward input", Kind.W: "backward weight"}

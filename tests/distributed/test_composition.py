@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 import mesh3d
 from examples.llama.config import ModelArgs
 from examples.llama.model import Transformer, loss_fn
-from mesh3d.pipeline.schedules import Kind
+from mesh3d.pipeline.schedule.ir import Kind
 from multiprocess import run_on_ranks
 from pipeline_cases import SEQ_LEN, batches, meta_model, tp_args
 

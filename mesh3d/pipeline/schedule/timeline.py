@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mesh3d.pipeline.schedules import COMPUTE, Action, Kind, Schedule, ScheduleError
+from mesh3d.pipeline.schedule.ir import COMPUTE, Action, Kind, Schedule, ScheduleError
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import mesh3d
 from checkpoint_cases import build, full_state, train, worst_relative_error
 from examples.llama.resume import resume_newest
-from mesh3d.shards import local_tensor
+from mesh3d.distributed.shards import local_tensor
 from multiprocess import run_on_ranks
 from pipeline_cases import TOLERANCE
 

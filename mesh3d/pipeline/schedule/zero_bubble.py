@@ -35,14 +35,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 
-from mesh3d.pipeline.schedules import (
-    Action,
-    Kind,
-    Schedule,
-    ScheduleError,
-    interleaved_one_f_one_b,
-    one_f_one_b,
-)
+from mesh3d.pipeline.schedule.generators import interleaved_one_f_one_b, one_f_one_b
+from mesh3d.pipeline.schedule.ir import Action, Kind, Schedule, ScheduleError
 
 # A rank's policy: (rank, time, ready(action) -> bool, live activations, waiting W's) -> the action
 # to start now, or None to let the rank wait for the next event.

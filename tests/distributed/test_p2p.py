@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 import mesh3d
 from mesh3d.pipeline import p2p
-from mesh3d.pipeline.catalog import build_schedule
-from mesh3d.pipeline.schedules import Action, Kind
+from mesh3d.pipeline.schedule.catalog import build_schedule
+from mesh3d.pipeline.schedule.ir import Action, Kind
 from multiprocess import run_on_ranks
 from pipeline_cases import batches, meta_model
 

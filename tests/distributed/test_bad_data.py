@@ -105,7 +105,7 @@ def test_bad_batches_are_refused_on_every_rank():
 
 def test_batch_problem_in_one_process():
     """The local verdict alone: what is refused, what passes (no vocabulary declared: shapes only)."""
-    from mesh3d.batch_check import batch_problem
+    from mesh3d.step.batch_check import batch_problem
 
     ids = torch.tensor([[1, 2], [3, 63]])
     assert batch_problem(ids, ids, VOCAB) is None

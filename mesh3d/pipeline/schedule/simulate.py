@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mesh3d.pipeline.lower import lower
-from mesh3d.pipeline.catalog import build_schedule
-from mesh3d.pipeline.schedules import RELEASES, Action, Kind, Schedule
-from mesh3d.pipeline.timeline import TimedAction, timeline
+from mesh3d.pipeline.schedule.lower import lower
+from mesh3d.pipeline.schedule.catalog import build_schedule
+from mesh3d.pipeline.schedule.ir import RELEASES, Action, Kind, Schedule
+from mesh3d.pipeline.schedule.timeline import TimedAction, timeline
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ["examples/llama/train.py", "--seq-len", "64", "--global-batch", "16", "--log-every", "1"]
 TOLERANCE = 1e-4
 TIMEOUT_S = 300

@@ -13,9 +13,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-# ScheduleError and timeline are also reached through this module (they lived here once).
-from mesh3d.pipeline.schedules import BACKWARD_INPUT, COMPUTE, Action, Kind, Schedule, ScheduleError
-from mesh3d.pipeline.timeline import dependencies, replay, timeline
+from mesh3d.pipeline.schedule.ir import BACKWARD_INPUT, COMPUTE, Action, Kind, Schedule, ScheduleError
+from mesh3d.pipeline.schedule.timeline import dependencies, replay, timeline
 
 
 @dataclass(frozen=True)

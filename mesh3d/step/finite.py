@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
-from mesh3d.shards import local_tensor
+from mesh3d.distributed.shards import local_tensor
 
 
 @torch.no_grad()

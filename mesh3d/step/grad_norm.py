@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mesh3d.mesh import Layout
-from mesh3d.shards import local_tensor
+from mesh3d.distributed.shards import local_tensor
 
 
 @torch.no_grad()

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mesh3d.pipeline.schedules import Schedule, gpipe, interleaved_one_f_one_b, one_f_one_b
-from mesh3d.pipeline.zero_bubble import zero_bubble, zero_bubble_v
+from mesh3d.pipeline.schedule.generators import gpipe, interleaved_one_f_one_b, one_f_one_b
+from mesh3d.pipeline.schedule.ir import Schedule
+from mesh3d.pipeline.schedule.zero_bubble import zero_bubble, zero_bubble_v
 
 
 @dataclass(frozen=True)

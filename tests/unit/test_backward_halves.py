@@ -6,7 +6,7 @@ import torch._functorch.config
 from torch import nn
 
 from examples.llama.model import Transformer
-from mesh3d.pipeline.split_backward import backward_input, backward_weight
+from mesh3d.pipeline.backward_halves import backward_input, backward_weight
 from pipeline_cases import tiny_args
 
 TOLERANCE = 1e-6  # fp32: the same operations, only run in two passes
