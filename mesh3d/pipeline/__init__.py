@@ -1,4 +1,6 @@
-"""The pipeline engine: stage builder, schedule IR, lowering and simulation, runtime, tied weights, drawing."""
+"""The pipeline engine: the stage split, the runtime that runs a rank's lowered actions (P2P,
+split backward, tied weights), and, in `schedule/`, the torch-free compiler whose public names
+(the IR, the catalog, lowering, the simulator, drawing) are re-exported here."""
 
 from mesh3d.pipeline.schedule.draw import chrome_trace, draw
 from mesh3d.pipeline.schedule.lower import LoweredSchedule, lower
