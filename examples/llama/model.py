@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from examples.llama.config import ModelArgs
+from examples.llama.hf_adapter import LlamaHFAdapter
 
 INIT_STD = 0.02
 
@@ -138,9 +139,9 @@ class Transformer(nn.Module):
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
 
-    def hf_config(self) -> dict:
-        """This model as a transformers LlamaConfig dict (mesh3d.checkpoint's safetensors export writes it)."""
-        return self.args.to_hf_config()
+    def hf_adapter(self) -> LlamaHFAdapter:
+        """Its names and config as transformers' LlamaForCausalLM's (mesh3d.checkpoint's safetensors export and import ask it)."""
+        return LlamaHFAdapter(self.args)
 
     def tensor_parallel_sizes(self) -> dict[str, int]:
         """Sizes the tensor-parallel degree must divide (mesh3d checks them before sharding)."""

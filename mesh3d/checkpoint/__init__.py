@@ -1,4 +1,4 @@
-"""Checkpoints: save and resume under any (pp, dp, tp); safetensors export and import with Hugging Face Llama names.
+"""Checkpoints: save and resume under any (pp, dp, tp); safetensors export and import with Hugging Face names.
 
     mesh3d.checkpoint.save(path, pm, optimizer=None, *, step, data_state=None, extra=None)
     state = mesh3d.checkpoint.load(path, pm, optimizer=None)    # {"step", "data_state", "extra"}
@@ -6,11 +6,13 @@
     mesh3d.checkpoint.complete_checkpoints(root) -> [path, ...]   # oldest first
     mesh3d.checkpoint.export_safetensors(pm, out_dir, config=None)
     mesh3d.checkpoint.import_safetensors(pm, in_dir)
+    class MyAdapter(mesh3d.checkpoint.HFAdapter): ...              # a model's names <-> Hugging Face's
 """
 
 from mesh3d.checkpoint.directories import complete_checkpoints, latest
+from mesh3d.checkpoint.hf_adapter import HFAdapter
 from mesh3d.checkpoint.integrity import DamagedCheckpoint
 from mesh3d.checkpoint.safetensors_io import export_safetensors, import_safetensors
 from mesh3d.checkpoint.save_load import load, save
 
-__all__ = ["DamagedCheckpoint", "complete_checkpoints", "export_safetensors", "import_safetensors", "latest", "load", "save"]
+__all__ = ["DamagedCheckpoint", "HFAdapter", "complete_checkpoints", "export_safetensors", "import_safetensors", "latest", "load", "save"]

@@ -1,4 +1,7 @@
-"""Weights in and out as safetensors, in the layout transformers' LlamaForCausalLM reads and writes.
+"""Weights in and out as safetensors, in the layout transformers' `from_pretrained` and `save_pretrained` use.
+
+Names and config come from the model's adapter (`hf_adapter.py`): the Hugging Face name of each
+state entry, the config written and checked, the tied embedding/output pair.
 
 Export gathers one tensor at a time to global rank 0 through the state map (a DTensor is
 assembled by the ranks of its owning pp rank, then sent from that pp rank's first rank), which writes `model.safetensors`
@@ -15,6 +18,7 @@ import json
 import logging
 import os
 from contextlib import ExitStack, contextmanager
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mesh3d.distributed.agree import attempt, raise_if_any
-from mesh3d.checkpoint import hf_llama
+from mesh3d.checkpoint.hf_adapter import HFAdapter, adapter_of, as_config_dict
 from mesh3d.checkpoint.train_state import write_json
 from mesh3d.parallel_model import ParallelModel
 
@@ -33,25 +37,24 @@ CONFIG_FILE = "config.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
 
 
-def _model_config(pm: ParallelModel) -> dict | None:
-    stage = next(iter(pm.stages.values()))
-    return stage.hf_config() if callable(getattr(stage, "hf_config", None)) else None
+def _adapter(pm: ParallelModel) -> HFAdapter:
+    return adapter_of(next(iter(pm.stages.values())), pm.state.ties)
 
 
-def _as_dict(config: Any) -> dict:
-    if isinstance(config, dict):
-        return dict(config)
-    for method in ("to_hf_config", "to_dict"):
-        if callable(getattr(config, method, None)):
-            return dict(getattr(config, method)())
-    raise ValueError(
-        f"config must be a dict (the contents of a Hugging Face config.json), a transformers config or an object "
-        f"with to_hf_config(); got {type(config).__name__}"
-    )
+def _is_tied(pm: ParallelModel, adapter: HFAdapter) -> bool:
+    pair = adapter.tied_pair
+    return pair is not None and any(set(pair) <= set(names) for names in pm.state.ties)
 
 
-def _is_tied(pm: ParallelModel) -> bool:
-    return any({hf_llama.EMBEDDING, hf_llama.OUTPUT} <= set(tie.names) for tie in pm.tied.ties)
+def _kept_names(pm: ParallelModel, adapter: HFAdapter) -> dict[str, str]:
+    """Every state name -> the name its tensor is written under: a tied weight once, under the
+    embedding of the adapter's tied pair (as save_pretrained does), else under its first name."""
+    kept = {}
+    for names in pm.state.ties:
+        pair = adapter.tied_pair
+        keep = pair[0] if pair is not None and set(pair) <= set(names) else names[0]
+        kept.update(dict.fromkeys(names, keep))
+    return {name: kept.get(name, name) for name in pm.state.specs}
 
 
 def _shard_plan(sizes: dict[str, int], max_shard_size: int) -> list[list[str]]:
@@ -88,14 +91,17 @@ def export_safetensors(
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     dtype: torch.dtype | None = None,
 ) -> str:
-    """Write the whole model as safetensors with Hugging Face Llama names, plus config.json. Call on every rank.
+    """Write the whole model as safetensors with Hugging Face names, plus config.json. Call on every rank.
 
-    `transformers.LlamaForCausalLM.from_pretrained(out_dir)` loads the result. A tied output
-    head is not written (transformers ties it to the embedding, as `save_pretrained` does).
+    The names and the config come from the model's `hf_adapter()` (docs/model_protocol.md); a
+    model without one is written under its own names. For the LLaMA example,
+    `transformers.LlamaForCausalLM.from_pretrained(out_dir)` loads the result. A tied weight is
+    written once: a tied output head not at all (transformers ties it to the embedding, as
+    `save_pretrained` does).
 
     Args:
-        config: the Hugging Face config (a dict, a transformers config, or an object with
-            to_hf_config()); default: the model's own `hf_config()`.
+        config: the Hugging Face config (a dict or a transformers config); default: the
+            adapter's `hf_config()` (for a model without an adapter, its `config` attribute).
         max_shard_size: bytes per file; a larger model is split into numbered files and an index.
         dtype: cast the weights on export (e.g. torch.bfloat16); default: as trained.
 
@@ -103,19 +109,23 @@ def export_safetensors(
     """
     out_dir = Path(out_dir)
     layout = pm.layout
-    config = _as_dict(config) if config is not None else _model_config(pm)
+    adapter = _adapter(pm)
+    config = as_config_dict(config) if config is not None else adapter.hf_config()
     if config is None:
         raise ValueError(
-            "export_safetensors: pass config= (the Hugging Face config.json contents); this model has no hf_config()"
+            "export_safetensors: pass config= (the Hugging Face config.json contents); this model declares no "
+            "hf_adapter() with an hf_config() and has no config attribute (docs/model_protocol.md)"
         )
-    tied = _is_tied(pm)
-    if bool(config.get("tie_word_embeddings", False)) != tied:
+    tied = _is_tied(pm, adapter)
+    if adapter.tied_pair is not None and bool(config.get("tie_word_embeddings", False)) != tied:
         raise ValueError(
             f"export_safetensors: config has tie_word_embeddings={config.get('tie_word_embeddings')} but the model's "
             f"embedding and output are {'tied' if tied else 'separate'}; give a config that matches the model"
         )
-    specs = {n: spec for n, spec in pm.state.specs.items() if not (tied and n == hf_llama.OUTPUT)}
-    hf_names = {name: hf_llama.to_hf(name) for name in specs}
+    kept = _kept_names(pm, adapter)
+    specs = {n: spec for n, spec in pm.state.specs.items() if kept[n] == n}
+    hf_names = {name: adapter.to_hf(name) for name in specs}
+    _refuse_shared_names(hf_names)
     out_dtype = {n: dtype or spec[1] for n, spec in specs.items()}
     sizes = {n: spec[0].numel() * out_dtype[n].itemsize for n, spec in specs.items()}
     shards = _shard_plan(sizes, max_shard_size)
@@ -139,6 +149,18 @@ def export_safetensors(
         error = attempt(lambda: _write_index_and_config(out_dir, files, shards, hf_names, sizes, config))
     raise_if_any(error)
     return str(out_dir)
+
+
+def _refuse_shared_names(hf_names: dict[str, str]) -> None:
+    """An adapter that maps two state entries to one Hugging Face name would write one over the other."""
+    seen: dict[str, str] = {}
+    for name, hf in hf_names.items():
+        if hf in seen:
+            raise ValueError(
+                f"export_safetensors: the model's hf_adapter() maps both {seen[hf]!r} and {name!r} to {hf!r}; "
+                "each state entry needs its own Hugging Face name"
+            )
+        seen[hf] = name
 
 
 def _prepare_out_dir(out_dir: Path) -> None:
@@ -179,21 +201,24 @@ def _weight_files(in_dir: Path) -> dict[str, Path]:
 
 
 def import_safetensors(pm: ParallelModel, in_dir: str | os.PathLike) -> None:
-    """Load Hugging Face Llama safetensors weights into the model, under any layout. Call on every rank.
+    """Load Hugging Face safetensors weights into the model, under any layout. Call on every rank.
 
-    Each rank reads only the slices of the tensors it holds. The directory's config.json (if
-    any) must agree with the model's `hf_config()` on every shape-deciding field; every tensor's
-    shape is checked before any is read, and the first mismatch is named.
+    Each state entry is read from the tensor the model's `hf_adapter()` names (its own name
+    without an adapter), and each rank reads only the slices it holds. Before any is read: the
+    directory's config.json (if any) must agree with the model (the adapter's
+    `config_mismatch`), the directory must hold a tensor for every state entry and place every
+    tensor it holds (one the model has no entry for is refused, not dropped), and every tensor's
+    shape must be the model's; the first mismatch is named.
     """
     in_dir = Path(in_dir)
+    adapter = _adapter(pm)
     files = _weight_files(in_dir)
     theirs = json.loads((in_dir / CONFIG_FILE).read_text()) if (in_dir / CONFIG_FILE).is_file() else None
-    ours = _model_config(pm)
-    if theirs is not None and ours is not None:
-        mismatch = hf_llama.config_mismatch(ours, theirs)
-        if mismatch:
-            raise ValueError(f"import_safetensors: {in_dir} holds a different model: {mismatch}; build the model from its config")
-    source = _source_names(pm, files, theirs, in_dir)
+    mismatch = adapter.config_mismatch(theirs) if theirs is not None else None
+    if mismatch:
+        raise ValueError(f"import_safetensors: {in_dir} holds a different model: {mismatch}; build the model from its config")
+    source, theirs_head = _source_names(pm, adapter, files, theirs, in_dir)
+    _refuse_unplaced(files, {*source.values(), *theirs_head}, adapter, in_dir)
     shapes = _saved_shapes(files, set(source.values()))
     for name, (shape, _) in pm.state.specs.items():
         if shapes[source[name]] != tuple(shape):
@@ -205,28 +230,46 @@ def import_safetensors(pm: ParallelModel, in_dir: str | os.PathLike) -> None:
     pm.tied.sync_values()
 
 
-def _source_names(pm: ParallelModel, files: dict[str, Path], config: dict | None, in_dir: Path) -> dict[str, str]:
-    """Model name -> the Hugging Face tensor it is read from.
+def _source_names(
+    pm: ParallelModel, adapter: HFAdapter, files: dict[str, Path], config: dict | None, in_dir: Path
+) -> tuple[dict[str, str], set[str]]:
+    """Model name -> the Hugging Face tensor it is read from; and the checkpoint's own output head
+    when the checkpoint is tied (a copy of the embedding: read by nothing, yet no stray tensor).
 
-    A checkpoint whose config ties the embeddings (or, without a config, that has no lm_head)
-    uses the embedding as its output head, whatever else the files hold.
+    A checkpoint whose config ties the embeddings (or, without a config, that has no tensor for
+    the adapter's output head) uses the embedding as its output head, whatever else the files hold.
     """
-    head, embedding = hf_llama.to_hf(hf_llama.OUTPUT), hf_llama.to_hf(hf_llama.EMBEDDING)
-    theirs_tied = bool(config.get("tie_word_embeddings", False)) if config is not None else head not in files
-    if _is_tied(pm) and not theirs_tied:
-        raise ValueError(
-            f"import_safetensors: {in_dir} has an output head of its own ({head}, untied embeddings) but this model "
-            "ties its output to the embedding; build the model with untied embeddings"
-        )
+    kept = _kept_names(pm, adapter)
+    pair = adapter.tied_pair
+    theirs_tied, head, embedding = False, None, None
+    if pair is not None:
+        embedding, head = adapter.to_hf(pair[0]), adapter.to_hf(pair[1])
+        theirs_tied = bool(config.get("tie_word_embeddings", False)) if config is not None else head not in files
+        if _is_tied(pm, adapter) and not theirs_tied:
+            raise ValueError(
+                f"import_safetensors: {in_dir} has an output head of its own ({head}, untied embeddings) but this "
+                "model ties its output to the embedding; build the model with untied embeddings"
+            )
     source = {}
     for name in pm.state.specs:
-        hf = hf_llama.to_hf(name)
-        if name == hf_llama.OUTPUT and theirs_tied:
-            hf = embedding
+        hf = embedding if theirs_tied and name == pair[1] else adapter.to_hf(kept[name])
         if hf not in files:
             raise ValueError(f"import_safetensors: {in_dir} has no tensor {hf!r} (this model's {name})")
         source[name] = hf
-    return source
+    return source, {head} if theirs_tied else set()
+
+
+def _refuse_unplaced(files: dict[str, Path], placed: set[str], adapter: HFAdapter, in_dir: Path) -> None:
+    """A checkpoint tensor no state entry reads would be dropped silently (a model without the
+    checkpoint's biases would compute something else); refuse, naming them."""
+    unplaced = [n for n in files if n not in placed and not any(fnmatchcase(n, p) for p in adapter.ignored_hf)]
+    if unplaced:
+        shown = ", ".join(repr(n) for n in unplaced[:5]) + (" ..." if len(unplaced) > 5 else "")
+        raise ValueError(
+            f"import_safetensors: {in_dir} holds {len(unplaced)} tensor(s) this model has no place for ({shown}); "
+            "loading without them would compute something else. Build a model that has them; a model that "
+            "deliberately goes without them lists them in its hf_adapter()'s ignored_hf"
+        )
 
 
 def _saved_shapes(files: dict[str, Path], names: set[str]) -> dict[str, tuple[int, ...]]:

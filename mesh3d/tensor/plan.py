@@ -1,6 +1,6 @@
 """Tensor-parallel plans: module-name patterns -> torch ParallelStyles, resolved and checked.
 
-A plan is a dict such as {"layers.*.attention.wq": ColwiseParallel(), ...}. Patterns are fnmatch
+A plan is a dict such as {"layers.*.attn.q_proj": ColwiseParallel(), ...}. Patterns are fnmatch
 patterns over the unsplit model's module names (FQNs). Everything here is arithmetic on the meta
 model, so every rank raises the same error before any collective.
 """
