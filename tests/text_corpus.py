@@ -24,14 +24,14 @@ def documents(count: int, seed: int = 0) -> list[str]:
     return docs
 
 
-def train_bpe(path: Path, texts: list[str], vocab_size: int = 384) -> Path:
-    """A byte-level BPE tokenizer with an end-of-text special token, trained on `texts`, saved as `path`."""
+def train_bpe(path: Path, texts: list[str], vocab_size: int = 384, special_tokens=(END_OF_TEXT,)) -> Path:
+    """A byte-level BPE tokenizer with `special_tokens` (ids 0, 1, ...), trained on `texts`, saved as `path`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(texts, trainer)
     path.parent.mkdir(parents=True, exist_ok=True)

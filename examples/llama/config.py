@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
+
+# The vocabulary taken from a tokenizer is padded to a multiple of this (and of tp, where tp does
+# not divide it): every power-of-two tp up to 64 divides it, so the padded size is the same under
+# every such layout and a checkpoint resumes under any of them; 64 rows also keep the embedding
+# and output matmuls in tensor-core-friendly shapes (as nanoGPT's 50257 -> 50304).
+VOCAB_MULTIPLE = 64
 
 
 @dataclass(frozen=True)
@@ -30,9 +37,15 @@ class ModelArgs:
     max_seq_len: int = 8192
     tie_embeddings: bool = False
     ffn_hidden_dim_override: int | None = None  # an explicit FFN width (Hugging Face's intermediate_size)
+    # The ids the tokenizer makes, when fewer than vocab_size: rows from here on are padding, never
+    # an input or a target; the model declares this many to mesh3d's batch check. None: all rows.
+    tokenizer_vocab_size: int | None = None
 
     def __post_init__(self):
         kv_heads = self.kv_heads
+        if self.tokenizer_vocab_size is not None and not 1 <= self.tokenizer_vocab_size <= self.vocab_size:
+            raise ValueError(f"ModelArgs: tokenizer_vocab_size={self.tokenizer_vocab_size} must be in "
+                             f"[1, vocab_size={self.vocab_size}]")
         if self.dim % self.n_heads != 0:
             raise ValueError(f"ModelArgs: dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if (self.dim // self.n_heads) % 2 != 0:
@@ -152,6 +165,12 @@ CONFIGS: dict[str, ModelArgs] = {
         rope_scaling=RopeScaling(factor=8.0), max_seq_len=131072, **_LLAMA3_COMMON,
     ),
 }
+
+
+def padded_vocab_size(tokens: int, tp: int = 1, multiple: int = VOCAB_MULTIPLE) -> int:
+    """`tokens` rounded up to a multiple of lcm(`multiple`, `tp`): rows that tensor parallelism splits evenly."""
+    step = math.lcm(multiple, tp)
+    return -(-tokens // step) * step
 
 
 def get_config(name: str, **overrides) -> ModelArgs:

@@ -119,7 +119,8 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.vocab_size = args.vocab_size  # declared for mesh3d, which checks token ids and targets against it
+        # Declared for mesh3d, which checks token ids and targets against it: padding rows are never either.
+        self.vocab_size = args.tokenizer_vocab_size or args.vocab_size
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)

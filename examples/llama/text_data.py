@@ -1,7 +1,11 @@
-"""train.py's data: which tokenizer, which corpus, and the held-out split for evaluation.
+"""train.py's data: which tokenizer, which corpus, the model's vocabulary, and the held-out split for evaluation.
 
 - `--tokenizer PATH` (a Hugging Face tokenizer.json, or its directory); with `--init-from-hf DIR`
   and no `--tokenizer`, DIR/tokenizer.json when there is one; else the byte tokenizer.
+  `--eos-token TOKEN` chooses the token that ends each document where the tokenizer declares none.
+- The model's vocabulary: `--vocab-size N` when given (at least the tokenizer's), the
+  `--init-from-hf` model's own, else the tokenizer's padded to a multiple that tensor parallelism
+  divides (`padded_vocab_size`); the padding rows are never an input or a target.
 - `--data` files, directories and globs of .txt/.jsonl/.parquet, tokenized once into the cache;
   `--token-file` a pre-tokenized array; neither: the standard library's sources.
 - `--eval-every N` holds out `--eval-batches` global batches of samples, drawn by `--seed`.
@@ -12,26 +16,56 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from examples.llama.config import ModelArgs, padded_vocab_size
 from mesh3d.data import ByteTokenizer, HFTokenizer, SampleSubset, TokenDataset, split_heldout, stdlib_sources
+from mesh3d.data.hf_tokenizer import NoEOSTokenError
+
+# The library's parameters as this script's flags, for the library's errors.
+_FLAGS = "train.py sets the data's `paths` with --data and `text_field` with --text-field"
 
 
 def build_tokenizer(args: argparse.Namespace):
     """The run's tokenizer: --tokenizer, else the --init-from-hf directory's tokenizer.json, else bytes."""
+    path = None
     if args.tokenizer:
-        return HFTokenizer(args.tokenizer)
-    if args.init_from_hf and (Path(args.init_from_hf) / "tokenizer.json").is_file():
-        return HFTokenizer(Path(args.init_from_hf) / "tokenizer.json")
-    return ByteTokenizer()
+        path = args.tokenizer
+    elif args.init_from_hf and (Path(args.init_from_hf) / "tokenizer.json").is_file():
+        path = Path(args.init_from_hf) / "tokenizer.json"
+    if path is None:
+        if args.eos_token is not None:
+            raise SystemExit(f"--eos-token {args.eos_token} needs a Hugging Face tokenizer (--tokenizer); "
+                             f"the byte tokenizer ends each document with byte 0")
+        return ByteTokenizer()
+    try:
+        return HFTokenizer(path, eos_token=args.eos_token)
+    except NoEOSTokenError as e:
+        raise SystemExit(e.explain("--eos-token TOKEN")) from None
 
 
-def check_vocab(tokenizer, vocab_size: int, model_name: str) -> None:
-    """The model must have an embedding row for every id the tokenizer can produce."""
-    if tokenizer.vocab_size > vocab_size:
-        described = getattr(tokenizer, "path", "the byte tokenizer")
-        raise SystemExit(
-            f"the tokenizer ({described}) has vocab_size={tokenizer.vocab_size}, more than the model {model_name}'s "
-            f"vocab_size={vocab_size}; pass --vocab-size {tokenizer.vocab_size} (or more), or a tokenizer that fits"
-        )
+def fit_vocab(config: ModelArgs, tokenizer, args: argparse.Namespace) -> ModelArgs:
+    """`config` with an embedding row for every id the tokenizer makes.
+
+    Without --vocab-size (and --init-from-hf) the vocabulary is the tokenizer's, padded by
+    `padded_vocab_size` for --tp; otherwise the given size, refused when smaller than the
+    tokenizer's. The model then declares the tokenizer's size, so the batch check refuses ids in
+    the padding rows. A pre-tokenized --token-file has no tokenizer: the config's size stands.
+    """
+    if args.token_file:
+        return config
+    tokens = tokenizer.vocab_size
+    described = getattr(tokenizer, "path", "the byte tokenizer")
+    if args.init_from_hf:
+        if tokens > config.vocab_size:
+            raise SystemExit(f"the tokenizer ({described}) has {tokens} tokens, more than the vocab_size="
+                             f"{config.vocab_size} of the model in {args.init_from_hf}; use the model's own tokenizer")
+    elif args.vocab_size is not None:
+        if tokens > args.vocab_size:
+            raise SystemExit(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's {tokens} tokens "
+                             f"({described}): pass --vocab-size {tokens} or more, or leave it out to take the "
+                             f"tokenizer's ({padded_vocab_size(tokens, args.tp)} with padding)")
+    else:
+        config = config.with_(vocab_size=padded_vocab_size(tokens, args.tp))
+    return config.with_(tokenizer_vocab_size=tokens)
 
 
 def build_datasets(args: argparse.Namespace, tokenizer) -> tuple[TokenDataset | SampleSubset, SampleSubset | None]:
@@ -40,8 +74,12 @@ def build_datasets(args: argparse.Namespace, tokenizer) -> tuple[TokenDataset | 
         dataset = TokenDataset.from_token_file(args.token_file, args.seq_len, dtype=args.token_dtype)
     else:
         paths = args.data if args.data else stdlib_sources()
-        dataset = TokenDataset.from_corpus(paths, args.seq_len, tokenizer, text_field=args.text_field,
-                                           workers=args.tokenize_workers, progress=True)
+        try:
+            dataset = TokenDataset.from_corpus(paths, args.seq_len, tokenizer, text_field=args.text_field,
+                                               workers=args.tokenize_workers, progress=True)
+        except (ValueError, FileNotFoundError) as e:
+            e.add_note(_FLAGS)  # the library's errors name its parameters
+            raise
     if not args.eval_every:
         return dataset, None
     return split_heldout(dataset, args.eval_batches * args.global_batch, args.seed)

@@ -45,7 +45,7 @@ from examples.llama.model import Transformer, count_parameters, llama_tp_plan  #
 from examples.llama.evaluation import HeldOutEvaluator, due  # noqa: E402
 from examples.llama.run_config import config_file_argv, effective_config_toml  # noqa: E402
 from examples.llama.tensorboard_log import TensorBoardLog, tensorboard_available  # noqa: E402 - imports it only when used
-from examples.llama.text_data import build_datasets, build_tokenizer, check_vocab  # noqa: E402
+from examples.llama.text_data import build_datasets, build_tokenizer, fit_vocab  # noqa: E402
 from mesh3d.data import DistributedLoader  # noqa: E402
 from mesh3d.distributed.rendezvous import restart_count  # noqa: E402
 
@@ -85,8 +85,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--text-field", default="text", help="the JSONL field / Parquet column holding each document")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="a Hugging Face tokenizer.json (default: --init-from-hf's tokenizer.json, else bytes)")
+    p.add_argument("--eos-token", default=None, metavar="TOKEN",
+                   help="the --tokenizer token that ends each document (default: the one it declares)")
     p.add_argument("--tokenize-workers", type=int, default=None, help="processes that tokenize (default: CPUs, <= 8)")
-    p.add_argument("--vocab-size", type=int, default=None, help="override the config's vocabulary size")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="the model's vocabulary (default: the tokenizer's, padded to a multiple of 64 and of --tp)")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate on held-out data every N steps (0: never)")
     p.add_argument("--eval-batches", type=int, default=4, help="global batches held out (by --seed) and evaluated")
     p.add_argument("--token-file", default=None, help="a pre-tokenized .npy (or raw, with --token-dtype) file")
@@ -167,9 +170,7 @@ def model_config(args) -> ModelArgs:
 
 def build_model(args, tokenizer) -> Transformer:
     """The whole model on the meta device: no memory until parallelize materializes this rank's part."""
-    config = model_config(args)
-    if not args.token_file:
-        check_vocab(tokenizer, config.vocab_size, args.init_from_hf or args.config)
+    config = fit_vocab(model_config(args), tokenizer, args)  # the tokenizer's vocabulary unless --vocab-size
     with torch.device("meta"):
         return Transformer(config)
 

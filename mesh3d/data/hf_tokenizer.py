@@ -4,9 +4,11 @@ It offers what the token cache needs of any tokenizer, as `ByteTokenizer` does: 
 changes whenever the ids would (it hashes the file and the chosen separator), `vocab_size`, the
 id that separates documents, the narrowest numpy `dtype` that holds every id, and `encode_batch`.
 
-Documents are separated by the tokenizer's end-of-sequence token, as the tokenizer declares it;
-a tokenizer that declares only a beginning-of-sequence token (as some Llama tokenizers do) gets
-that token in front of every document instead.
+Documents are separated by an end-of-sequence token: the one chosen with `eos_token`, else the
+one the tokenizer declares; a tokenizer that declares only a beginning-of-sequence token (as some
+Llama tokenizers do) gets that token in front of every document instead. A tokenizer that declares
+neither but has exactly one special token uses that one. Otherwise `NoEOSTokenError` lists the
+tokenizer's special tokens to choose from.
 """
 
 from __future__ import annotations
@@ -23,21 +25,52 @@ _KNOWN_EOS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "[
 _KNOWN_BOS = ("<s>", "<|begin_of_text|>", "<bos>", "<|bos|>", "[CLS]")
 
 
+class NoEOSTokenError(ValueError):
+    """No token to separate documents: the tokenizer declares none and none was chosen, or the
+    chosen one (`chosen`) is not in its vocabulary.
+
+    `special_tokens` are the tokenizer's own special tokens (one of them usually ends a text);
+    `explain(choice)` words the message for whoever chooses: the library's `eos_token=TOKEN` by
+    default, a training script's flag where it has one.
+    """
+
+    def __init__(self, path: str, special_tokens: list[str], chosen: str | None = None):
+        super().__init__(path, special_tokens, chosen)  # the constructor's arguments: it pickles across processes
+        self.path, self.special_tokens, self.chosen = path, special_tokens, chosen
+
+    def explain(self, choice: str = "HFTokenizer(path, eos_token=TOKEN)") -> str:
+        """The error's message, telling the user to choose the token with `choice`."""
+        if self.chosen is not None:
+            what = f"the end-of-sequence token {self.chosen!r} is not in the vocabulary of {self.path}"
+        else:
+            what = f"{self.path} declares no end-of-sequence (or beginning-of-sequence) token to separate documents"
+        if self.special_tokens:
+            how = f"its special tokens are {self.special_tokens}: choose the one that ends a document with {choice}"
+        else:
+            how = (f"it has no special tokens: choose a token of its vocabulary with {choice}, or add a special "
+                   f"token such as {_KNOWN_EOS[1]!r} to the tokenizer")
+        return f"{what}; {how} (or put a tokenizer_config.json with \"eos_token\" beside it)"
+
+    def __str__(self) -> str:
+        return self.explain()
+
+
 class HFTokenizer:
     """A `tokenizer.json` file: `HFTokenizer("path/to/tokenizer.json")` (or the directory holding it).
 
-    `separator` is "eos" (appended to each document) or "bos" (put in front of each document);
-    `separator_id` is its id. Ids are encoded without the tokenizer's own post-processing, so no
-    document gets a special token twice.
+    `eos_token` chooses the token appended to each document (any token of the vocabulary, usually
+    one of its special tokens); by default it is the one the tokenizer declares (see the module
+    docstring). `separator` is "eos" (appended to each document) or "bos" (put in front of each
+    document); `separator_id` is its id. Ids are encoded without the tokenizer's own
+    post-processing, so no document gets a special token twice.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, eos_token: str | None = None):
         try:
-            from tokenizers import Tokenizer
+            import tokenizers  # noqa: F401
         except ImportError as e:
             raise ImportError(
-                "--tokenizer needs the Hugging Face `tokenizers` library: pip install tokenizers "
-                "(or mesh3d[text])"
+                "HFTokenizer needs the Hugging Face `tokenizers` library: pip install tokenizers (or mesh3d[text])"
             ) from e
         path = Path(path)
         if path.is_dir():
@@ -45,8 +78,12 @@ class HFTokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer file not found: {path}")
         text = path.read_text(encoding="utf-8")
-        separator, token = _declared_separator(text, path.parent / "tokenizer_config.json")
+        separator, token = ("eos", eos_token) if eos_token is not None else _declared_separator(text, path)
         self._setup(path, text, separator, token)
+        if self.separator_id is None:
+            if eos_token is not None:
+                raise NoEOSTokenError(str(path), _special_tokens(json.loads(text)), chosen=eos_token)
+            raise ValueError(f"{path}: the declared {separator.upper()} token {token!r} is not in its vocabulary")
 
     def _setup(self, path: Path, text: str, separator: str, token: str) -> None:
         from tokenizers import Tokenizer
@@ -56,8 +93,6 @@ class HFTokenizer:
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.separator, self.separator_token = separator, token
         self.separator_id = self._tokenizer.token_to_id(token)
-        if self.separator_id is None:
-            raise ValueError(f"{path}: the declared {separator.upper()} token {token!r} is not in its vocabulary")
         self.dtype = np.uint16 if self.vocab_size <= 1 << 16 else np.uint32
         digest = hashlib.sha256(text.encode()).hexdigest()[:16]
         self.name = f"hf-{digest}-{separator}-{self.separator_id}"
@@ -88,8 +123,15 @@ class HFTokenizer:
                 f"{self.separator}={self.separator_token!r} (id {self.separator_id}))")
 
 
-def _declared_separator(tokenizer_json: str, config_path: Path) -> tuple[str, str]:
+def _special_tokens(spec: dict) -> list[str]:
+    """The special tokens a tokenizer.json adds, in id order."""
+    added = sorted(spec.get("added_tokens", []), key=lambda t: t.get("id", 0))
+    return [t["content"] for t in added if t.get("special")]
+
+
+def _declared_separator(tokenizer_json: str, path: Path) -> tuple[str, str]:
     """("eos" | "bos", token): what the tokenizer declares, most explicit declaration first."""
+    config_path = path.parent / "tokenizer_config.json"
     if config_path.is_file():
         config = json.loads(config_path.read_text(encoding="utf-8"))
         for kind in ("eos", "bos"):
@@ -102,15 +144,14 @@ def _declared_separator(tokenizer_json: str, config_path: Path) -> tuple[str, st
     from_template = _template_special_tokens(spec.get("post_processor"))
     if from_template:
         return from_template
-    special = [t["content"] for t in spec.get("added_tokens", []) if t.get("special")]
+    special = _special_tokens(spec)
     for kind, known in (("eos", _KNOWN_EOS), ("bos", _KNOWN_BOS)):
         for token in known:
             if token in special:
                 return kind, token
-    raise ValueError(
-        "the tokenizer declares no end-of-sequence (or beginning-of-sequence) token to separate documents: "
-        f"put a tokenizer_config.json with \"eos_token\" beside it, or add one of the special tokens {list(_KNOWN_EOS)}"
-    )
+    if len(special) == 1:  # a tokenizer trained with a single special token: its end of text
+        return "eos", special[0]
+    raise NoEOSTokenError(str(path), special)
 
 
 def _template_special_tokens(processor: dict | None) -> tuple[str, str] | None:

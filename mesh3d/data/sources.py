@@ -1,4 +1,4 @@
-"""Text corpora on disk: which files `--data` names, how they split into work, and their documents, streamed.
+"""Text corpora on disk: which files a list of `paths` names, how they split into work, and their documents, streamed.
 
 Three formats, told apart by suffix:
 - plain text (`.txt`, `.md`, `.py`, or any explicitly named file of another suffix): a file is one document;
@@ -36,12 +36,13 @@ def expand_data_paths(specs) -> list[Path]:
         if not path.exists() and any(c in spec for c in "*?["):
             matches = sorted(Path(m) for m in glob.glob(spec, recursive=True))
             if not matches:
-                raise FileNotFoundError(f"--data pattern {spec!r} matches no file")
+                raise FileNotFoundError(f"paths: the pattern {spec!r} matches no file")
             files += [f for m in matches for f in _files_of(m)]
         else:
             files += _files_of(path)
     if not files:
-        raise FileNotFoundError(f"no data files ({', '.join(DIRECTORY_SUFFIXES)}) found in {[str(s) for s in specs]}")
+        raise FileNotFoundError(
+            f"paths: no data files ({', '.join(DIRECTORY_SUFFIXES)}) found in {[str(s) for s in specs]}")
     return files
 
 
@@ -167,7 +168,7 @@ def _jsonl_documents(span: Span, field: str) -> Iterator[tuple[str, bool, bool]]
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
             raise ValueError(
                 f"{span.path}: the line at byte {offset} has no string field {field!r} (it has {keys}); "
-                f"name the text field with --text-field"
+                f"pass the field's name as text_field"
             )
         yield text, True, True
 
@@ -184,7 +185,7 @@ def _parquet_batches(span: Span, field: str) -> Iterator[list[tuple[str, bool, b
     parquet = _parquet_file(span.path)
     names = parquet.schema_arrow.names
     if field not in names:
-        raise ValueError(f"{span.path}: no column {field!r} (it has {names}); name the text column with --text-field")
+        raise ValueError(f"{span.path}: no column {field!r} (it has {names}); pass the column's name as text_field")
     if span.stop <= span.start:
         return
     for batch in parquet.iter_batches(batch_size=1024, row_groups=range(span.start, span.stop), columns=[field]):

@@ -139,10 +139,10 @@ def test_cache_hits_and_rebuilds(tmp_path, bpe, docs):
 
 def test_source_errors(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", ["x"], field="content")
-    with pytest.raises(ValueError, match="no string field 'text'.*'content'.*--text-field"):
+    with pytest.raises(ValueError, match="no string field 'text'.*'content'.*text_field"):
         build_token_cache([tmp_path / "a.jsonl"], ByteTokenizer(), cache_dir=tmp_path / "c")
     write_parquet(tmp_path / "a.parquet", ["x"], field="content")
-    with pytest.raises(ValueError, match="no column 'text'.*--text-field"):
+    with pytest.raises(ValueError, match="no column 'text'.*text_field"):
         build_token_cache([tmp_path / "a.parquet"], ByteTokenizer(), cache_dir=tmp_path / "c")
     with pytest.raises(FileNotFoundError, match="matches no file"):
         build_token_cache([str(tmp_path / "*.json")], ByteTokenizer(), cache_dir=tmp_path / "c")

@@ -6,6 +6,9 @@
 - The one-process run's step-3 checkpoint resumed at dp=2 gives the same later losses and eval loss:
   the held-out split and the data position survive a change of layout.
 - A tokenizer larger than the model's vocabulary is refused, naming both sizes.
+- A new user's journey: a tokenizer.json of 300 tokens whose one special token is its own `<|end|>`,
+  no tokenizer_config.json, and only --tokenizer and --data: it trains at tp=2 (2 ranks here, for
+  cost; the README's 8-rank command was run by hand) with the vocabulary padded to 320 rows.
 """
 
 import json
@@ -96,7 +99,28 @@ def test_bpe_on_jsonl_and_parquet_one_process_and_212_and_resumed(tmp_path, corp
 def test_a_tokenizer_larger_than_the_model_is_refused(corpus):
     done = _run(corpus, "--vocab-size", "256", "--metrics", "", check=False)
     assert done.returncode != 0
-    assert "vocab_size=384" in done.stderr and "vocab_size=256" in done.stderr and "--vocab-size 384" in done.stderr
+    assert "--vocab-size 256 is smaller than the tokenizer's 384 tokens" in done.stderr
+    assert "pass --vocab-size 384 or more" in done.stderr
+
+
+def test_a_tokenizer_with_its_own_end_token_and_no_flags_but_tokenizer_and_data(tmp_path):
+    docs = documents(600, seed=4)
+    tokenizer = train_bpe(tmp_path / "tok" / "tokenizer.json", docs, vocab_size=300, special_tokens=["<|end|>"])
+    write_jsonl(tmp_path / "corpus.jsonl", docs)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "examples/llama/train.py", "--tp", "2",
+           "--tokenizer", str(tokenizer), "--data", str(tmp_path / "corpus.jsonl"),
+           # cost only: fewer and shorter steps than the defaults
+           "--n-layers", "2", "--seq-len", "32", "--steps", "4", "--log-every", "1",
+           "--metrics", str(tmp_path / "train.jsonl"), "--export-hf", str(tmp_path / "hf")]
+    done = subprocess.run(cmd, cwd=ROOT, env={**_env(), "MESH3D_CACHE": str(tmp_path / "cache")},
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    _check(done)
+    assert "eos='<|end|>' (id 0)" in done.stdout
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert exported["vocab_size"] == 320  # 300 tokens padded to a multiple of 64 (and of tp)
+    losses = [r["loss"] for r in _records(tmp_path / "train.jsonl")]
+    assert len(losses) == 4 and losses[0] == pytest.approx(math.log(320), rel=0.05) and losses[-1] < losses[0]
 
 
 def test_which_tokenizer(tmp_path, corpus):
@@ -109,7 +133,8 @@ def test_which_tokenizer(tmp_path, corpus):
     hf_dir.mkdir()
     own = corpus[1]
     other = train_bpe(hf_dir / "tokenizer.json", documents(50), vocab_size=300)
-    pick = lambda tokenizer, init_from_hf: build_tokenizer(Namespace(tokenizer=tokenizer, init_from_hf=init_from_hf))  # noqa: E731
+    pick = lambda tokenizer, init_from_hf: build_tokenizer(  # noqa: E731
+        Namespace(tokenizer=tokenizer, init_from_hf=init_from_hf, eos_token=None))
     assert isinstance(pick(None, None), ByteTokenizer)
     assert isinstance(pick(None, str(tmp_path)), ByteTokenizer)  # a Hugging Face directory without tokenizer.json
     assert pick(None, str(hf_dir)).path == other and isinstance(pick(None, str(hf_dir)), HFTokenizer)
