@@ -121,10 +121,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_new_tokens < 1 or args.num_samples < 1:
         p.error("--max-new-tokens and --num-samples must be >= 1")
-    try:
-        args.sampling = Sampling(0.0 if args.greedy else args.temperature, args.top_k, args.top_p)
-    except ValueError as e:
-        p.error(str(e).replace("Sampling: ", "--").replace("top_", "top-"))
+    if not args.temperature >= 0:
+        p.error(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        p.error(f"--top-k must be >= 1, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        p.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    args.sampling = Sampling(0.0 if args.greedy else args.temperature, args.top_k, args.top_p)
     return args
 
 

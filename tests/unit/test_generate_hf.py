@@ -87,3 +87,11 @@ def test_the_command_line_refuses_a_tokenizer_larger_than_the_model(tmp_path):
     big = train_bpe(tmp_path / "big.json", documents(200), vocab_size=400)
     with pytest.raises(SystemExit, match=r"more than the model's vocabulary \(320\)"):
         main(["--checkpoint", str(tmp_path / "hf"), "--tokenizer", str(big), "--device", "cpu"])
+
+
+@pytest.mark.parametrize("flags, named", [(["--top-p", "1.5"], "--top-p"), (["--top-k", "0"], "--top-k"),
+                                          (["--temperature", "-1"], "--temperature")])
+def test_the_command_line_names_a_bad_sampling_flag(tmp_path, capsys, flags, named):
+    with pytest.raises(SystemExit):
+        main(["--checkpoint", str(tmp_path), *flags])
+    assert named in capsys.readouterr().err
