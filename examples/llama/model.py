@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 
 from examples.llama.config import ModelArgs
 from examples.llama.hf_adapter import LlamaHFAdapter
+from examples.llama.kv_cache import KVCache, LayerCache
 
 INIT_STD = 0.02
 
@@ -73,18 +74,34 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """x (batch, seq, dim) -> (batch, seq, dim). With a cache (generation), x holds the positions
+        after the cached ones: they are rotated for where they sit and attend to every earlier one."""
         q, k, v = (rearrange(w(x), "b s (h d) -> b h s d", d=self.head_dim) for w in (self.wq, self.wk, self.wv))
-        seq_len = q.shape[-2]
+        start = cache.start if cache is not None else 0
+        seq_len = start + q.shape[-2]
         if seq_len > rope.shape[0]:
             raise ValueError(
                 f"sequence length {seq_len} exceeds the model's max_seq_len={rope.shape[0]}; "
                 f"build the model with max_seq_len >= {seq_len}"
             )
-        cos, sin = rope[:seq_len].unbind(1)
+        cos, sin = rope[start:seq_len].unbind(1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        else:
+            out = _cached_attention(q, *cache.extend(k, v), start)
         return self.wo(rearrange(out, "b h s d -> b s (h d)"))
+
+
+def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Queries at positions start.. attending to keys 0..: query i sees keys up to start + i."""
+    gqa = q.shape[1] != k.shape[1]
+    if start == 0:  # the prompt: queries and keys are the same positions
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    # is_causal would align the mask to the top-left corner; ours ends at the bottom-right.
+    mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(diagonal=start)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class FeedForward(nn.Module):
@@ -108,8 +125,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        # Training calls stay (x, rope): the tensor-parallel plan prepares those positional inputs.
+        extra = {} if cache is None else {"cache": cache}
+        h = x + self.attention(self.attention_norm(x), rope, **extra)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -131,11 +150,19 @@ class Transformer(nn.Module):
         self.register_buffer("rope", rope_cache(args), persistent=False)
         self.tp_plan = llama_tp_plan()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token ids (batch, seq) -> logits (batch, seq, vocab); a middle stage maps hidden -> hidden."""
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Token ids (batch, seq) -> logits (batch, seq, vocab); a middle stage maps hidden -> hidden.
+
+        `cache` (generation, whole model only): `tokens` are the positions after the cached ones;
+        their keys and values are added to it (examples/llama/kv_cache.py).
+        """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, self.rope)
+        if cache is None:
+            for layer in self.layers.values():
+                h = layer(h, self.rope)
+        else:
+            for layer, layer_cache in zip(self.layers.values(), cache.take(tokens.shape[1]), strict=True):
+                h = layer(h, self.rope, cache=layer_cache)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
