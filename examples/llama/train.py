@@ -38,16 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mesh3d  # noqa: E402
 from examples.llama.config import CONFIGS, ModelArgs, get_config  # noqa: E402
-from examples.llama.bad_steps import BadStepGuard  # noqa: E402
 from examples.llama.fault_injection import FaultInjection  # noqa: E402
-from examples.llama.resume import resume_newest  # noqa: E402
 from examples.llama.model import Transformer, count_parameters, llama_tp_plan  # noqa: E402
-from examples.llama.evaluation import HeldOutEvaluator, due  # noqa: E402
 from examples.llama.run_config import config_file_argv, effective_config_toml  # noqa: E402
 from examples.llama.tensorboard_log import TensorBoardLog, tensorboard_available  # noqa: E402 - imports it only when used
 from examples.llama.text_data import build_datasets, build_tokenizer, check_vocab  # noqa: E402
 from mesh3d.data import DistributedLoader  # noqa: E402
 from mesh3d.distributed.rendezvous import restart_count  # noqa: E402
+from mesh3d.train import BadStepGuard, HeldOutEvaluator, due, resume_latest  # noqa: E402
 
 
 PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -236,7 +234,7 @@ def main(argv=None) -> list[dict]:
     resume_from, state = None, None
     if args.resume:
         # Weights, optimizer state, RNG and the data position; the layout may differ from the saver's.
-        resume_from, state = resume_newest(args.checkpoint_dir, pm, optimizer, say=lambda line: is_main and print(line, flush=True))
+        resume_from, state = resume_latest(args.checkpoint_dir, pm, optimizer, say=lambda line: is_main and print(line, flush=True))
     if resume_from:
         loader.load_state_dict(state["data_state"])
         start_step, origin = state["step"], f"resumed from {resume_from} (step {state['step']})"
