@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     metrics_file = None
     if args.metrics and is_main:
         Path(args.metrics).parent.mkdir(parents=True, exist_ok=True)
-        metrics_file = open(args.metrics, "a" if resumed else "w")  # a restarted job's log goes on
+        # With --resume the log goes on, also when no checkpoint was there yet (a restart before the first save).
+        metrics_file = open(args.metrics, "a" if args.resume or args.resume_from else "w")
     tensorboard = TensorBoardLog(args.tensorboard) if args.tensorboard and is_main else None
     history, guard, restart = [], BadStepGuard(args.max_bad_steps), restart_count()  # which torchrun attempt
     last_saved = progress.start_step if resumed else None
