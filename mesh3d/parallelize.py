@@ -68,6 +68,7 @@ def parallelize(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
     compile: bool | str = False,
+    seed: int | None = None,
 ) -> ParallelModel:
     """Split `model` into pipeline stages, keep this rank's, and return a ParallelModel.
 
@@ -109,6 +110,10 @@ def parallelize(
         compile: torch.compile each block of `layers` (True: inductor; or a backend name such as
             "aot_eager"); composes with tensor and data parallelism, activation checkpointing and
             tied weights, and keeps parameter names.
+        seed: seeds the initialization of a model given on meta: `init_weights(seed=seed)` when
+            the model's init_weights takes a seed (a model that seeds by parameter name then gets
+            the same weights under every layout), and the global RNG per stage. None: the
+            model's default. Unused for a model given with values.
     """
     find_layers(model)  # the model protocol, before any collective
     layout = _resolve_layout(layout, pp, dp, tp)
@@ -130,7 +135,7 @@ def parallelize(
     state = StateMap.from_stages(layout, split.meta_model, split.meta_stages, pipe.schedule.stage_rank, ties, stages)
     tied = TiedWeights(ties, split.meta_stages, pipe.schedule.stage_rank, layout, stages)
     tied.tie_locally()
-    _initialize(split, stages, tied, layout)
+    _initialize(split, stages, tied, layout, seed)
     if tensor.plan:
         _apply_tensor_parallel(split, stages, tied, tensor, layout)
     if compile_backend is not None:
@@ -170,11 +175,13 @@ def _check_same_config_everywhere(config: str) -> None:
     ))
 
 
-def _initialize(split: Split, stages: dict[int, nn.Module], tied: TiedWeights, layout: Layout) -> None:
+def _initialize(
+    split: Split, stages: dict[int, nn.Module], tied: TiedWeights, layout: Layout, seed: int | None
+) -> None:
     """Fresh values for a model given on meta; then every copy and replica equal to its first."""
     if split.from_meta:
         for index, stage in stages.items():
-            initialize(stage, index, layout.device)
+            initialize(stage, index, layout.device, seed)
     tied.sync_values()
     make_replicas_identical(stages, layout)
 

@@ -19,6 +19,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 ENV = "MESH3D_FAULT"
 _SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "hang": None}
@@ -27,7 +28,8 @@ _PHASES = ("step", "save")
 
 @dataclass
 class FaultInjection:
-    """The fault this rank must suffer, if any; `arm` it on the model, `at_step` it every step."""
+    """The fault this rank must suffer, if any; `arm` it on the model, `at_step` it every step, pass
+    `before_publish` to checkpoint.save."""
 
     signal: signal.Signals | None  # None: an endless loop
     phase: str
@@ -52,21 +54,16 @@ class FaultInjection:
         return fault if int(target_rank) == rank else None
 
     def arm(self, pm) -> None:
-        """Install the trigger: a forward pre-hook on this rank's first stage, or a wrapper around
-        the checkpoint's publication step."""
+        """Install a "step" fault: a forward pre-hook on this rank's first stage. A "save" fault
+        fires through `before_publish`, which the loop passes to mesh3d.checkpoint.save."""
         if self.phase == "step":
             first_stage = pm.stages[min(pm.stages)]
             first_stage.register_forward_pre_hook(lambda module, args: self._fire_at(self.step))
-        else:
-            from mesh3d.checkpoint import directories
 
-            publish = directories.publish
-
-            def publish_or_die(partial, path):
-                self._fire_at(self.step)
-                publish(partial, path)
-
-            directories.publish = publish_or_die
+    def before_publish(self, written: Path) -> None:
+        """checkpoint.save's hook: every shard of the checkpoint is written, none published yet."""
+        if self.phase == "save":
+            self._fire_at(self.step)
 
     def at_step(self, step: int) -> None:
         """The training loop is at `step` (counted from 1)."""

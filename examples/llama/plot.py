@@ -54,8 +54,9 @@ def plot_runs(runs: dict[str, list[dict]]):
         color = f"C{index % 10}"
         for ax, x in ((by_step, "step"), (by_tokens, "tokens")):
             ax.plot(*_series(records, x, "loss"), color=color, linewidth=1, label=f"{label} train")
-            ax.plot(*_series(records, x, "eval_loss"), color=color, linestyle="--", marker="o", markersize=4,
-                    label=f"{label} eval")
+            evaluated = _series(records, x, "eval_loss")
+            if evaluated[0]:  # a run that evaluated nothing gets no empty "eval" legend entry
+                ax.plot(*evaluated, color=color, linestyle="--", marker="o", markersize=4, label=f"{label} eval")
         grad_norm.plot(*_series(records, "step", "grad_norm"), color=color, linewidth=1, label=label)
         throughput.plot(*_series(records, "step", "tokens_per_s"), color=color, linewidth=1, label=label)
     for ax, title, xlabel, ylabel in (

@@ -107,6 +107,9 @@ def latest(root: str | os.PathLike) -> str | None:
     """The path of the complete checkpoint with the highest step under `root`, or None.
 
     A save that was interrupted (a crash, a kill) is never returned: it never got its name.
+    This lists `root` on the calling process only and does not read the checkpoint's files: to
+    resume a job, `mesh3d.train.resume_latest` takes rank 0's listing on every rank and passes
+    over a damaged checkpoint to the next older one.
     """
     found = complete_checkpoints(root)
     return str(found[-1]) if found else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,7 @@ def save(
     extra: Any = None,
     keep_last: int | None = None,
     writer_threads: int = 1,
+    before_publish: Callable[[Path], None] | None = None,
 ) -> str:
     """Save model, optimizer and train state to the directory `path`, atomically. Call on every rank.
 
@@ -75,6 +77,11 @@ def save(
         keep_last: afterwards keep `path` and the keep_last - 1 newest (by step) other checkpoints
             in `path`'s parent directory, removing the rest.
         writer_threads: files each rank writes in parallel (DCP's FileSystemWriter thread_count).
+        before_publish: called on rank 0 once every shard and the train state are written, right
+            before the checkpoint is published under its name, with the directory holding the
+            files (its temporary name, renamed to `path` next): a job can check or copy them, a
+            fault test can kill the process there. An exception it raises is raised on every
+            rank and nothing is published.
 
     Returns the path. Raises ValueError on every rank for a bad argument (on any rank), for a
     parameter holding NaN or Inf (named) and for a failed preparation or publication; a shard
@@ -140,7 +147,7 @@ def save(
             "torch_version": torch.__version__,
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
-        error = attempt(lambda: _finish(partial, path, train_state, keep_last))
+        error = attempt(lambda: _finish(partial, path, train_state, keep_last, before_publish))
     raise_if_any(error)
     return str(path)
 
@@ -195,8 +202,12 @@ def _write_rng(partial: Path, layout: Layout) -> None:
     write_json(file, rng_state(layout.device))
 
 
-def _finish(partial: Path, path: Path, train_state: dict, keep_last: int | None) -> None:
+def _finish(
+    partial: Path, path: Path, train_state: dict, keep_last: int | None, before_publish: Callable[[Path], None] | None
+) -> None:
     write_json(partial / TRAIN_STATE_FILE, train_state)
+    if before_publish is not None:
+        before_publish(partial)
     directories.publish(partial, path)
     if keep_last is not None:
         directories.prune(path.parent, keep_last, keep=path)

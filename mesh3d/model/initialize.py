@@ -8,6 +8,8 @@ first rank's values, so sharding starts from one model.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -21,21 +23,35 @@ def to_device(stages: dict[int, nn.Module], device: torch.device, materialize: b
 
 
 @torch.no_grad()
-def initialize(stage: nn.Module, index: int, device: torch.device) -> None:
+def initialize(stage: nn.Module, index: int, device: torch.device, seed: int | None = None) -> None:
     """Fresh values for a stage materialized from meta: the model's own init_weights() if it has one.
 
-    Each stage draws from the global RNG reseeded with (initial seed + stage index), so stages
-    on different ranks, which start from the same RNG state, do not get identical layers.
+    With a `seed`, an `init_weights` that takes a `seed` argument gets it: a model that seeds each
+    parameter by its name (as the LLaMA example does) then initializes the same model for one
+    seed under every layout. The global RNG is reseeded too, with (seed + stage index), or
+    without a seed with (initial seed + stage index), so stages on different ranks, which start
+    from the same RNG state, do not get identical layers.
     """
     devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(torch.initial_seed() + index)
-        if callable(getattr(stage, "init_weights", None)):
-            stage.init_weights()
+        torch.manual_seed((torch.initial_seed() if seed is None else seed) + index)
+        init_weights = getattr(stage, "init_weights", None)
+        if callable(init_weights):
+            if seed is not None and _takes_seed(init_weights):
+                init_weights(seed=seed)
+            else:
+                init_weights()
             return
         for module in stage.modules():
             if callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()
+
+
+def _takes_seed(init_weights) -> bool:
+    try:
+        return "seed" in inspect.signature(init_weights).parameters
+    except (TypeError, ValueError):  # a builtin or C function without a signature
+        return False
 
 
 @torch.no_grad()

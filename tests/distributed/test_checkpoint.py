@@ -55,9 +55,8 @@ def _kill_during_save(root: str, where: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
         FileSystemWriter.write_data = write_then_die
-    if where == "before publishing" and layout.rank == 0:
-        directories.publish = lambda partial, path: os.kill(os.getpid(), signal.SIGKILL)
-    mesh3d.checkpoint.save(f"{root}/step4", pm, optimizer, step=4, data_state=loader.state_dict())
+    die = (lambda written: os.kill(os.getpid(), signal.SIGKILL)) if where == "before publishing" else None
+    mesh3d.checkpoint.save(f"{root}/step4", pm, optimizer, step=4, data_state=loader.state_dict(), before_publish=die)
     raise AssertionError("the save was supposed to be killed")
 
 

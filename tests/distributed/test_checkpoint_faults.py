@@ -2,7 +2,7 @@
 
 - The newest checkpoint with a shard file cut short, a shard file removed, or its metadata
   overwritten: `load` raises DamagedCheckpoint on every rank naming the checkpoint and the file,
-  and train.py's resume (`resume_newest`) says so and loads the newest checkpoint that loads,
+  and mesh3d.train's resume (`resume_latest`) says so and loads the newest checkpoint that loads,
   whose weights equal those saved there.
 - A save whose first write (the RNG state) or shard write fails with ENOSPC raises that OSError on
   every rank and leaves the previous checkpoint the newest.
@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import mesh3d
 from checkpoint_cases import build, full_state, train, worst_relative_error
-from examples.llama.resume import resume_newest
+from mesh3d.train import resume_latest
 from mesh3d.distributed.shards import local_tensor
 from multiprocess import run_on_ranks
 from pipeline_cases import TOLERANCE
@@ -77,7 +77,7 @@ def _faults(root: str) -> dict:
         error = _error_of(lambda: mesh3d.checkpoint.load(damaged / "step4", pm, optimizer))
         result["load_errors"].append((type(error).__name__, str(error)))
         said = []
-        path, _ = resume_newest(str(damaged), pm, optimizer, say=said.append)
+        path, _ = resume_latest(str(damaged), pm, optimizer, say=said.append)
         result["resumed"].append(path)
         result["said"].append(said)
         result["errors_vs_step2"].append(worst_relative_error(full_state(pm), saved_at_2)[0])

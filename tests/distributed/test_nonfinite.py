@@ -1,4 +1,4 @@
-"""Non-finite steps (issue 16) at (pp, dp, tp) = (2, 2, 2) on 8 ranks, with train.py's BadStepGuard.
+"""Non-finite steps (issue 16) at (pp, dp, tp) = (2, 2, 2) on 8 ranks, with mesh3d.train's BadStepGuard.
 
 A NaN put into one rank's gradient makes pm.clip_grad_norm_ return NaN on every rank; the guard
 skips that optimizer step everywhere, the weights stay exactly as they were, and the next good
@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 import mesh3d
 from checkpoint_cases import full_state, worst_relative_error
-from examples.llama.bad_steps import BadStepGuard, TooManyBadSteps
 from examples.llama.model import loss_fn
 from mesh3d.distributed.shards import local_tensor
+from mesh3d.train import BadStepGuard, TooManyBadSteps
 from multiprocess import run_on_ranks
 from pipeline_cases import LR, MAX_NORM, TOLERANCE, batches, meta_model, tp_args
 
@@ -93,7 +93,7 @@ def test_nan_steps_are_skipped_then_stop_the_run_and_nan_weights_are_not_saved()
         error, at = result["error"]
         assert error <= TOLERANCE, (rank, error, at)
         assert result["stops"][:2] == [False, False], (rank, result["stops"])
-        assert "in 3 steps in a row (--max-bad-steps 3)" in result["stops"][2], (rank, result["stops"])
+        assert "in 3 steps in a row (max_bad_steps=3)" in result["stops"][2], (rank, result["stops"])
         assert f"parameter {poisoned_name} holds NaN or Inf" in result["save"], (rank, result["save"])
 
 

@@ -219,8 +219,8 @@ def _heldout_eval(pp: int, dp: int, tp: int):
 
     import mesh3d
     from examples.llama.config import get_config
-    from examples.llama.evaluation import HeldOutEvaluator
     from examples.llama.model import Transformer, llama_tp_plan
+    from mesh3d.train import HeldOutEvaluator
 
     layout = mesh3d.build_mesh(pp=pp, dp=dp, tp=tp)
     with torch.device("meta"):

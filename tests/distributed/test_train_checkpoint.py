@@ -58,3 +58,21 @@ def test_checkpoint_resume_export_and_init_from_hf(tmp_path):
     done = _run("--steps", "2", "--init-from-hf", str(initial), "--dp", "2", "--metrics", str(from_hf), torchrun=2)
     assert f"weights from {initial}" in done.stdout
     _assert_close(_losses(from_hf), straight[:2])
+
+
+def test_resume_from_a_chosen_checkpoint(tmp_path):
+    """--resume-from DIR takes that checkpoint, not the newest; a missing one is an error."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "straight.jsonl"
+    _run("--steps", "4", "--n-layers", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+         "--metrics", str(metrics))
+    straight = _losses(metrics)
+    resumed = tmp_path / "resumed.jsonl"
+    done = _run("--steps", "4", "--n-layers", "2", "--resume-from", str(ckpt / "step2"), "--metrics", str(resumed))
+    assert f"resumed from {ckpt / 'step2'} (step 2)" in done.stdout
+    assert [json.loads(line)["step"] for line in resumed.read_text().splitlines()] == [3, 4]
+    _assert_close(_losses(resumed), straight[2:])
+    missing = subprocess.run([sys.executable, *TRAIN, "--steps", "4", "--n-layers", "2", "--resume-from",
+                              str(ckpt / "step3"), "--metrics", ""], cwd=ROOT, env=_env(), capture_output=True,
+                             text=True, timeout=TIMEOUT_S)
+    assert missing.returncode == 2 and f"no checkpoint at {ckpt / 'step3'}" in missing.stderr, missing.stderr[-3000:]
+    assert "Traceback" not in missing.stderr

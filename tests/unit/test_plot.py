@@ -8,12 +8,12 @@ import pytest
 from examples.llama import plot
 
 
-def _write_run(path, steps, scale, resumed_from=None):
+def _write_run(path, steps, scale, resumed_from=None, evaluated=True):
     lines = []
     for step in range(1, steps + 1):
         record = {"step": step, "loss": scale * 5 / step, "grad_norm": 1.0 / step, "tokens_per_s": 1000.0 + step,
                   "tokens": step * 512}
-        if step % 2 == 0:
+        if evaluated and step % 2 == 0:
             record |= {"eval_loss": scale * 6 / step, "eval_perplexity": 0.0}
         lines.append(json.dumps(record))
     if resumed_from:  # a crashed run's steps after the checkpoint, then the resumed run's
@@ -40,6 +40,15 @@ def test_two_runs_side_by_side(tmp_path):
     assert list(grad_norm.lines[1].get_ydata()) == pytest.approx([1 / s for s in range(1, 5)])
     assert list(throughput.lines[0].get_ydata()) == [1001.0 + s for s in range(6)]
     assert [t.get_text() for t in by_step.get_legend().get_texts()] == ["a train", "a eval", "b train", "b eval"]
+
+
+def test_no_eval_legend_without_evaluations(tmp_path):
+    pytest.importorskip("matplotlib")
+    figure = plot.plot_runs({"a": plot.read_run(_write_run(tmp_path / "a.jsonl", 4, 1.0, evaluated=False)),
+                             "b": plot.read_run(_write_run(tmp_path / "b.jsonl", 4, 1.0))})
+    by_step, by_tokens = figure.axes[:2]
+    for ax in (by_step, by_tokens):
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a train", "b train", "b eval"]
 
 
 def test_a_hint_when_matplotlib_is_missing(tmp_path, monkeypatch):

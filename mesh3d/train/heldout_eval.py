@@ -1,4 +1,9 @@
-"""Held-out evaluation for train.py: the same fixed batches at every evaluation, through `pm.evaluate`.
+"""Held-out evaluation: the same fixed batches at every evaluation, through `pm.evaluate`.
+
+    train, heldout = mesh3d.data.split_heldout(dataset, eval_batches * global_batch, seed)
+    evaluator = HeldOutEvaluator(heldout, global_batch, layout, eval_batches)
+    if due(step, eval_every, last_step):
+        metrics = evaluator(pm)   # {"eval_loss", "eval_perplexity"}, the same on every rank
 
 The held-out samples (mesh3d.data.split_heldout) are cut into `batches` global batches in a fixed
 order; each data-parallel rank takes its share of each, as the training loader does. So every
@@ -13,6 +18,8 @@ import math
 import torch
 
 from mesh3d.data import DistributedLoader, SampleSubset
+from mesh3d.mesh import Layout
+from mesh3d.parallel_model import ParallelModel
 
 
 class HeldOutEvaluator:
@@ -20,11 +27,11 @@ class HeldOutEvaluator:
     losses of the held-out batches (each batch has as many tokens as any other, so this is the
     token mean over all of them)."""
 
-    def __init__(self, heldout: SampleSubset, global_batch: int, layout, batches: int):
+    def __init__(self, heldout: SampleSubset, global_batch: int, layout: Layout, batches: int) -> None:
         loader = DistributedLoader.for_layout(heldout, global_batch, layout, shuffle=False)
         self.batches: list[tuple[torch.Tensor, torch.Tensor]] = [next(loader) for _ in range(batches)]
 
-    def __call__(self, pm) -> dict[str, float]:
+    def __call__(self, pm: ParallelModel) -> dict[str, float]:
         losses = [pm.evaluate(inputs, targets).item() for inputs, targets in self.batches]
         loss = sum(losses) / len(losses)
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0))}  # exp(80) ~ 5e34: no overflow

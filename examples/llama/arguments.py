@@ -1,0 +1,128 @@
+"""train.py's command line: every flag, `--config-file`'s settings under them, and the checks between flags.
+
+A bad flag is reported by rank 0 alone (every rank parses the same command line, so every rank
+finds the same problem): under torchrun the message appears once, not once per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import NoReturn
+
+import torch
+
+import mesh3d
+from examples.llama.config import CONFIGS
+from examples.llama.run_config import config_file_argv
+from examples.llama.tensorboard_log import tensorboard_available
+
+PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def is_rank_zero() -> bool:
+    """Rank 0 of a torchrun job, or a plain process; known before any process group exists."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but only rank 0 prints the usage and the error; every rank exits with status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        if is_rank_zero():
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+def build_parser(description: str | None = None) -> Parser:
+    """Every flag of train.py."""
+    p = Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    p.add_argument("--dp", type=int, default=-1, help="data-parallel degree (-1: the rest of the world)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (consecutive ranks, one node)")
+    p.add_argument("--schedule", default="interleaved_1f1b", choices=sorted(mesh3d.pipeline.SCHEDULES))
+    p.add_argument("--microbatches", type=int, default=None, help="per step and dp rank (default: pp)")
+    p.add_argument("--virtual-stages", type=int, default=None, help="stages per pp rank (interleaved default: 2)")
+    p.add_argument("--dp-mode", default="fsdp", choices=["fsdp", "ddp"])
+    p.add_argument("--activation-checkpoint", default="never", choices=["never", "always", "except_last"])
+    p.add_argument("--loss-parallel", action="store_true", help="keep logits vocab-sharded over tp for the loss")
+    p.add_argument("--param-dtype", default="fp32", choices=sorted(PARAM_DTYPES),
+                   help="compute dtype; bf16 keeps fp32 master weights, reduces gradients in fp32")
+    p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (inductor)")
+    p.add_argument("--placement-report", default=None, help="rank 0 writes each rank's node and mesh coordinate here (JSON)")
+    p.add_argument("--config", default="debug", choices=sorted(CONFIGS))
+    p.add_argument("--n-layers", type=int, default=None, help="override the config's number of layers")
+    p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None, help="tie embedding and output")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step, all ranks together")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of the peak")
+    p.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm; 0 disables clipping")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
+    p.add_argument("--data", nargs="*", default=None,
+                   help=".txt/.jsonl/.parquet files, directories and globs (default: the stdlib corpus)")
+    p.add_argument("--text-field", default="text", help="the JSONL field / Parquet column holding each document")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="a Hugging Face tokenizer.json (default: --init-from-hf's tokenizer.json, else bytes)")
+    p.add_argument("--eos-token", default=None, metavar="TOKEN",
+                   help="the --tokenizer token that ends each document (default: the one it declares)")
+    p.add_argument("--tokenize-workers", type=int, default=None, help="processes that tokenize (default: CPUs, <= 8)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="the model's vocabulary (default: the tokenizer's, padded to a multiple of 64 and of --tp)")
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate on held-out data every N steps (0: never)")
+    p.add_argument("--eval-batches", type=int, default=4, help="global batches held out (by --seed) and evaluated")
+    p.add_argument("--token-file", default=None, help="a pre-tokenized .npy (or raw, with --token-dtype) file")
+    p.add_argument("--token-dtype", default=None)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--metrics", default="runs/train.jsonl", help="JSONL file, one line per step")
+    p.add_argument("--tensorboard", default=None, metavar="DIR", help="also log the metrics as TensorBoard scalars here")
+    p.add_argument("--config-file", default=None, metavar="TOML",
+                   help="settings under the flags' long names with underscores; the command line overrides them")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here, as DIR/step<N>")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (and after the last step)")
+    p.add_argument("--keep-last", type=int, default=None, help="keep only the newest K checkpoints")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --checkpoint-dir that loads, if any (and append to --metrics)")
+    p.add_argument("--resume-from", default=None, metavar="DIR",
+                   help="continue from exactly this checkpoint (an error if it is missing or damaged; appends to --metrics)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a collective or P2P wait may last before the job fails (a stopped rank); "
+                        "default 600, Megatron's --distributed-timeout-minutes 10")
+    p.add_argument("--max-bad-steps", type=int, default=3,
+                   help="stop after this many optimizer steps in a row skipped for a non-finite gradient norm")
+    p.add_argument("--init-from-hf", default=None, metavar="DIR",
+                   help="model config and weights from a Hugging Face Llama directory (config.json + safetensors)")
+    p.add_argument("--export-hf", default=None, metavar="DIR", help="after training, write the model as Hugging Face safetensors")
+    return p
+
+
+def parse_args(argv: list[str] | None = None, description: str | None = None) -> argparse.Namespace:
+    """train.py's settings: `--config-file`'s, then the command line's; a bad one exits (status 2)."""
+    p = build_parser(description)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = p.parse_args(config_file_argv(p, argv) + argv)
+    if args.resume and not args.checkpoint_dir:
+        p.error("--resume needs --checkpoint-dir")
+    if args.resume and args.resume_from:
+        p.error("--resume takes the newest checkpoint, --resume-from a chosen one: pass one of them")
+    if (args.checkpoint_every or args.keep_last is not None) and not args.checkpoint_dir:
+        p.error("--checkpoint-every and --keep-last need --checkpoint-dir")
+    if args.timeout <= 0 or args.max_bad_steps < 1:
+        p.error("--timeout must be > 0 and --max-bad-steps >= 1")
+    if args.checkpoint_every < 0 or (args.keep_last is not None and args.keep_last < 1):
+        p.error("--checkpoint-every must be >= 0 and --keep-last >= 1")
+    if args.init_from_hf and (args.n_layers is not None or args.tied is not None or args.vocab_size is not None):
+        p.error("--init-from-hf takes the model's shape from its config.json; drop --n-layers/--tied/--vocab-size")
+    if args.eval_every < 0 or args.eval_batches < 1:
+        p.error("--eval-every must be >= 0 and --eval-batches >= 1")
+    if args.token_file and (args.tokenizer or args.data):
+        p.error("--token-file is already tokenized: drop --tokenizer/--data")
+    if args.tensorboard and not tensorboard_available():
+        p.error("--tensorboard needs the tensorboard package: pip install tensorboard")
+    return args

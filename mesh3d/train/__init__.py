@@ -1,0 +1,41 @@
+"""The reusable parts of a training loop, each one concept (like torchtitan's components).
+
+    from mesh3d.train import resume_latest, resume_from, BadStepGuard, HeldOutEvaluator, Progress
+
+- resume.py: the newest undamaged checkpoint under a root, agreed by every rank
+  (`resume_latest`), or exactly the checkpoint asked for (`resume_from`);
+- nonfinite_steps.py: skip an optimizer step whose gradient norm is NaN or Inf, stop after
+  `max_bad_steps` in a row (`BadStepGuard`, `TooManyBadSteps`);
+- heldout_eval.py: the held-out loss on the same fixed batches at every evaluation
+  (`HeldOutEvaluator`, `due`);
+- flops.py: FLOPs per token counted over one forward and backward of the model, the device's
+  peak FLOP/s, and the model FLOPs utilization (MFU);
+- progress.py: the progress line (step, loss, lr, elapsed time, ETA, tokens/s, MFU) in human
+  units.
+
+examples/llama/train.py composes them; a loop of your own can take any of them alone. They sit
+above the rest of mesh3d (they use checkpoint, data and a ParallelModel); nothing in mesh3d
+imports them.
+"""
+
+from mesh3d.train.flops import flops_per_token, mfu, peak_flops
+from mesh3d.train.heldout_eval import HeldOutEvaluator, due
+from mesh3d.train.nonfinite_steps import BadStepGuard, TooManyBadSteps
+from mesh3d.train.progress import Progress, human_count, human_duration
+from mesh3d.train.resume import checkpoints_newest_first, resume_from, resume_latest
+
+__all__ = [
+    "BadStepGuard",
+    "HeldOutEvaluator",
+    "Progress",
+    "TooManyBadSteps",
+    "checkpoints_newest_first",
+    "due",
+    "flops_per_token",
+    "human_count",
+    "human_duration",
+    "mfu",
+    "peak_flops",
+    "resume_from",
+    "resume_latest",
+]

@@ -1,0 +1,81 @@
+"""Model FLOPs utilization (MFU): FLOPs counted, the device's peak looked up, never guessed.
+
+    per_token = flops_per_token(meta_model, seq_len)      # before parallelize, on the meta model
+    peak = peak_flops(layout.device)                       # None on CPU or an unknown GPU
+    mfu(per_token, tokens_per_s, peak, layout.world_size)  # a fraction, or None
+
+`flops_per_token` runs one forward and backward of the whole model on the meta device under
+torch's FlopCounterMode: no memory, no compute, only the shapes, so it is exact for the model as
+written (attention's quadratic term included, at the sequence length trained on) and costs
+milliseconds even for a large model. Recomputation by activation checkpointing is not counted:
+MFU counts the model's FLOPs, not the hardware's.
+
+The peak is the dense bf16 tensor-core rate of the device's datasheet, whatever the compute
+dtype (as torchtitan does), so an fp32 run reads low. A device not in the table has no peak,
+and no MFU is reported rather than a made-up one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+# Dense bf16 FLOP/s per device, from NVIDIA's datasheets (the SXM parts; PCIe ones run lower).
+# Looked up by substring of torch.cuda.get_device_name(), first match wins.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("B200", 2.25e15),
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+)
+
+
+def device_name(device: torch.device) -> str:
+    """The device's name as the progress line shows it: "cpu", or the GPU's name."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak FLOP/s, or None when it is not a GPU in PEAK_BF16_FLOPS."""
+    if torch.device(device).type != "cuda":
+        return None
+    return peak_flops_of(device_name(device))
+
+
+def peak_flops_of(gpu_name: str) -> float | None:
+    """The dense bf16 peak FLOP/s of the GPU of this name ("NVIDIA H100 80GB HBM3"), or None."""
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key in gpu_name), None)
+
+
+def flops_per_token(model: nn.Module, seq_len: int, batch: int = 1) -> float:
+    """FLOPs of one forward and backward per token, counted on `model` with FlopCounterMode.
+
+    `model` is the whole model on the meta device (as built for `parallelize`, before it), and
+    takes a (batch, seq_len) tensor of token ids. Gradients are taken with torch.autograd.grad,
+    so nothing is accumulated on the model's parameters.
+    """
+    if seq_len < 1 or batch < 1:
+        raise ValueError(f"flops_per_token: seq_len and batch must be >= 1, got seq_len={seq_len}, batch={batch}")
+    device = next(model.parameters()).device
+    if device.type != "meta":
+        raise ValueError(f"flops_per_token: pass the model on the meta device (it is on {device}); "
+                         "counting runs a forward and backward, which costs nothing only on meta")
+    tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    weights = [p for p in model.parameters() if p.requires_grad]
+    counter = FlopCounterMode(display=False)
+    with counter:
+        output = model(tokens)
+        torch.autograd.grad(output.float().sum(), weights)
+    return counter.get_total_flops() / (batch * seq_len)
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak: float | None, world_size: int) -> float | None:
+    """The fraction of the devices' peak the model's FLOPs reach; None when the peak is unknown."""
+    if peak is None or peak <= 0:
+        return None
+    return flops_per_token * tokens_per_s / (peak * world_size)

@@ -1,0 +1,43 @@
+"""A bad configuration at 8 ranks under torchrun: its message printed once, by rank 0, in flags; every rank exits 2.
+
+Both kinds: one argparse finds (`--resume` without `--checkpoint-dir`) and one mesh3d.parallelize
+raises on every rank before any collective (a 1F1B schedule with fewer microbatches than pp
+stages), whose `schedule=`/`microbatches=`/`pp=` the trainer writes as the flags the user typed.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from examples.llama.config_errors import in_user_terms
+from test_torchrun import ROOT, TIMEOUT_S, _env
+
+TRAIN = ["examples/llama/train.py", "--pp", "2", "--dp", "2", "--tp", "2", "--seq-len", "16", "--n-layers", "4",
+         "--steps", "1", "--metrics", ""]
+
+
+@pytest.mark.parametrize("flags, message, not_said", [
+    (["--resume"], "train.py: error: --resume needs --checkpoint-dir", None),
+    (["--schedule", "1f1b", "--microbatches", "1"],
+     "got --microbatches 1 with --pp 2; use at least 2 microbatches (or --schedule gpipe)", "microbatches=1"),
+])
+def test_a_bad_configuration_at_8_ranks_is_said_once(flags, message, not_said):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8", *TRAIN, *flags]
+    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    said = done.stdout + done.stderr
+    assert done.returncode != 0, said[-3000:]
+    assert said.count(message) == 1, said[-6000:]
+    # No rank's traceback (torchrun's agent still prints its own failure block, ChildFailedError).
+    assert 'train.py", line' not in said and "ValueError" not in said, said[-6000:]
+    assert not_said is None or not_said not in said, said[-6000:]
+
+
+def test_library_parameters_become_flags():
+    flags = {"schedule": "--schedule", "microbatches": "--microbatches", "pp": "--pp", "loss_parallel": "--loss-parallel",
+             "virtual_stages": "--virtual-stages", "global_batch_size": "--global-batch"}
+    assert in_user_terms("needs microbatches >= pp, got microbatches=1 with pp=2 (or schedule='gpipe')", flags) == \
+        "needs microbatches >= pp, got --microbatches 1 with --pp 2 (or --schedule gpipe)"
+    assert in_user_terms("loss_parallel=True with virtual_stages=None; pp*tp=4", flags) == \
+        "--loss-parallel with no --virtual-stages; pp*tp=4"
+    assert in_user_terms("global_batch_size=10 must divide", flags) == "--global-batch 10 must divide"
