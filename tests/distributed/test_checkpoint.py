@@ -32,6 +32,7 @@ from examples.llama.model import Transformer, loss_fn
 from mesh3d.checkpoint import directories
 from multiprocess import RankFailure, run_on_ranks
 from pipeline_cases import TOLERANCE, tiny_args
+from rank_errors import message_of
 
 # -- a save killed midway ------------------------------------------------------------------------
 
@@ -102,13 +103,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, where):
 
 
 def _error_message(fn) -> str:
-    try:
-        fn()
-    except (ValueError, FileNotFoundError) as error:
-        return str(error)
-    finally:
-        dist.barrier()  # a rank that hung in a collective would never get here: the harness fails the test
-    return "no error"
+    # After the barrier in `raised`: a rank that hung in a collective would never get there, and the harness fails the test.
+    return message_of(fn, (ValueError, FileNotFoundError)) or "no error"
 
 
 def _model(tied: bool, **changes):
