@@ -7,7 +7,7 @@ same weights for both engines and the same split (`--layers` blocks, an equal nu
 the embedding on the first stage, the final norm and head on the last). Each engine runs its
 interleaved 1F1B (2 stages per rank, loop placement) and its ZBV (2 stages per rank, V placement:
 rank r holds stages r and 2pp-1-r); torch's ZBV splits the backward with its own
-`stage_backward_input`/`stage_backward_weight`, ours with pipeline/split_backward.py. Steps take
+`stage_backward_input`/`stage_backward_weight`, ours with pipeline/backward_halves.py. Steps take
 turns on the same batches (mesh3d interleaved, torch interleaved, mesh3d zbv, torch zbv, then one
 process), the four engines' order rotating by one every round, so load from elsewhere on the
 machine and the allocator's state after the previous step fall on all of them alike; each step is

@@ -1,11 +1,13 @@
-"""Test layout: `unit/` runs in this one process, `distributed/` launches ranks (gloo on CPU).
+"""Test layout: `unit/` runs in this one process, `distributed/` launches processes (gloo on CPU).
 
-Every test under `distributed/` carries the `distributed` marker, so
-`pytest -m "not distributed"` runs the unit tests alone. The shared harnesses (`multiprocess.py`,
-`pipeline_cases.py`, `checkpoint_cases.py`, `text_corpus.py`) live beside this file and are
-importable from both folders.
+`unit/` holds what runs inside the pytest process (a worker pool of the code under test included);
+`distributed/` holds what starts other processes: ranks through `multiprocess.run_on_ranks`, torchrun,
+or train.py and probes in a fresh interpreter. Every test under `distributed/` carries the
+`distributed` marker, so `pytest -m "not distributed"` runs the unit tests alone. The shared
+harnesses (`multiprocess.py`, `rank_errors.py`, `pipeline_cases.py`, `checkpoint_cases.py`,
+`text_corpus.py`) live beside this file and are importable from both folders; test file names are
+unique across the two folders (pytest imports them by basename).
 """
-
 from __future__ import annotations
 
 import sys

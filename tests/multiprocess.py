@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -52,7 +53,9 @@ def _rank_main(fn: Callable, args: tuple, rank: int, env: dict, results: Any) ->
         import torch
 
         torch.set_num_threads(1)
-        value = fn(*args)
+        # Pickled here, by value: the queue's own pickler would share a tensor's storage through a
+        # file descriptor that the parent fetches from this process, which may have exited by then.
+        value = pickle.dumps(fn(*args))
         results.put((rank, "ok", value))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, "error", traceback.format_exc()))
@@ -145,4 +148,4 @@ def run_on_ranks(
         for r in failed:
             parts.append(f"--- rank {r} raised:\n{outcome[r][1]}")
         raise RankFailure(f"{fn.__name__} on {world_size} ranks failed: " + "\n".join(parts))
-    return [outcome[r][1] for r in range(world_size)]
+    return [pickle.loads(outcome[r][1]) for r in range(world_size)]

@@ -7,7 +7,7 @@ This is what torch.distributed.checkpoint (DCP) writes and reads. Keys:
     optim.param_groups.<fqn>.<key>      a hyperparameter of the parameter's group (lr, betas, ...)
 
 Keys never depend on the layout: a tensor is named after the parameter, never after a stage, a
-rank or an optimizer index (DESIGN.md's pitfall: index-keyed optimizer state collides across pp
+rank or an optimizer index (docs/design.md's pitfall: index-keyed optimizer state collides across pp
 ranks). DCP records each shard's offset in the global tensor, so a key saved by 8 ranks in
 (pp, dp, tp) = (2, 2, 2) loads into any other layout.
 

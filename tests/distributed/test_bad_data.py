@@ -10,14 +10,16 @@ after them, with good data, equals the first step of a freshly built model (fp32
 
 from __future__ import annotations
 
+import functools
+
 import torch
-import torch.distributed as dist
 
 import mesh3d
 from checkpoint_cases import full_state, worst_relative_error
 from examples.llama.model import loss_fn
 from multiprocess import run_on_ranks
 from pipeline_cases import LR, MAX_NORM, TOLERANCE, VOCAB, batches, meta_model, tp_args
+from rank_errors import messages_of
 
 # name -> (the rank that holds the bad batch, or None for all, what the message must say)
 CASES = {
@@ -69,16 +71,12 @@ def _refuse_then_train() -> dict:
     layout = mesh3d.build_mesh(pp=2, dp=1, tp=2)
     pm, optimizer = _build(layout)
     good = batches(4)[0]
-    messages = {}
+    cases = {}
     for name, (holder, _) in CASES.items():
         inputs, targets = _bad(name, *good) if holder in (None, layout.rank) else good
         for call in (pm.step, pm.evaluate):
-            try:
-                call(inputs, targets)
-                messages[(name, call.__name__)] = "no error"
-            except ValueError as error:
-                messages[(name, call.__name__)] = str(error)
-            dist.barrier()
+            cases[(name, call.__name__)] = functools.partial(call, inputs, targets)
+    messages = messages_of(cases)
     after = _one_step(pm, optimizer, *good)
     state = full_state(pm)
     fresh_pm, fresh_optimizer = _build(layout)
@@ -92,6 +90,7 @@ def test_bad_batches_are_refused_on_every_rank():
         for name, (holder, text) in CASES.items():
             for call in ("step", "evaluate"):
                 message = result["messages"][(name, call)]
+                assert message is not None, (rank, name, call, "did not raise")
                 same = message.split(" (found on rank")[0] == results[0]["messages"][(name, call)].split(" (found on rank")[0]
                 assert same, (rank, name, message)
                 assert f"pm.{call}: bad batch: " in message and text in message, (rank, name, message)
@@ -101,18 +100,3 @@ def test_bad_batches_are_refused_on_every_rank():
         assert abs(after - fresh) <= TOLERANCE * abs(fresh), (after, fresh)
         error, at = result["error"]
         assert error <= TOLERANCE, (error, at)
-
-
-def test_batch_problem_in_one_process():
-    """The local verdict alone: what is refused, what passes (no vocabulary declared: shapes only)."""
-    from mesh3d.step.batch_check import batch_problem
-
-    ids = torch.tensor([[1, 2], [3, 63]])
-    assert batch_problem(ids, ids, VOCAB) is None
-    assert batch_problem(ids, torch.tensor([[1, -100], [3, 4]]), VOCAB) is None
-    assert "outside [0, 64) or -100" in batch_problem(ids, torch.tensor([[1, -1], [3, 4]]), VOCAB)
-    assert "input token id 64 at position (1, 1)" in batch_problem(ids + 1, ids, VOCAB)
-    assert batch_problem(ids.float(), ids, None) is None  # no vocabulary: any inputs
-    assert "differ in batch or sequence size" in batch_problem(ids, ids[:, :1], None)
-    assert "differ in batch size" in batch_problem(ids, torch.tensor([1, 2, 3]), None)
-    assert batch_problem(ids, torch.tensor([5, 6]), None) is None  # one label per sample

@@ -8,6 +8,8 @@
 - a checkpoint that does not fit the model or the optimizer is refused on every rank, naming the
   first mismatching parameter, before any tensor is read (a barrier after each proves no hang);
 - bad arguments to save raise on every rank before any collective.
+
+The directory protocol alone (latest, keep_last, a crashed replacement): tests/unit/test_checkpoint_directories.py.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from examples.llama.model import Transformer, loss_fn
 from mesh3d.checkpoint import directories
 from multiprocess import RankFailure, run_on_ranks
 from pipeline_cases import TOLERANCE, tiny_args
+from rank_errors import message_of
 
 # -- a save killed midway ------------------------------------------------------------------------
 
@@ -99,13 +102,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, where):
 
 
 def _error_message(fn) -> str:
-    try:
-        fn()
-    except (ValueError, FileNotFoundError) as error:
-        return str(error)
-    finally:
-        dist.barrier()  # a rank that hung in a collective would never get here: the harness fails the test
-    return "no error"
+    # After the barrier in `raised`: a rank that hung in a collective would never get there, and the harness fails the test.
+    return message_of(fn, (ValueError, FileNotFoundError)) or "no error"
 
 
 def _model(tied: bool, **changes):
@@ -250,40 +248,3 @@ def test_optimizer_state_saved_before_the_first_step_and_mismatched_settings(tmp
     assert "optimizer state tok_embeddings.weight.'momentum_buffer' that this optimizer does not keep" in message
     assert untouched
     assert out["foreach"][0] == "no error" and out["foreach kept"] is True
-
-
-# -- the directory protocol on its own ------------------------------------------------------------
-
-
-def _fake_checkpoint(path: Path, step: int) -> None:
-    path.mkdir(parents=True)
-    (path / ".metadata").write_text("")
-    (path / "train_state.json").write_text(json.dumps({"step": step}))
-
-
-def test_latest_orders_by_step_and_ignores_partial_and_foreign_directories(tmp_path):
-    assert mesh3d.checkpoint.latest(tmp_path / "absent") is None
-    assert mesh3d.checkpoint.latest(tmp_path) is None
-    _fake_checkpoint(tmp_path / "step900", 900)
-    _fake_checkpoint(tmp_path / "step1000", 1000)  # name order would pick step900
-    _fake_checkpoint(tmp_path / ".step2000.partial", 2000)
-    (tmp_path / "notes").mkdir()
-    assert mesh3d.checkpoint.latest(tmp_path) == str(tmp_path / "step1000")
-
-
-def test_keep_last_never_removes_the_checkpoint_just_written(tmp_path):
-    _fake_checkpoint(tmp_path / "step5", 5)
-    _fake_checkpoint(tmp_path / "step9", 9)
-    _fake_checkpoint(tmp_path / "branch", 7)  # written now, after a rollback to an older step
-    removed = directories.prune(tmp_path, 2, keep=tmp_path / "branch")
-    assert [p.name for p in removed] == ["step5"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["branch", "step9"]
-
-
-def test_a_crash_between_the_two_renames_of_a_replacement_is_undone(tmp_path):
-    _fake_checkpoint(tmp_path / ".step5.replaced", 5)  # the old step5, moved aside; the new one never arrived
-    (tmp_path / ".step6.partial").mkdir()
-    partial = directories.prepare(tmp_path / "step7")
-    assert partial == tmp_path / ".step7.partial" and partial.is_dir()
-    assert mesh3d.checkpoint.latest(tmp_path) == str(tmp_path / "step5")
-    assert not (tmp_path / ".step6.partial").exists()

@@ -25,8 +25,10 @@ from mesh3d.train import resume_latest
 from mesh3d.distributed.shards import local_tensor
 from multiprocess import run_on_ranks
 from pipeline_cases import TOLERANCE
+from rank_errors import raised
 
 DAMAGES = ("cut short", "removed", "metadata")
+REFUSED = (ValueError, OSError)  # what a load or save says about a damaged checkpoint, a full disk or a NaN weight
 
 
 def _damage(root: Path, how: str) -> str:
@@ -47,16 +49,6 @@ def _damage(root: Path, how: str) -> str:
     return str(victim)
 
 
-def _error_of(fn) -> BaseException | None:
-    try:
-        fn()
-    except (ValueError, OSError) as error:
-        return error
-    finally:
-        dist.barrier()
-    return None
-
-
 def _faults(root: str) -> dict:
     root = Path(root)
     layout = mesh3d.build_mesh(pp=2, dp=1, tp=1)
@@ -74,7 +66,7 @@ def _faults(root: str) -> dict:
     result = {"victims": victims, "load_errors": [], "resumed": [], "said": [], "errors_vs_step2": []}
     for how in DAMAGES:
         damaged = root / f"damaged {how}"
-        error = _error_of(lambda: mesh3d.checkpoint.load(damaged / "step4", pm, optimizer))
+        error = raised(lambda: mesh3d.checkpoint.load(damaged / "step4", pm, optimizer), REFUSED)
         result["load_errors"].append((type(error).__name__, str(error)))
         said = []
         path, _ = resume_latest(str(damaged), pm, optimizer, say=said.append)
@@ -94,7 +86,7 @@ def _faults(root: str) -> dict:
         original = getattr(module, name)
         if layout.rank == 1:
             setattr(module, name, no_space)
-        error = _error_of(lambda: mesh3d.checkpoint.save(root / "step6", pm, optimizer, step=6))
+        error = raised(lambda: mesh3d.checkpoint.save(root / "step6", pm, optimizer, step=6), REFUSED)
         setattr(module, name, original)
         result["enospc"].append((type(error).__name__, getattr(error, "errno", None), str(error)))
     result["latest_after_enospc"] = mesh3d.checkpoint.latest(root)
@@ -103,7 +95,7 @@ def _faults(root: str) -> dict:
     if layout.rank == 1:
         with torch.no_grad():
             local_tensor(dict(pm.named_parameters())["norm.weight"])[0] = float("nan")
-    error = _error_of(lambda: mesh3d.checkpoint.save(root / "step8", pm, optimizer, step=8))
+    error = raised(lambda: mesh3d.checkpoint.save(root / "step8", pm, optimizer, step=8), REFUSED)
     result["nan"] = (type(error).__name__, str(error))
     result["latest_after_nan"] = mesh3d.checkpoint.latest(root)
     return result

@@ -18,6 +18,7 @@ from examples.llama.model import Transformer, loss_fn
 from mesh3d.pipeline.schedule.ir import Kind
 from multiprocess import run_on_ranks
 from pipeline_cases import SEQ_LEN, batches, meta_model, tp_args
+from rank_errors import assert_raised_on_every_rank, message_of, messages_of
 
 GLOBAL_BATCH = 16
 
@@ -128,24 +129,12 @@ def _bad_configs():
         "ddp with reshard": lambda: mesh3d.parallelize(model(), layout_dp, dp_mode="ddp", reshard_after_forward=True),
         "unknown dp mode": lambda: mesh3d.parallelize(model(), layout_dp, dp_mode="zero3"),
     }
-    messages = {}
-    for name, build in cases.items():
-        try:
-            build()
-            messages[name] = None
-        except ValueError as error:
-            messages[name] = str(error)
-        dist.barrier()
+    messages = messages_of(cases)
     models = {}
     for name, options, seq in (("sequence not divisible", {}, 6), ("loss parallel without sharded output", {"loss_parallel": True}, 8)):
         pm = models[name] = mesh3d.parallelize(model(), layout, loss_fn=loss_fn, **options)
         tokens = torch.zeros(2, seq, dtype=torch.long)
-        try:
-            pm.step(tokens, tokens)
-            messages[name] = None
-        except ValueError as error:
-            messages[name] = str(error)
-        dist.barrier()
+        messages[name] = message_of(lambda: pm.step(tokens, tokens))
     messages["aborted step leaves no trace"] = _aborted_step_leaves_no_trace(layout_dp)
     messages["tie edge cases"] = _tie_edge_cases(layout, mesh3d.build_mesh(pp=1, dp=4, tp=1))
     pm = models["sequence not divisible"]  # the failed step left it usable
@@ -227,12 +216,7 @@ def _tie_edge_cases(layout_tp, layout_dp) -> dict:
     # A state dict whose tied names disagree is refused (on every rank, before any collective).
     state = dict(after)
     state["output.weight"] = state["output.weight"] + 1
-    try:
-        pm.load_full_state_dict(state)
-        out["disagreeing tie"] = None
-    except ValueError as error:
-        out["disagreeing tie"] = str(error)
-    dist.barrier()
+    out["disagreeing tie"] = message_of(lambda: pm.load_full_state_dict(state))
     return out
 
 
@@ -267,9 +251,7 @@ def test_tensor_and_data_errors_on_every_rank_without_hanging():
         # Out-of-vocabulary ids are now refused by the batch check on every rank before any message.
         assert ties["first failure"] == "ValueError", (rank, ties)
         assert "are one tied weight in the model" in (ties["disagreeing tie"] or ""), (rank, ties)
-        for name, expected in EXPECTED.items():
-            assert messages[name] is not None, f"rank {rank}: {name} did not raise"
-            assert expected in messages[name], f"rank {rank}: {name}: {messages[name]}"
+    assert_raised_on_every_rank(per_rank, EXPECTED)
 
 
 SGD_LR = 0.5  # large, plain SGD: a gradient or a stale shard shows in the parameters (Adam would normalize it away)

@@ -3,15 +3,14 @@ start, into buffers kept from one step to the next (p2p.py), and this changes no
 
 The reference is the same model stepping twice on the same batch without an update: the second
 step, which receives into the first step's buffers, must give bit-identical loss and gradients.
+(Off the CPU nothing is posted ahead: tests/unit/test_p2p_mailbox.py.)
 """
 
 import torch
 import torch.distributed as dist
 
 import mesh3d
-from mesh3d.pipeline import p2p
-from mesh3d.pipeline.schedule.catalog import build_schedule
-from mesh3d.pipeline.schedule.ir import Action, Kind
+from mesh3d.pipeline.schedule.ir import Kind
 from multiprocess import run_on_ranks
 from pipeline_cases import batches, meta_model
 
@@ -78,24 +77,3 @@ def test_receives_are_posted_at_step_start_into_buffers_kept_between_steps():
             # One buffer per message slot, the same storage in both steps, and no result changed.
             assert r["buffers"] == (n, n) and r["same_buffers"], (rank, case, r)
             assert r["same_loss"] and r["same_grads"], (rank, case, r)
-
-
-def test_off_cpu_receives_keep_the_lowered_order_and_are_not_held_past_their_use(monkeypatch):
-    """On CUDA (here: any device but the CPU) nothing is posted ahead, no buffer is pooled, and the
-    mailbox drops a received tensor once its compute took it, so it is freed with its last use."""
-    class Done:
-        def wait(self):
-            pass
-
-    monkeypatch.setattr(p2p.dist, "irecv", lambda *args, **kwargs: Done())
-    schedule = build_schedule("1f1b", 2, 2, 1)
-    peers = p2p.PipelinePeers(pp_rank=1, global_ranks=[0, 1], group=None, device=torch.device("meta"))
-    spec = (torch.Size([2, 4]), torch.float32)
-    mailbox = p2p.Mailbox(peers, schedule, [spec, spec], p2p.Traffic(), p2p.ReceiveBuffers())
-    receive = Action(1, Kind.RECV_F, 0, 0)
-    mailbox.post_receives_ahead((receive,))
-    assert mailbox.inbox == {}  # not posted ahead
-    mailbox.post_recv(receive)
-    received = mailbox.take(Kind.F, 1, 0)
-    assert received.shape == spec[0]
-    assert mailbox.inbox == {} and mailbox.posted == {} and mailbox.buffers is None

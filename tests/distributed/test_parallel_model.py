@@ -1,13 +1,13 @@
 """ParallelModel around the schedule: names, whole-model state, evaluation, ties, a CPU-built model."""
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import mesh3d
 from examples.llama.model import Transformer, loss_fn
 from multiprocess import run_on_ranks
 from pipeline_cases import TOLERANCE, batches, meta_model, pipeline_run, reference_run, relative, tiny_args, worst_error
+from rank_errors import assert_raised_on_every_rank, messages_of
 
 
 def _state_and_names(tied):
@@ -143,19 +143,11 @@ def _edge_cases(reference_grads):
     # Errors that only the last stage could see, and autocast, fail on every rank before any message,
     # and leave the accumulated gradients (tied ones included) as they were.
     grads_before = {n: p.grad.clone() for n, p in pm.named_parameters()}
-    errors = {}
-    for name, call in {
+    out["errors"] = messages_of({
         "bad targets": lambda: pm.step(data[0][0], data[0][1][:, :3]),
         "autocast": lambda: _under_autocast(pm, *data[0]),
         "shared block": lambda: mesh3d.parallelize(_shared_block_model(), layout, schedule="gpipe", microbatches=2),
-    }.items():
-        try:
-            call()
-            errors[name] = None
-        except ValueError as error:
-            errors[name] = str(error)
-        dist.barrier()
-    out["errors"] = errors
+    })
     out["grads kept"] = all(p.grad is not None and torch.equal(p.grad, grads_before[n]) for n, p in pm.named_parameters())
 
     # Losses that cannot run on meta tensors are not rejected by the up-front check.
@@ -198,6 +190,13 @@ def _shared_block_model():
     return model
 
 
+EDGE_ERRORS = {
+    "bad targets": "targets of shape (4, 3) differ in batch or sequence size",
+    "autocast": "torch.autocast, which mesh3d does not support yet",
+    "shared block": "module 'layers.7' is also registered as 'layers.0'",
+}
+
+
 def test_edge_cases_on_two_ranks():
     reference = Transformer(tiny_args(True))
     reference.init_weights()
@@ -212,11 +211,8 @@ def test_edge_cases_on_two_ranks():
         for name, no_grad in out["frozen"]:
             frozen = name.startswith(("tok_embeddings", "output", "layers.0.", "layers.1.", "layers.2.", "layers.3."))
             assert no_grad == frozen, (rank, name)
-        errors = out["errors"]
-        assert "targets of shape (4, 3) differ in batch or sequence size" in errors["bad targets"], errors
-        assert "torch.autocast, which mesh3d does not support yet" in errors["autocast"], errors
-        assert "module 'layers.7' is also registered as 'layers.0'" in errors["shared block"], errors
         assert out["distinct init"], rank
         assert out["grads kept"], rank
         assert out["meta-hostile losses"] == [True, True], rank
         assert out["one copy frozen"], rank
+    assert_raised_on_every_rank([out["errors"] for out in per_rank], EDGE_ERRORS)

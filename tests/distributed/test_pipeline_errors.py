@@ -1,17 +1,17 @@
 """Bad pipeline configurations fail with a clear message on every rank, and never hang.
 
-All cases run in one launch of 4 ranks. After each expected error every rank enters a barrier: a
-rank that had started a collective before raising would pair with it and the launch would hang,
-which the harness turns into a failure within seconds.
+All cases run in one launch of 4 ranks, through the errors-on-every-rank harness (rank_errors.py):
+after each expected error every rank enters a barrier, so a rank that had started a collective
+before raising would hang the launch, which the harness turns into a failure within seconds.
 """
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import mesh3d
 from multiprocess import run_on_ranks
 from pipeline_cases import batches, meta_model
+from rank_errors import assert_raised_on_every_rank, message_of, messages_of
 
 
 class NoLayers(nn.Module):
@@ -34,22 +34,9 @@ def _bad_configs():
         "bad layers_per_stage": lambda: mesh3d.parallelize(meta_model(False), layout, schedule="gpipe", layers_per_stage=[4, 4]),
         "different configs on ranks": lambda: mesh3d.parallelize(meta_model(False), layout, schedule="gpipe", microbatches=4 + rank % 2),
     }
-    messages = {}
-    for name, build in cases.items():
-        try:
-            build()
-            messages[name] = None
-        except (ValueError, NotImplementedError) as error:
-            messages[name] = f"{type(error).__name__}: {error}"
-        dist.barrier()
+    messages = messages_of(cases, (ValueError, NotImplementedError))
     pm = mesh3d.parallelize(meta_model(False), layout, schedule="1f1b", microbatches=4)
-    inputs, targets = batches(6)[0]
-    try:
-        pm.step(inputs, targets)
-        messages["batch does not split"] = None
-    except ValueError as error:
-        messages["batch does not split"] = f"{type(error).__name__}: {error}"
-    dist.barrier()
+    messages["batch does not split"] = message_of(lambda: pm.step(*batches(6)[0]))
     inputs, targets = batches(8)[0]
     messages["still works"] = torch.isfinite(pm.step(inputs, targets)).item()
     return messages
@@ -71,9 +58,5 @@ EXPECTED = {
 
 def test_errors_on_every_rank_without_hanging():
     per_rank = run_on_ranks(_bad_configs, 4, timeout=90)
-    for rank, messages in enumerate(per_rank):
-        assert messages.pop("still works") is True
-        for name, expected in EXPECTED.items():
-            assert messages[name] is not None, f"rank {rank}: {name} did not raise"
-            assert messages[name].startswith("ValueError"), (rank, name, messages[name])
-            assert expected in messages[name], f"rank {rank}: {name}: {messages[name]}"
+    assert all(messages.pop("still works") is True for messages in per_rank)
+    assert_raised_on_every_rank(per_rank, EXPECTED)

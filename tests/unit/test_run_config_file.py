@@ -1,0 +1,56 @@
+"""`--config-file run.toml` parsed in this process: flags under their long names with underscores, the
+command line on top, unknown keys refused with the valid ones listed, the effective config read back as the
+same run. (train.py printing and checkpointing it: tests/distributed/test_run_config.py.)"""
+
+import re
+import tomllib
+
+import pytest
+
+from examples.llama.run_config import effective_config_toml
+from examples.llama.train import parse_args
+
+RUN_TOML = """
+global_batch = 32
+steps = 3
+lr = 1e-3
+data = ["a.jsonl", "shards/*.parquet"]
+tied = false
+loss_parallel = true
+schedule = "1f1b"
+"""
+
+
+def test_file_then_command_line(tmp_path):
+    (tmp_path / "run.toml").write_text(RUN_TOML)
+    args = parse_args(["--config-file", str(tmp_path / "run.toml"), "--steps", "5", "--tied", "--data", "b.txt"])
+    assert (args.global_batch, args.lr, args.loss_parallel, args.schedule) == (32, 1e-3, True, "1f1b")
+    assert (args.steps, args.tied, args.data) == (5, True, ["b.txt"])  # the command line wins
+    assert parse_args(["--config-file", str(tmp_path / "run.toml")]).data == ["a.jsonl", "shards/*.parquet"]
+    defaults = parse_args([])
+    assert (defaults.global_batch, defaults.tied, defaults.loss_parallel) == (16, None, False)
+
+
+def test_the_effective_config_reads_back_as_the_same_run(tmp_path):
+    (tmp_path / "run.toml").write_text(RUN_TOML)
+    args = parse_args(["--config-file", str(tmp_path / "run.toml"), "--seed", "4"])
+    saved = effective_config_toml(args)
+    assert tomllib.loads(saved)["seed"] == 4 and "config_file" not in tomllib.loads(saved)
+    (tmp_path / "effective.toml").write_text(saved)
+    assert vars(parse_args(["--config-file", str(tmp_path / "effective.toml")])) == {
+        **vars(args), "config_file": str(tmp_path / "effective.toml")}
+
+
+@pytest.mark.parametrize("toml, message", [
+    ("global_bach = 8", "unknown setting 'global_bach'; valid settings are: .*global_batch"),
+    ("steps = \"many\"", "argument --steps: invalid int value: 'many'"),
+    ("schedule = \"zigzag\"", "argument --schedule: invalid choice: 'zigzag'"),
+    ("loss_parallel = 1", "loss_parallel must be bool"),
+    ("steps = [1, 2]", "steps takes one value"),
+    ("steps = ", "not valid TOML"),
+])
+def test_bad_settings_name_the_problem(tmp_path, capsys, toml, message):
+    (tmp_path / "run.toml").write_text(toml)
+    with pytest.raises(SystemExit):
+        parse_args(["--config-file", str(tmp_path / "run.toml")])
+    assert re.search(message, capsys.readouterr().err)
