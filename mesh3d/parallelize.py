@@ -15,7 +15,9 @@ its axis (torchtitan's parallelize_llama has the same shape):
 5. torch.compile per block (compiled_blocks.py), when asked;
 6. data parallelism per stage (data_parallel/), each stage its own FSDP/DDP root, carrying the
    mixed-precision policy (with dp = 1 too, when a compute dtype is asked for);
-7. the pipeline runtime (pipeline/runtime.py), with the once-per-step gradient sync as its hook.
+7. the pipeline runtime (pipeline/runtime.py), running the two lowered schedules the pipeline
+   config made (training, evaluation), with the once-per-step gradient sync as its hook; and the
+   step's loss (step/global_loss.py), the one holder of the loss function.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ from mesh3d.model.compiled_blocks import compile_blocks, resolve_compile
 from mesh3d.data_parallel import DataParallelConfig, MixedPrecision, apply_data_parallel
 from mesh3d.model.initialize import initialize, make_replicas_identical, to_device
 from mesh3d.model.loss import LossFn, cross_entropy_loss
+from mesh3d.step.global_loss import GlobalLoss
 from mesh3d.mesh import Layout, build_mesh
 from mesh3d.parallel_model import ParallelModel
 from mesh3d.pipeline.config import PipelineConfig
-from mesh3d.pipeline.schedule.lower import lower
 from mesh3d.pipeline.p2p import PipelinePeers
 from mesh3d.pipeline.runtime import PipelineRuntime
 from mesh3d.pipeline.split import Split, find_layers, split_model
@@ -121,7 +123,6 @@ def parallelize(
         activation_checkpoint=activation_checkpoint, layers_per_stage=layers_per_stage,
         stage_balance=stage_balance, end_weight=end_weight,
     )
-    lowered = lower(pipe.schedule)
     _check_same_config_everywhere(f"{pipe} {data} {tensor} compile={compile_backend}")
 
     split = split_model(model, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank))
@@ -144,12 +145,17 @@ def parallelize(
         layout.pp_rank, layout.group_ranks("pp"), layout.group("pp") if layout.pp > 1 else None, layout.device
     )
     runtime = PipelineRuntime(
-        stages, precision.computed(split.meta_stages), lowered, peers, loss_fn or cross_entropy_loss, pipe.activation_checkpoint,
+        stages, precision.computed(split.meta_stages), pipe.training, pipe.evaluation, peers, pipe.activation_checkpoint,
         before_backward=grad_sync.before_backward if grad_sync is not None else None,
         after_weight_backward=grad_sync.after_weight_backward if grad_sync is not None else None,
-        loss_context=loss_context(tensor.loss_parallel),
     )
-    return ParallelModel(layout, runtime, tied, state, pipe.stage_layers, tensor, grad_sync, declared_vocab_size(model))
+    has_last_stage = pipe.schedule.n_stages - 1 in stages
+    loss = GlobalLoss(
+        layout, loss_fn or cross_entropy_loss, loss_context(tensor.loss_parallel), pipe.schedule.microbatches, has_last_stage
+    )
+    return ParallelModel(
+        layout, runtime, loss, tied, state, pipe.stage_layers, tensor, grad_sync, declared_vocab_size(model)
+    )
 
 
 def _resolve_layout(layout: Layout | None, pp: int | None, dp: int | None, tp: int | None) -> Layout:
