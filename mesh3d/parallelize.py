@@ -78,24 +78,31 @@ def parallelize(
             if the model has it) or on CPU (its values are kept). It must follow the model
             protocol: repeated blocks in an nn.ModuleDict `layers` (docs/model_protocol.md).
         layout: from `build_mesh`; or give pp=/dp=/tp= and the mesh is built here.
-        schedule: "gpipe", "1f1b" or "interleaved_1f1b".
-        microbatches: microbatches per step; default pp. 1F1B-type schedules need >= pp.
-        virtual_stages: stages per pp rank; default 2 for interleaved_1f1b when the model has
-            at least 2*pp layers (else 1), and 1 for the other schedules.
+        schedule: the pipeline schedule (docs/pipeline.md#schedules), with its default
+            virtual_stages and the microbatch counts it runs:
+            "gpipe": virtual_stages 1; microbatches any count.
+            "1f1b": virtual_stages 1; microbatches at least pp.
+            "interleaved_1f1b" (default): virtual_stages 2 when the model has at least 2*pp
+                layers, else 1; microbatches at least pp.
+            "zero_bubble" (ZB-H1; interleaved zero bubble with virtual_stages > 1):
+                virtual_stages 1; microbatches at least pp.
+            "zbv": virtual_stages 2 (the only value it takes); microbatches at least pp.
+        microbatches: microbatches per step; default pp.
+        virtual_stages: stages per pp rank; default per schedule, as listed under `schedule`.
         loss_fn: loss_fn(output, target) -> a microbatch's 0-dim mean loss (the step averages the
             microbatch means), or a pair (loss_sum, count) (the step's loss is the sum of every
             loss_sum over the sum of every count, all microbatches and dp ranks: exact with masked
             targets; the count must depend on the target only). Default: next-token cross-entropy
             as such a pair, positions whose target is -100 not counted (docs/numerics.md).
-        activation_checkpoint: "never", "always", or "except_last" (the last microbatch of each
-            step keeps its activations instead of recomputing them).
+        activation_checkpoint: "never" (default), "always", or "except_last" (the last microbatch of
+            each step keeps its activations instead of recomputing them).
         layers_per_stage: explicit layer counts, one per stage (pp * virtual_stages, in stage order).
         stage_balance: "layers" (each layer costs 1) or "params" (each layer costs its parameter
             count), used when layers_per_stage is not given.
         end_weight: with stage_balance="layers", the embedding and the output head each count as
             this many layers (so the first and last stages may get fewer blocks).
-        dp_mode: "fsdp" (FSDP2 `fully_shard` per block and per stage over the dp axis) or "ddp"
-            (full replicas, one gradient all-reduce per stage per step). Unused when dp == 1.
+        dp_mode: "fsdp" (default: FSDP2 `fully_shard` per block and per stage over the dp axis) or
+            "ddp" (full replicas, one gradient all-reduce per stage per step). Unused when dp == 1.
         tp_plan: {module-name pattern (fnmatch over the unsplit model's names): ParallelStyle};
             default the model's `tp_plan` attribute. Unused when tp == 1.
         reshard_after_forward: FSDP only: free gathered parameters after each forward (and gather
