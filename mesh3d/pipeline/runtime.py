@@ -60,7 +60,7 @@ class PipelineRuntime:
         before_backward: called as before_backward(stage, is_last_backward_of_stage) before every
             backward; data parallelism uses it to reduce gradients once, on the last one.
         after_weight_backward: called as after_weight_backward(stage) after a W that started
-            inside the graph (split_backward.py), where data parallelism's autograd hooks do not
+            inside the graph (backward_halves.py), where data parallelism's autograd hooks do not
             reach.
 
     Stages may be tensor-parallel: what crosses a stage boundary is then the local shard of the
