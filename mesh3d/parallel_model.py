@@ -6,12 +6,12 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mesh3d.step.batch_check import agree_on_batch, batch_problem
 from mesh3d.data_parallel import GradientSync
 from mesh3d.step.global_loss import GlobalLoss
 from mesh3d.step.grad_norm import clip_grad_norm_
-from mesh3d.model.loss import IGNORE_INDEX, LossScale
 from mesh3d.mesh import Layout
 from mesh3d.distributed.peer_timeout import located
 from mesh3d.pipeline.boundary import Boundaries
@@ -37,6 +37,7 @@ class ParallelModel:
     Args:
         layout: this rank's Layout.
         runtime: the pipeline runtime over this rank's stages (it holds the schedule).
+        global_loss: the step's loss over the global batch (it holds the loss function).
         tied: the tied weights across stages.
         state: the whole-model state map.
         stage_layers: the layer range of every stage, in stage order.
@@ -49,6 +50,7 @@ class ParallelModel:
         self,
         layout: Layout,
         runtime: PipelineRuntime,
+        global_loss: GlobalLoss,
         tied: TiedWeights,
         state: StateMap,
         stage_layers: list[range],
@@ -66,15 +68,15 @@ class ParallelModel:
         self.tensor_parallel = tensor_parallel
         self.grad_sync = grad_sync
         self.vocab_size = vocab_size
-        self.global_loss = GlobalLoss(layout, runtime)  # kind, count and total of the step's loss
+        self.global_loss = global_loss  # kind, count and total of the step's loss
 
     # -- running ------------------------------------------------------------------------------
 
     def _check(self, inputs: torch.Tensor, targets: torch.Tensor, during: str) -> tuple[Boundaries, str]:
         """Every check of a step or evaluation, on every rank, before any message; the boundary
         shapes and the loss's kind (MEAN or PAIR)."""
-        ignore_index = getattr(self.runtime.loss_fn, "ignore_index", IGNORE_INDEX)
-        agree_on_batch(batch_problem(inputs, targets, self.vocab_size, ignore_index), self.layout.device, during)
+        problem = batch_problem(inputs, targets, self.vocab_size, self.global_loss.ignore_index)
+        agree_on_batch(problem, self.layout.device, during)
         m = self.schedule.microbatches
         if inputs.dim() == 0 or inputs.shape[0] % m != 0:
             raise ValueError(
@@ -89,7 +91,8 @@ class ParallelModel:
             )
         boundaries = self.runtime.check(inputs)
         if self.tensor_parallel.loss_parallel:
-            check_loss_parallel_output(self.runtime.output_placements, self.runtime.output_ndim)
+            output = boundaries.output  # the model's output on meta, as tensor parallelism leaves it
+            check_loss_parallel_output(tuple(output.placements) if isinstance(output, DTensor) else None, output.ndim)
         return boundaries, self.global_loss.kind(boundaries, inputs, targets)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -107,10 +110,10 @@ class ParallelModel:
             return self._step(inputs, targets, boundaries, kind)
 
     def _step(self, inputs: torch.Tensor, targets: torch.Tensor, boundaries: Boundaries, kind: str) -> torch.Tensor:
-        scale = self.global_loss.scale(boundaries, kind, targets)
+        loss = self.global_loss.for_step(boundaries, kind, targets)
         self.tied.set_aside_grads()
         try:
-            totals = self.runtime.run(inputs, targets, boundaries, scale, train=True)
+            totals = self.runtime.run(inputs, targets, boundaries, loss, train=True)
         except BaseException:
             # The step is lost. Drop what data parallelism holds unreduced (zero_grad cannot reach
             # it) and give tied copies back their earlier gradients; .grad may still hold parts of
@@ -121,7 +124,7 @@ class ParallelModel:
             raise
         settle_gradients(self.parameters())
         self.tied.sync_grads()
-        return self.global_loss.total(totals, scale)
+        return self.global_loss.total(totals, loss)
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -129,12 +132,12 @@ class ParallelModel:
         rank: the global token mean for a (loss_sum, count) loss, else the mean of microbatch means."""
         with self._peer_failures("pm.evaluate"):
             boundaries, kind = self._check(inputs, targets, "pm.evaluate")
-        scale = LossScale(kind, divisor=1.0)  # nothing is backpropagated: the values are all that count
+        loss = self.global_loss.for_evaluation(kind)
         modes = {m: m.training for stage in self.stages.values() for m in stage.modules()}
         self.eval()
         try:
             with self._peer_failures("pm.evaluate"):
-                return self.global_loss.total(self.runtime.run(inputs, targets, boundaries, scale, train=False))
+                return self.global_loss.total(self.runtime.run(inputs, targets, boundaries, loss, train=False))
         finally:
             for module, training in modes.items():
                 module.training = training

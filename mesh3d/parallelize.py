@@ -15,7 +15,9 @@ its axis (torchtitan's parallelize_llama has the same shape):
 5. torch.compile per block (compiled_blocks.py), when asked;
 6. data parallelism per stage (data_parallel/), each stage its own FSDP/DDP root, carrying the
    mixed-precision policy (with dp = 1 too, when a compute dtype is asked for);
-7. the pipeline runtime (pipeline/runtime.py), with the once-per-step gradient sync as its hook.
+7. the pipeline runtime (pipeline/runtime.py), running the two lowered schedules the pipeline
+   config made (training, evaluation), with the once-per-step gradient sync as its hook; and the
+   step's loss (step/global_loss.py), the one holder of the loss function.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ from mesh3d.model.compiled_blocks import compile_blocks, resolve_compile
 from mesh3d.data_parallel import DataParallelConfig, MixedPrecision, apply_data_parallel
 from mesh3d.model.initialize import initialize, make_replicas_identical, to_device
 from mesh3d.model.loss import LossFn, cross_entropy_loss
+from mesh3d.step.global_loss import GlobalLoss
 from mesh3d.mesh import Layout, build_mesh
 from mesh3d.parallel_model import ParallelModel
 from mesh3d.pipeline.config import PipelineConfig
-from mesh3d.pipeline.schedule.lower import lower
 from mesh3d.pipeline.p2p import PipelinePeers
 from mesh3d.pipeline.runtime import PipelineRuntime
 from mesh3d.pipeline.split import Split, find_layers, split_model
@@ -77,24 +79,31 @@ def parallelize(
             if the model has it) or on CPU (its values are kept). It must follow the model
             protocol: repeated blocks in an nn.ModuleDict `layers` (docs/model_protocol.md).
         layout: from `build_mesh`; or give pp=/dp=/tp= and the mesh is built here.
-        schedule: "gpipe", "1f1b" or "interleaved_1f1b".
-        microbatches: microbatches per step; default pp. 1F1B-type schedules need >= pp.
-        virtual_stages: stages per pp rank; default 2 for interleaved_1f1b when the model has
-            at least 2*pp layers (else 1), and 1 for the other schedules.
+        schedule: the pipeline schedule (docs/pipeline.md#schedules), with its default
+            virtual_stages and the microbatch counts it runs:
+            "gpipe": virtual_stages 1; microbatches any count.
+            "1f1b": virtual_stages 1; microbatches at least pp.
+            "interleaved_1f1b" (default): virtual_stages 2 when the model has at least 2*pp
+                layers, else 1; microbatches at least pp.
+            "zero_bubble" (ZB-H1; interleaved zero bubble with virtual_stages > 1):
+                virtual_stages 1; microbatches at least pp.
+            "zbv": virtual_stages 2 (the only value it takes); microbatches at least pp.
+        microbatches: microbatches per step; default pp.
+        virtual_stages: stages per pp rank; default per schedule, as listed under `schedule`.
         loss_fn: loss_fn(output, target) -> a microbatch's 0-dim mean loss (the step averages the
             microbatch means), or a pair (loss_sum, count) (the step's loss is the sum of every
             loss_sum over the sum of every count, all microbatches and dp ranks: exact with masked
             targets; the count must depend on the target only). Default: next-token cross-entropy
             as such a pair, positions whose target is -100 not counted (docs/numerics.md).
-        activation_checkpoint: "never", "always", or "except_last" (the last microbatch of each
-            step keeps its activations instead of recomputing them).
+        activation_checkpoint: "never" (default), "always", or "except_last" (the last microbatch of
+            each step keeps its activations instead of recomputing them).
         layers_per_stage: explicit layer counts, one per stage (pp * virtual_stages, in stage order).
         stage_balance: "layers" (each layer costs 1) or "params" (each layer costs its parameter
             count), used when layers_per_stage is not given.
         end_weight: with stage_balance="layers", the embedding and the output head each count as
             this many layers (so the first and last stages may get fewer blocks).
-        dp_mode: "fsdp" (FSDP2 `fully_shard` per block and per stage over the dp axis) or "ddp"
-            (full replicas, one gradient all-reduce per stage per step). Unused when dp == 1.
+        dp_mode: "fsdp" (default: FSDP2 `fully_shard` per block and per stage over the dp axis) or
+            "ddp" (full replicas, one gradient all-reduce per stage per step). Unused when dp == 1.
         tp_plan: {module-name pattern (fnmatch over the unsplit model's names): ParallelStyle};
             default the model's `tp_plan` attribute. Unused when tp == 1.
         reshard_after_forward: FSDP only: free gathered parameters after each forward (and gather
@@ -126,7 +135,6 @@ def parallelize(
         activation_checkpoint=activation_checkpoint, layers_per_stage=layers_per_stage,
         stage_balance=stage_balance, end_weight=end_weight,
     )
-    lowered = lower(pipe.schedule)
     _check_same_config_everywhere(f"{pipe} {data} {tensor} compile={compile_backend}")
 
     split = split_model(model, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank))
@@ -149,12 +157,17 @@ def parallelize(
         layout.pp_rank, layout.group_ranks("pp"), layout.group("pp") if layout.pp > 1 else None, layout.device
     )
     runtime = PipelineRuntime(
-        stages, precision.computed(split.meta_stages), lowered, peers, loss_fn or cross_entropy_loss, pipe.activation_checkpoint,
+        stages, precision.computed(split.meta_stages), pipe.training, pipe.evaluation, peers, pipe.activation_checkpoint,
         before_backward=grad_sync.before_backward if grad_sync is not None else None,
         after_weight_backward=grad_sync.after_weight_backward if grad_sync is not None else None,
-        loss_context=loss_context(tensor.loss_parallel),
     )
-    return ParallelModel(layout, runtime, tied, state, pipe.stage_layers, tensor, grad_sync, declared_vocab_size(model))
+    has_last_stage = pipe.schedule.n_stages - 1 in stages
+    loss = GlobalLoss(
+        layout, loss_fn or cross_entropy_loss, loss_context(tensor.loss_parallel), pipe.schedule.microbatches, has_last_stage
+    )
+    return ParallelModel(
+        layout, runtime, loss, tied, state, pipe.stage_layers, tensor, grad_sync, declared_vocab_size(model)
+    )
 
 
 def _resolve_layout(layout: Layout | None, pp: int | None, dp: int | None, tp: int | None) -> Layout:

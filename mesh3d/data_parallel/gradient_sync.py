@@ -55,7 +55,8 @@ class GradientSync:
         reshards and clears the per-iteration state, but keeps the unreduced gradients earlier
         backwards of the step accumulated on the unsharded parameters; the next step's last
         backward would reduce them too, and `zero_grad` does not reach them. They are cleared
-        here through FSDP's internals (torch is pinned to 2.13 in pyproject.toml; tests/test_composition.py checks it).
+        here through FSDP's internals (no public API reaches them; tests/distributed/test_composition.py
+        fails if a torch version changes them, and docs/testing.md lists the versions it passed on).
         """
         self.end_forward_only()
         for stage in self.stages.values():

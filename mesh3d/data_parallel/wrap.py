@@ -71,6 +71,16 @@ def apply_data_parallel(stages: dict[int, nn.Module], layout: Layout, config: Da
     if config.mode == "fsdp":
         wrap = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=config.reshard_after_forward)
     else:
+        # A private import, on purpose: no public torch API (2.13) gives DDP with what the rest of
+        # mesh3d uses. This `replicate` is FSDP2's machinery without sharding, so DDP gets the same
+        # MixedPrecisionPolicy, set_requires_gradient_sync / set_is_last_backward, the state that
+        # GradientSync.after_weight_backward finishes after a split backward's W, and
+        # reset_iter_state after a failed step. torch.nn.parallel.DistributedDataParallel has none
+        # of these (no_sync() only, no public mixed-precision policy) and takes tp's DTensor
+        # parameters only after the private `_pre_dp_module_transform`; the public fully_shard(..., dp_mesh_dims=DataParallelMeshDims(
+        # replicate="dp")) refuses plain parameters ("must be DTensors on the full SPMD mesh"),
+        # and mesh3d's are plain (tp = 1) or DTensors on the tp mesh. The DDP parity cases in
+        # tests/distributed/test_composition_parity.py fail if this import moves or changes.
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         wrap = functools.partial(replicate, mesh=mesh)

@@ -1,7 +1,8 @@
 """parallelize's pipeline arguments, checked and resolved before anything is built.
 
 Pure arithmetic on sizes and the (meta) model, so every rank raises the same error before any
-collective.
+collective. The schedule is checked once (by the catalog, as it is built) and lowered here, for
+training and for evaluation, so the runtime is handed both lists ready to run.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from mesh3d.pipeline.schedule.catalog import SCHEDULES, build_schedule, check_schedule_config
+from mesh3d.pipeline.schedule.catalog import build_schedule, default_microbatches, default_virtual_stages
 from mesh3d.pipeline.schedule.ir import Schedule
+from mesh3d.pipeline.schedule.lower import LoweredSchedule, lower
 from mesh3d.pipeline.split import find_layers, stage_layer_ranges
 
 ACTIVATION_CHECKPOINT_MODES = ("never", "always", "except_last")
@@ -20,11 +22,18 @@ ACTIVATION_CHECKPOINT_MODES = ("never", "always", "except_last")
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """The schedule (compute IR), the layers of every stage, and the activation checkpointing mode."""
+    """The schedule lowered for training and for evaluation (forwards only), the layers of every
+    stage, and the activation checkpointing mode."""
 
-    schedule: Schedule
+    training: LoweredSchedule
+    evaluation: LoweredSchedule
     stage_layers: list[range]
     activation_checkpoint: str
+
+    @property
+    def schedule(self) -> Schedule:
+        """The training schedule's compute IR (sizes, stage placement)."""
+        return self.training.schedule
 
     @classmethod
     def resolve(
@@ -40,24 +49,20 @@ class PipelineConfig:
         stage_balance: str,
         end_weight: float,
     ) -> PipelineConfig:
-        """Defaults: microbatches = pp; virtual_stages = 1 for zero_bubble (ZB-H1), 2 for zbv, and for
-        interleaved_1f1b 2 when the model has at least 2*pp layers, else 1."""
+        """Defaults from the catalog (schedule/catalog.py): microbatches = pp; virtual_stages as
+        each schedule's `virtual_stages_rule` says."""
         layers = find_layers(model)
         if microbatches is None:
-            microbatches = pp
+            microbatches = default_microbatches(pp)
         if virtual_stages is None:
-            spec = SCHEDULES.get(schedule)
-            if spec is not None and spec.default_virtual_stages is not None:
-                virtual_stages = spec.default_virtual_stages
-            else:
-                virtual_stages = 2 if spec is not None and spec.multi_stage and len(layers) >= 2 * pp else 1
-        check_schedule_config(schedule, pp, microbatches, virtual_stages)
+            virtual_stages = default_virtual_stages(schedule, pp, len(layers))
+        built = build_schedule(schedule, pp, microbatches, virtual_stages)  # checks the sizes
         if activation_checkpoint not in ACTIVATION_CHECKPOINT_MODES:
             raise ValueError(
                 f"activation_checkpoint={activation_checkpoint!r}; choose one of {list(ACTIVATION_CHECKPOINT_MODES)}"
             )
         ranges = stage_layer_ranges(model, pp * virtual_stages, stage_balance, end_weight, layers_per_stage)
-        return cls(build_schedule(schedule, pp, microbatches, virtual_stages), ranges, activation_checkpoint)
+        return cls(lower(built), lower(built.forward_only()), ranges, activation_checkpoint)
 
     def __str__(self) -> str:
         s = self.schedule

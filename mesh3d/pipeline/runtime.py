@@ -1,7 +1,7 @@
 """The interpreter: runs one rank's lowered action list on real tensors.
 
 Per step it splits the batch into microbatches, and for each action: F runs a stage (the last
-stage adds the loss, scaled as the step's LossScale says: by 1/m, or by the global count) and
+stage adds the loss the step hands it, already scaled: by 1/m, or by the global count) and
 keeps what its backward needs; B runs the stage's
 backward with the received output gradient; RECV and SEND go to the step's mailbox (p2p.py),
 which posts receives early and hands tensors between stages of this rank in memory.
@@ -13,18 +13,29 @@ import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from mesh3d.model.loss import LossFn, LossScale
 from mesh3d.pipeline.boundary import Boundaries, BoundaryShapes
-from mesh3d.pipeline.schedule.lower import LoweredSchedule, lower
+from mesh3d.pipeline.schedule.lower import LoweredSchedule
 from mesh3d.pipeline.p2p import Mailbox, PipelinePeers, ReceiveBuffers, Traffic
 from mesh3d.pipeline.schedule.ir import RELEASES, Action, Kind
 from mesh3d.pipeline.backward_halves import PendingWeightGrad, backward_input, backward_weight
+
+
+class MicrobatchLoss(Protocol):
+    """The last stage's loss for one step or evaluation, handed to `run` by the step
+    (step/global_loss.py builds it from the user's loss_fn and the step's scale)."""
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss value to report, the count it stands for, the scaled tensor to backpropagate)."""
+
+    def context(self) -> AbstractContextManager:
+        """The context the loss's backward runs in (tensor parallelism's loss_parallel)."""
+
 
 @dataclass
 class RuntimeCounters(Traffic):
@@ -41,17 +52,16 @@ class PipelineRuntime:
     Args:
         stages: this rank's stage modules, by stage index.
         meta_stages: every stage of the model on the meta device, used to learn boundary shapes.
-        lowered: the lowered schedule (every rank's list; this runtime runs `peers.pp_rank`'s).
+        training: the lowered schedule of a training step (every rank's list; this runtime runs
+            `peers.pp_rank`'s).
+        evaluation: the same schedule's forwards only, lowered (pipeline/config.py lowers both).
         peers: this rank's pp group.
-        loss_fn: loss_fn(output, target) -> a microbatch's mean loss, or (loss_sum, count) (see loss.py).
         activation_checkpoint: "never", "always" or "except_last" (the last microbatch is kept).
         before_backward: called as before_backward(stage, is_last_backward_of_stage) before every
             backward; data parallelism uses it to reduce gradients once, on the last one.
         after_weight_backward: called as after_weight_backward(stage) after a W that started
-            inside the graph (split_backward.py), where data parallelism's autograd hooks do not
+            inside the graph (backward_halves.py), where data parallelism's autograd hooks do not
             reach.
-        loss_context: a factory of the context the last stage's loss and its backward run in
-            (tensor parallelism's loss_parallel).
 
     Stages may be tensor-parallel: what crosses a stage boundary is then the local shard of the
     activation (with sequence parallel, 1/tp of it), and the meta stages carry the same plan, so
@@ -62,32 +72,27 @@ class PipelineRuntime:
         self,
         stages: dict[int, nn.Module],
         meta_stages: list[nn.Module],
-        lowered: LoweredSchedule,
+        training: LoweredSchedule,
+        evaluation: LoweredSchedule,
         peers: PipelinePeers,
-        loss_fn: LossFn,
         activation_checkpoint: str = "never",
         before_backward: Callable[[int, bool], None] | None = None,
         after_weight_backward: Callable[[int], None] | None = None,
-        loss_context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
     ):
         self.stages = stages
         self.boundaries = BoundaryShapes(meta_stages)
         self.peers = peers
         self.device = peers.device
-        self.loss_fn = loss_fn
         self.activation_checkpoint = activation_checkpoint
         self.before_backward = before_backward
         self.after_weight_backward = after_weight_backward
-        self.loss_context = loss_context
-        self.schedule = lowered.schedule
+        self.schedule = training.schedule
         self.n_stages = self.schedule.n_stages
         self.microbatches = self.schedule.microbatches
-        self.train_actions = lowered.actions[peers.pp_rank]
-        self.eval_actions = lower(self.schedule.forward_only()).actions[peers.pp_rank]
+        self.train_actions = training.actions[peers.pp_rank]
+        self.eval_actions = evaluation.actions[peers.pp_rank]
         self.counters = RuntimeCounters()  # of the last training step
         self.receive_buffers = ReceiveBuffers()  # kept between steps on CPU (p2p.py)
-        self.output_placements = None  # the model output's DTensor placements (tensor parallel), from the meta run
-        self.output_ndim = 0
         last_backward = {}  # per stage, its last action that finishes weight gradients (B, or W)
         for index, action in enumerate(self.train_actions):
             if action.kind in RELEASES:
@@ -97,15 +102,11 @@ class PipelineRuntime:
         # and the graph it builds serves both halves (torch's checkpoint would recompute per pass).
         self.split_backward = self.schedule.splits_backward
 
-    @property
-    def has_last_stage(self) -> bool:
-        """Whether this rank computes the loss."""
-        return self.n_stages - 1 in self.stages
-
     def check(self, inputs: torch.Tensor) -> Boundaries:
         """Everything about the stages that can fail before the first message, on every rank;
-        returns the boundary shapes. Call once per step, before `run`: it runs the stages on meta
-        tensors (once per input shape)."""
+        returns the boundary shapes, the model's output on meta among them, for the step to hand
+        on. Call once per step, before `run`: it runs the stages on meta tensors (once per input
+        shape)."""
         if torch.is_autocast_enabled(self.device.type):
             raise ValueError(
                 "pm.step/evaluate ran under torch.autocast, which mesh3d does not support yet: stage-boundary "
@@ -114,14 +115,16 @@ class PipelineRuntime:
             )
         m = self.microbatches
         microbatch = inputs[: len(inputs) // m]
-        boundaries = self.boundaries.of(microbatch)
-        output = boundaries.output
-        self.output_placements = tuple(output.placements) if isinstance(output, DTensor) else None
-        self.output_ndim = output.ndim
-        return boundaries
+        return self.boundaries.of(microbatch)
 
     def run(
-        self, inputs: torch.Tensor, targets: torch.Tensor | None, boundaries: Boundaries, scale: LossScale, *, train: bool
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor | None,
+        boundaries: Boundaries,
+        loss: MicrobatchLoss,
+        *,
+        train: bool,
     ) -> torch.Tensor:
         """Run every microbatch through this rank's actions (after `check`, which gave `boundaries`).
 
@@ -134,7 +137,7 @@ class PipelineRuntime:
         if train:
             self.counters = counters  # an evaluation does not replace the last step's figures
         mailbox = Mailbox(self.peers, self.schedule, boundaries.specs, counters, self.receive_buffers)
-        step = _Step(self, input_chunks, target_chunks, mailbox, scale, train, counters)
+        step = _Step(self, input_chunks, target_chunks, mailbox, loss, train, counters)
         actions = self.train_actions if train else self.eval_actions
         mailbox.post_receives_ahead(actions)
         for index, action in enumerate(actions):
@@ -145,14 +148,14 @@ class PipelineRuntime:
 class _Step:
     """The state of one step: the mailbox, what backwards need, losses."""
 
-    def __init__(self, runtime: PipelineRuntime, input_chunks, target_chunks, mailbox: Mailbox, scale: LossScale,
+    def __init__(self, runtime: PipelineRuntime, input_chunks, target_chunks, mailbox: Mailbox, loss: MicrobatchLoss,
                  train: bool, counters: RuntimeCounters):
         self.rt = runtime
         self.counters = counters
         self.inputs = input_chunks
         self.targets = target_chunks
         self.mailbox = mailbox
-        self.scale = scale
+        self.loss = loss
         self.train = train
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # from I, for its W: a PendingWeightGrad, or (output, output gradient) for a whole backward
@@ -196,7 +199,7 @@ class _Step:
             else:
                 out = module(x)
             if last:
-                value, count, out = self._loss(out, mb)
+                value, count, out = self.loss(out, self.targets[mb])
                 self.losses.append(value)
                 self.counts.append(count)
         if self.train:
@@ -206,19 +209,12 @@ class _Step:
         if not last:
             self.mailbox.put(Kind.F, stage, stage + 1, mb, out.detach())
 
-    def _loss(self, out: torch.Tensor, mb: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(value, count, what to backpropagate): scaled before backward, so gradients accumulate
-        to those of the global loss."""
-        with self.rt.loss_context():
-            result = self.rt.loss_fn(out, self.targets[mb])
-        return self.scale.apply(result)
-
     def _recompute(self, stage: int, mb: int, x: torch.Tensor) -> torch.Tensor:
         """The forward again, with the RNG as the first time, now building the graph I and W use."""
         with _restored_rng(self.rng_states.pop((stage, mb)), self.rt.device), torch.enable_grad():
             out = self.rt.stages[stage](x)
             if stage == self.rt.n_stages - 1:
-                out = self._loss(out, mb)[2]
+                out = self.loss(out, self.targets[mb])[2]
         return out
 
     def backward(self, stage: int, mb: int, is_last_backward: bool) -> None:
@@ -228,7 +224,7 @@ class _Step:
             rt.before_backward(stage, is_last_backward)
         grad = None if stage == rt.n_stages - 1 else self.mailbox.take(Kind.B, stage, mb)
         if out.requires_grad:  # a stage with everything frozen up to here has nothing to do
-            with rt.loss_context() if grad is None else contextlib.nullcontext():
+            with self.loss.context() if grad is None else contextlib.nullcontext():
                 torch.autograd.backward(out, grad)
         self.counters.live_activations -= 1
         if stage > 0:
@@ -249,7 +245,7 @@ class _Step:
         grad = None if stage == rt.n_stages - 1 else self.mailbox.take(Kind.B, stage, mb)
         pending = None
         if stage > 0 and out.requires_grad and x.requires_grad:
-            with rt.loss_context() if grad is None else contextlib.nullcontext():
+            with self.loss.context() if grad is None else contextlib.nullcontext():
                 input_grad, pending = backward_input(out, grad, x)
         elif stage > 0:
             input_grad = torch.zeros_like(x)  # nothing before this stage can change its output
@@ -264,14 +260,14 @@ class _Step:
         if rt.before_backward is not None:
             rt.before_backward(stage, is_last_backward)
         if isinstance(pending, PendingWeightGrad):
-            with rt.loss_context():
+            with self.loss.context():
                 backward_weight(pending)
             if rt.after_weight_backward is not None:
                 rt.after_weight_backward(stage)
         else:  # a whole backward: the hooks of data parallelism run inside it as in B
             out, grad = pending
             if out.requires_grad:
-                with rt.loss_context() if grad is None else contextlib.nullcontext():
+                with self.loss.context() if grad is None else contextlib.nullcontext():
                     torch.autograd.backward(out, grad)
         self.counters.live_activations -= 1
 

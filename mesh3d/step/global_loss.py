@@ -2,7 +2,8 @@
 loss is scaled before its backward, and the value every rank returns after the step.
 
 The loss contract itself (a mean or a (loss_sum, count) pair, the default loss) is in loss.py.
-Here, per step:
+`parallelize` hands the loss function here, and only here; the pipeline runtime gets it back for
+one step at a time, wrapped with that step's scale (`ScaledLoss`). Per step:
 
 1. the kind: from a meta run of the loss on every rank (no communication); a loss that cannot
    run on meta tensors is called once, on the last stage's real targets and a zero output, and
@@ -17,36 +18,82 @@ Here, per step:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from mesh3d.distributed.agree import gather_or_raise
-from mesh3d.model.loss import MEAN, PAIR, LossScale, check_loss_on_meta, probe_counts, probe_kind
+from mesh3d.model.loss import (
+    IGNORE_INDEX, MEAN, PAIR, LossFn, LossScale, check_loss_on_meta, probe_counts, probe_kind,
+)
 from mesh3d.mesh import Layout
 from mesh3d.pipeline.boundary import Boundaries
-from mesh3d.pipeline.runtime import PipelineRuntime
+
+
+@dataclass(frozen=True)
+class ScaledLoss:
+    """The loss of one step or evaluation as the last stage computes it (the pipeline runtime's
+    MicrobatchLoss): loss_fn under its context, scaled before backward so that gradients
+    accumulate to those of the global loss."""
+
+    loss_fn: LossFn
+    context: Callable[[], AbstractContextManager]
+    scale: LossScale
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        with self.context():
+            result = self.loss_fn(output, target)
+        return self.scale.apply(result)
 
 
 class GlobalLoss:
-    """The loss side of a ParallelModel's steps (see the module docstring)."""
+    """The loss side of a ParallelModel's steps (see the module docstring).
 
-    def __init__(self, layout: Layout, runtime: PipelineRuntime):
+    Args:
+        layout: this rank's Layout.
+        loss_fn: the user's loss (or the default), see loss.py.
+        loss_context: a factory of the context the loss and its backward run in (tensor
+            parallelism's loss_parallel).
+        microbatches: microbatches per step.
+        has_last_stage: whether this rank holds the last stage (computes the loss).
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        loss_fn: LossFn,
+        loss_context: Callable[[], AbstractContextManager],
+        microbatches: int,
+        has_last_stage: bool,
+    ):
         self.layout = layout
-        self.runtime = runtime
+        self.loss_fn = loss_fn
+        self.loss_context = loss_context
+        self.microbatches = microbatches
+        self.has_last_stage = has_last_stage
         self._kinds: dict[tuple, str] = {}  # by microbatch input and target shapes and dtypes
+
+    @property
+    def ignore_index(self) -> int:
+        """The target value the loss does not count (the loss's own `ignore_index`, else -100)."""
+        return getattr(self.loss_fn, "ignore_index", IGNORE_INDEX)
 
     def kind(self, boundaries: Boundaries, inputs: torch.Tensor, targets: torch.Tensor) -> str:
         """MEAN or PAIR, the same on every rank; a loss whose result is neither raises on every rank."""
-        rt, m = self.runtime, self.runtime.microbatches
+        m = self.microbatches
         microbatch, target = inputs[: len(inputs) // m], targets[: len(targets) // m]
         key = (tuple(microbatch.shape), microbatch.dtype, tuple(target.shape), target.dtype)
         if key not in self._kinds:
-            kind = check_loss_on_meta(rt.loss_fn, boundaries.output, target, rt.loss_context)
+            kind = check_loss_on_meta(self.loss_fn, boundaries.output, target, self.loss_context)
             if kind is None:  # cannot run on meta: ask the last stage, which holds the real output's layout
                 found, error = None, None
-                if rt.has_last_stage:
+                if self.has_last_stage:
                     try:
-                        found = probe_kind(rt.loss_fn, boundaries.output, target.to(self.layout.device), rt.loss_context)
+                        device_target = target.to(self.layout.device)
+                        found = probe_kind(self.loss_fn, boundaries.output, device_target, self.loss_context)
                     except Exception as failure:  # noqa: BLE001 - every rank must raise it, not only this one
                         error = f"loss_fn failed before the step on the last stage: {type(failure).__name__}: {failure}"
                 kinds = {k for k in gather_or_raise(found, error) if k is not None}
@@ -54,30 +101,39 @@ class GlobalLoss:
             self._kinds[key] = kind
         return self._kinds[key]
 
-    def scale(self, boundaries: Boundaries, kind: str, targets: torch.Tensor) -> LossScale:
-        """How the last stage scales each microbatch's loss in a training step: by 1/m for a mean
+    def for_step(self, boundaries: Boundaries, kind: str, targets: torch.Tensor) -> ScaledLoss:
+        """The loss of a training step, as the last stage computes it: scaled by 1/m for a mean
         loss; for a pair loss by the global count, found here before the first backward."""
-        rt, m = self.runtime, self.runtime.microbatches
+        return ScaledLoss(self.loss_fn, self.loss_context, self._scale(boundaries, kind, targets))
+
+    def for_evaluation(self, kind: str) -> ScaledLoss:
+        """The loss of a forward-only pass: nothing is backpropagated, the values are all that count."""
+        return ScaledLoss(self.loss_fn, self.loss_context, LossScale(kind, divisor=1.0))
+
+    def _scale(self, boundaries: Boundaries, kind: str, targets: torch.Tensor) -> LossScale:
+        m = self.microbatches
         if kind == MEAN:
             return LossScale(MEAN, float(m))
-        if not rt.has_last_stage:
+        if not self.has_last_stage:
             return LossScale(PAIR, 0.0)  # never applied here
         chunks = targets.to(self.layout.device).chunk(m)
-        local = torch.stack(probe_counts(rt.loss_fn, boundaries.output, chunks, rt.loss_context)).sum()
+        local = torch.stack(probe_counts(self.loss_fn, boundaries.output, chunks, self.loss_context)).sum()
         both = torch.stack([local, local]).long()  # [this rank's, the global] count
         if self.layout.dp > 1:
             dist.all_reduce(both[1:], group=self.layout.group("dp"))
         mine, total = both.tolist()  # the step's one host sync for the count
         return LossScale(PAIR, total / self.layout.dp, mine)
 
-    def total(self, totals: torch.Tensor, scale: LossScale | None = None) -> torch.Tensor:
+    def total(self, totals: torch.Tensor, loss: ScaledLoss | None = None) -> torch.Tensor:
         """Every rank's [loss values, counts] summed over the world: the global loss, on every rank.
 
         Only last-stage ranks at tp rank 0 contribute (the other tp ranks hold the same values).
-        A pair loss whose counts during the step differ from those found before it (a count that
-        depends on the output) is an error on every rank: the gradients were scaled wrongly.
+        Given the step's `loss`, a pair loss whose counts during the step differ from those found
+        before it (a count that depends on the output) is an error on every rank: the gradients
+        were scaled wrongly.
         """
         mine = totals.detach() if self.layout.tp_rank == 0 else torch.zeros_like(totals)
+        scale = loss.scale if loss is not None else None
         recount = scale is not None and scale.kind == PAIR and bool(totals[1] != scale.expected_count)
         everything = torch.cat([mine, torch.tensor([float(recount)], dtype=mine.dtype, device=mine.device)])
         if self.layout.world_size > 1:

@@ -1,4 +1,8 @@
-"""The named schedules `parallelize` and `simulate` accept, and the checks on their sizes."""
+"""The named schedules `parallelize` and `simulate` accept, their defaults, and the checks on their sizes.
+
+This is the one list of schedules: `parallelize`'s docstring, docs/pipeline.md and docs/training.md
+name the same ones with the rules below (tests/unit/test_documented_lists.py holds them to it).
+"""
 
 from __future__ import annotations
 
@@ -9,24 +13,58 @@ from mesh3d.pipeline.schedule.generators import gpipe, interleaved_one_f_one_b, 
 from mesh3d.pipeline.schedule.ir import Schedule
 from mesh3d.pipeline.schedule.zero_bubble import zero_bubble, zero_bubble_v
 
+DEFAULT_MICROBATCHES = "pp"  # how the docs say it: microbatches=None means one per pp rank
+
 
 @dataclass(frozen=True)
 class ScheduleSpec:
     generator: Callable[[int, int, int], Schedule]
     multi_stage: bool  # may hold more than one stage per rank (virtual_stages > 1)
     needs_pp_microbatches: bool  # deadlocks or idles with fewer microbatches than pp
-    default_virtual_stages: int | None = None  # None: 2 for a multi-stage schedule when the model is deep enough
+    default_virtual_stages: int | None  # None: 2 when the model has at least 2*pp layers, else 1
     fixed_virtual_stages: int | None = None  # the only virtual_stages it takes (zbv: its V needs exactly 2)
+
+    @property
+    def virtual_stages_rule(self) -> str:
+        """The default virtual_stages, as the docs state it."""
+        if self.default_virtual_stages is None:
+            return "2 when the model has at least 2*pp layers, else 1"
+        if self.fixed_virtual_stages is not None:
+            return f"{self.fixed_virtual_stages} (the only value it takes)"
+        return str(self.default_virtual_stages)
+
+    @property
+    def microbatches_rule(self) -> str:
+        """Which microbatch counts it runs, as the docs state it."""
+        return "at least pp" if self.needs_pp_microbatches else "any count"
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
-    "gpipe": ScheduleSpec(gpipe, multi_stage=False, needs_pp_microbatches=False),
-    "1f1b": ScheduleSpec(one_f_one_b, multi_stage=False, needs_pp_microbatches=True),
-    "interleaved_1f1b": ScheduleSpec(interleaved_one_f_one_b, multi_stage=True, needs_pp_microbatches=True),
+    "gpipe": ScheduleSpec(gpipe, multi_stage=False, needs_pp_microbatches=False, default_virtual_stages=1),
+    "1f1b": ScheduleSpec(one_f_one_b, multi_stage=False, needs_pp_microbatches=True, default_virtual_stages=1),
+    "interleaved_1f1b": ScheduleSpec(
+        interleaved_one_f_one_b, multi_stage=True, needs_pp_microbatches=True, default_virtual_stages=None
+    ),
     "zero_bubble": ScheduleSpec(zero_bubble, multi_stage=True, needs_pp_microbatches=True, default_virtual_stages=1),
     "zbv": ScheduleSpec(zero_bubble_v, multi_stage=True, needs_pp_microbatches=True, default_virtual_stages=2,
                         fixed_virtual_stages=2),
 }
+
+
+def default_microbatches(pp: int) -> int:
+    """microbatches when none is given: one per pp rank (DEFAULT_MICROBATCHES)."""
+    return pp
+
+
+def default_virtual_stages(schedule: str, pp: int, n_layers: int) -> int:
+    """virtual_stages when none is given (ScheduleSpec.virtual_stages_rule); 1 for an unknown
+    schedule, which check_schedule_config then names."""
+    spec = SCHEDULES.get(schedule)
+    if spec is None:
+        return 1
+    if spec.default_virtual_stages is not None:
+        return spec.default_virtual_stages
+    return 2 if n_layers >= 2 * pp else 1
 
 
 def check_schedule_config(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> None:
