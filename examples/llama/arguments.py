@@ -7,6 +7,7 @@ finds the same problem): under torchrun the message appears once, not once per p
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 from typing import NoReturn
@@ -17,6 +18,11 @@ import mesh3d
 from examples.llama.config import CONFIGS
 from examples.llama.run_config import config_file_argv
 from examples.llama.tensorboard_log import tensorboard_available
+from mesh3d.data_parallel import DP_MODES
+from mesh3d.pipeline.config import ACTIVATION_CHECKPOINT_MODES
+
+# The library's defaults, so the flags cannot drift from parallelize's signature.
+LIBRARY_DEFAULTS = {name: p.default for name, p in inspect.signature(mesh3d.parallelize).parameters.items()}
 
 PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -42,11 +48,12 @@ def build_parser(description: str | None = None) -> Parser:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     p.add_argument("--dp", type=int, default=-1, help="data-parallel degree (-1: the rest of the world)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (consecutive ranks, one node)")
-    p.add_argument("--schedule", default="interleaved_1f1b", choices=sorted(mesh3d.pipeline.SCHEDULES))
+    p.add_argument("--schedule", default=LIBRARY_DEFAULTS["schedule"], choices=sorted(mesh3d.pipeline.SCHEDULES))
     p.add_argument("--microbatches", type=int, default=None, help="per step and dp rank (default: pp)")
     p.add_argument("--virtual-stages", type=int, default=None, help="stages per pp rank (interleaved default: 2)")
-    p.add_argument("--dp-mode", default="fsdp", choices=["fsdp", "ddp"])
-    p.add_argument("--activation-checkpoint", default="never", choices=["never", "always", "except_last"])
+    p.add_argument("--dp-mode", default=LIBRARY_DEFAULTS["dp_mode"], choices=list(DP_MODES))
+    p.add_argument("--activation-checkpoint", default=LIBRARY_DEFAULTS["activation_checkpoint"],
+                   choices=list(ACTIVATION_CHECKPOINT_MODES))
     p.add_argument("--loss-parallel", action="store_true", help="keep logits vocab-sharded over tp for the loss")
     p.add_argument("--param-dtype", default="fp32", choices=sorted(PARAM_DTYPES),
                    help="compute dtype; bf16 keeps fp32 master weights, reduces gradients in fp32")
