@@ -90,7 +90,7 @@ def main() -> None:
           f"activation_checkpoint={args.activation_checkpoint}, gloo on CPU")
     for schedule, v in SCHEDULES:
         step_time = max(r[schedule][0] for r in per_rank)
-        bubble = mesh3d.pipeline.schedule.simulate(schedule, args.pp, args.microbatches, v).bubble_fraction
+        bubble = mesh3d.pipeline.simulate(schedule, args.pp, args.microbatches, v).bubble_fraction
         peaks = [r[schedule][1] for r in per_rank]
         saved = [f"{r[schedule][2] / 2**20:.1f}" for r in per_rank]
         print(

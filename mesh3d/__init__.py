@@ -1,10 +1,10 @@
 """mesh3d: train LLaMA-style models with pipeline x data x tensor (3D) parallelism on plain PyTorch."""
 
-from mesh3d import checkpoint, data, pipeline
+from mesh3d import checkpoint, data, pipeline, train
 from mesh3d.mesh import Layout, build_mesh
 from mesh3d.parallel_model import ParallelModel
 from mesh3d.parallelize import parallelize
 from mesh3d.distributed.peer_timeout import PeerTimeout
 
-__all__ = ["Layout", "ParallelModel", "PeerTimeout", "build_mesh", "checkpoint", "data", "parallelize", "pipeline"]
+__all__ = ["Layout", "ParallelModel", "PeerTimeout", "build_mesh", "checkpoint", "data", "parallelize", "pipeline", "train"]
 __version__ = "0.1.0"

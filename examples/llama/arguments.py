@@ -50,7 +50,7 @@ def build_parser(description: str | None = None) -> Parser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (consecutive ranks, one node)")
     p.add_argument("--schedule", default=LIBRARY_DEFAULTS["schedule"], choices=sorted(mesh3d.pipeline.SCHEDULES))
     p.add_argument("--microbatches", type=int, default=None, help="per step and dp rank (default: pp)")
-    p.add_argument("--virtual-stages", type=int, default=None, help="stages per pp rank (interleaved default: 2)")
+    p.add_argument("--virtual-stages", type=int, default=None, help="stages per pp rank (default: the schedule's, see docs/pipeline.md)")
     p.add_argument("--dp-mode", default=LIBRARY_DEFAULTS["dp_mode"], choices=list(DP_MODES))
     p.add_argument("--activation-checkpoint", default=LIBRARY_DEFAULTS["activation_checkpoint"],
                    choices=list(ACTIVATION_CHECKPOINT_MODES))
@@ -120,8 +120,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         p.error("--resume takes the newest checkpoint, --resume-from a chosen one: pass one of them")
     if (args.checkpoint_every or args.keep_last is not None) and not args.checkpoint_dir:
         p.error("--checkpoint-every and --keep-last need --checkpoint-dir")
-    if args.timeout <= 0 or args.max_bad_steps < 1:
-        p.error("--timeout must be > 0 and --max-bad-steps >= 1")
+    if args.timeout <= 0 or args.max_bad_steps < 1 or args.log_every < 1:
+        p.error("--timeout must be > 0, --max-bad-steps >= 1 and --log-every >= 1")
     if args.checkpoint_every < 0 or (args.keep_last is not None and args.keep_last < 1):
         p.error("--checkpoint-every must be >= 0 and --keep-last >= 1")
     if args.init_from_hf and (args.n_layers is not None or args.tied is not None or args.vocab_size is not None):

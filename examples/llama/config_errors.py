@@ -1,6 +1,6 @@
 """A configuration error, said once and in the user's terms: flags, not Python parameters.
 
-mesh3d raises a configuration error (a ValueError or TypeError: a schedule that needs more
+mesh3d raises a configuration error (a ValueError, TypeError or FileNotFoundError: a schedule that needs more
 microbatches, sizes that do not divide, a checkpoint that is not there) on every rank, before
 any collective, naming its parameters (`schedule='gpipe'`, `microbatches=1`). Under torchrun that
 is one traceback per process. `reported_once` prints it on rank 0 alone, with each parameter
@@ -59,8 +59,9 @@ def reported_once(flags: dict[str, str]) -> Iterator[None]:
     """Run the set-up; a configuration error is printed by rank 0 and every rank exits with status 2."""
     try:
         yield
-    except (ValueError, TypeError) as error:
-        _exit(f"error: {in_user_terms(str(error), flags)}")
+    except (ValueError, TypeError, FileNotFoundError) as error:  # FileNotFoundError: a --data path that is not there
+        notes = "".join(f"\n{note}" for note in getattr(error, "__notes__", ()))  # e.g. which flag sets a parameter
+        _exit(f"error: {in_user_terms(str(error), flags)}{notes}")
     except SystemExit as done:
         if not isinstance(done.code, str):
             raise  # argparse's exit (its message printed by rank 0 already), or a plain status

@@ -89,17 +89,19 @@ def generate(
     return torch.stack(new, dim=1)
 
 
-def pick_tokenizer(path: str | None, source: TrainedSource):
-    """--tokenizer, else the one the model was trained with (a tokenizer.json), else bytes."""
+def pick_tokenizer(path: str | None, source: TrainedSource, eos_token: str | None = None):
+    """--tokenizer, else the one the model was trained with (a tokenizer.json), else bytes; its
+    end-of-document token from --eos-token, else the one training was given, else its own."""
+    eos_token = eos_token or source.eos_token
     if path:
-        return HFTokenizer(path)
+        return HFTokenizer(path, eos_token=eos_token)
     if source.tokenizer_path is not None:
         if not source.tokenizer_path.exists():
             raise SystemExit(
                 f"{source.description} was trained with the tokenizer {source.tokenizer_path}, which is not there; "
                 "pass --tokenizer PATH"
             )
-        return HFTokenizer(source.tokenizer_path)
+        return HFTokenizer(source.tokenizer_path, eos_token=eos_token)
     return ByteTokenizer()
 
 
@@ -116,6 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=None, help="sample among the most likely tokens that sum to p only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default=None, metavar="PATH", help="a tokenizer.json (default: the model's own, else bytes)")
+    p.add_argument("--eos-token", default=None, metavar="TOKEN",
+                   help="the token that ends each document (default: train.py's --eos-token, else the tokenizer's own)")
     p.add_argument("--raw-prompt", action="store_true", help="do not put the document separator before the prompt")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
@@ -135,7 +139,7 @@ def main(argv=None) -> list[str]:
     """Print (and return) each prompt's continuations."""
     args = parse_args(argv)
     source = TrainedSource.open(args.checkpoint)
-    tokenizer = pick_tokenizer(args.tokenizer, source)
+    tokenizer = pick_tokenizer(args.tokenizer, source, args.eos_token)
     if tokenizer.vocab_size > source.config.vocab_size:
         raise SystemExit(
             f"the tokenizer {tokenizer!r} has {tokenizer.vocab_size} tokens, more than the model's vocabulary "

@@ -46,6 +46,7 @@ class TrainedSource:
     config: ModelArgs  # max_seq_len: the sequence length the model was trained on, where known
     tokenizer_path: Path | None  # the tokenizer.json it was trained with, when known (else: bytes)
     description: str
+    eos_token: str | None = None  # the --eos-token the model was trained with, when it was given
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "TrainedSource":
@@ -114,7 +115,8 @@ def _checkpoint_source(path: Path) -> TrainedSource:
     layout = train_state.get("layout", {})
     where = f"pp={layout.get('pp')} dp={layout.get('dp')} tp={layout.get('tp')}"
     description = f"mesh3d checkpoint {path} (step {train_state.get('step')}, saved at {where})"
-    return TrainedSource(path, "checkpoint", config, Path(tokenizer) if tokenizer else None, description)
+    return TrainedSource(path, "checkpoint", config, Path(tokenizer) if tokenizer else None, description,
+                         saved.get("eos_token"))
 
 
 def _huggingface_source(path: Path) -> TrainedSource:

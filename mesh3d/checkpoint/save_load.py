@@ -10,6 +10,7 @@ complete (directories.py).
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import os
 import re
 from collections.abc import Callable
@@ -21,7 +22,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
-import mesh3d
 from mesh3d.checkpoint import directories
 from mesh3d.checkpoint.integrity import read_whole
 from mesh3d.checkpoint.flat_state import (
@@ -143,7 +143,7 @@ def save(
             "schedule": pm.schedule.name,
             "virtual_stages": pm.schedule.virtual_stages,
             "tied": [tie.names for tie in pm.tied.ties],
-            "mesh3d_version": mesh3d.__version__,
+            "mesh3d_version": _installed_version(),
             "torch_version": torch.__version__,
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
@@ -276,3 +276,12 @@ def load(
     if rng is not None:
         set_rng_state(rng, layout.device)
     return {"step": train_state["step"], "data_state": train_state.get("data_state"), "extra": train_state.get("extra")}
+
+
+def _installed_version() -> str:
+    # From the package metadata, not `mesh3d.__version__`: importing the package's face from here
+    # would run back up the house (mesh3d/__init__ imports checkpoint/).
+    try:
+        return importlib.metadata.version("mesh3d")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"

@@ -32,7 +32,7 @@ class GradientSync:
         self.synced_backwards += int(is_last)
 
     def after_weight_backward(self, stage: int) -> None:
-        """After a split schedule's W (pipeline/split_backward.py): it starts inside the graph, so
+        """After a split schedule's W (pipeline/backward_halves.py): it starts inside the graph, so
         FSDP's post-backward hooks, which sit on the input-gradient chain, did not run for it. Run
         what they and the end of an ordinary backward would: accumulate the new gradients, and on
         the stage's last backward reduce them (before_backward set the flags)."""

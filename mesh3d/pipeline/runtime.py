@@ -233,7 +233,7 @@ class _Step:
 
     def backward_input(self, stage: int, mb: int) -> None:
         """I: the input gradient only, sent on at once. What W needs stays: the gradients I saw
-        where weight branches leave the input-gradient chain (split_backward.py), or, for the
+        where weight branches leave the input-gradient chain (backward_halves.py), or, for the
         first stage (token ids: no input gradient), the output and its gradient for a whole
         backward at W. Data parallelism neither reduces nor reshards here."""
         rt = self.rt

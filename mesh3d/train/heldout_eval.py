@@ -28,6 +28,8 @@ class HeldOutEvaluator:
     token mean over all of them)."""
 
     def __init__(self, heldout: SampleSubset, global_batch: int, layout: Layout, batches: int) -> None:
+        if batches < 1:
+            raise ValueError(f"batches={batches}: evaluate at least one held-out batch")
         loader = DistributedLoader.for_layout(heldout, global_batch, layout, shuffle=False)
         self.batches: list[tuple[torch.Tensor, torch.Tensor]] = [next(loader) for _ in range(batches)]
 

@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import mesh3d
-from mesh3d.checkpoint import DamagedCheckpoint
+from mesh3d.checkpoint import DamagedCheckpoint, complete_checkpoints, load
 from mesh3d.checkpoint.directories import is_complete
 from mesh3d.distributed.agree import raise_if_any
 from mesh3d.parallel_model import ParallelModel
@@ -33,7 +32,7 @@ def checkpoints_newest_first(root: str | os.PathLike) -> list[str]:
     """The complete checkpoints under `root`, newest first, as rank 0 lists them, on every rank.
 
     Call on every rank (one broadcast when a process group of more than one rank is running)."""
-    found = [[str(p) for p in reversed(mesh3d.checkpoint.complete_checkpoints(root))]]
+    found = [[str(p) for p in reversed(complete_checkpoints(root))]]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(found, src=0)
     return found[0]
@@ -54,7 +53,7 @@ def resume_latest(
     """
     for path in checkpoints_newest_first(root):
         try:
-            return path, mesh3d.checkpoint.load(path, pm, optimizer)
+            return path, load(path, pm, optimizer)
         except DamagedCheckpoint as damage:
             say(f"cannot resume from {path}: {damage}; trying the next older checkpoint")
     return None, None
@@ -76,4 +75,4 @@ def resume_from(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.opt
                    "and a name not starting with a dot); an interrupted save is never published. "
                    "Name a checkpoint directory such as ckpt/step100")
     raise_if_any(problem)
-    return mesh3d.checkpoint.load(path, pm, optimizer)
+    return load(path, pm, optimizer)

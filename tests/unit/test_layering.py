@@ -1,0 +1,71 @@
+"""The house's one rule, held by a test: data flows one way through mesh3d's rooms.
+
+Each top-level room of `mesh3d/` (a folder, or one of the loose modules of the public face) has a
+floor; a module may import modules of its own room or of rooms on lower floors, never higher, and
+never the package's face (`import mesh3d`, whose __init__ imports the top rooms). Read from the
+source with `ast`, so a lazy import inside a function counts too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "mesh3d"
+
+# Lowest first: mesh -> split -> tensor -> data parallel -> pipeline runtime -> step -> the face -> checkpoint -> train.
+FLOORS = [
+    ("distributed", "data", "tensor"),
+    ("mesh",),
+    ("model", "data_parallel"),
+    ("pipeline",),
+    ("step",),
+    ("parallel_model",),
+    ("parallelize",),
+    ("checkpoint",),
+    ("train",),
+]
+FLOOR_OF = {room: floor for floor, rooms in enumerate(FLOORS) for room in rooms}
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "mesh3d" else None
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [(node.lineno, f"{node.module}.{alias.name}" if node.module == "mesh3d" else node.module)
+                      for alias in node.names]
+    return [(line, name) for line, name in found if name == "mesh3d" or name.startswith("mesh3d.")]
+
+
+def test_every_room_has_a_floor():
+    rooms = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
+             if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.name != "__init__.py")}
+    assert rooms == set(FLOOR_OF), f"rooms without a floor here: {rooms - set(FLOOR_OF)}; floors without a room: {set(FLOOR_OF) - rooms}"
+
+
+def test_no_module_imports_upward_or_the_face():
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE.parent)
+        if relative == Path("mesh3d/__init__.py"):
+            continue
+        own = FLOOR_OF[_room(".".join(relative.with_suffix("").parts))]
+        for line, name in _imports(path):
+            room = _room(name)
+            if room is None:
+                upward.append(f"{relative}:{line} imports the package face `{name}`")
+            elif FLOOR_OF[room] > own:
+                upward.append(f"{relative}:{line} imports {name} (floor {FLOOR_OF[room]} > {own})")
+    assert not upward, "\n".join(upward)
+
+
+def test_at_most_five_loose_modules_at_the_top():
+    loose = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(loose) <= 5, loose
