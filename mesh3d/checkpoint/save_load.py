@@ -3,8 +3,9 @@
 Tensors go through torch.distributed.checkpoint (DCP): every rank writes its own shards, keyed by
 the unsplit model's names (flat_state.py), and DCP records where each shard sits in the global
 tensor, so any other (pp, dp, tp, virtual stages, dp_mode) reads exactly the pieces it needs.
-The train state is JSON (train_state.py). The directory appears under its name only once
-complete (directories.py).
+The train state is JSON (train_state.py). Every file gets a checksum (checksums.py), each rank
+hashing the files it wrote; `load` verifies them first (integrity.py). The directory appears
+under its name only once complete (directories.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 
 import mesh3d
 from mesh3d.checkpoint import directories
+from mesh3d.checkpoint.checksums import sums_of, write_manifest
 from mesh3d.checkpoint.integrity import read_whole
 from mesh3d.checkpoint.flat_state import (
     apply_loaded,
@@ -39,6 +41,7 @@ from mesh3d.checkpoint.train_state import (
     VERSION,
     check_json,
     read_rng_state,
+    RNG_DIR,
     rng_file,
     rng_state,
     set_rng_state,
@@ -83,6 +86,9 @@ def save(
             fault test can kill the process there. An exception it raises is raised on every
             rank and nothing is published.
 
+    Every file written gets a CRC-32 in the checkpoint's checksums.json (each rank hashes its own
+    files, in threads, right after writing them), which `load` verifies before reading.
+
     Returns the path. Raises ValueError on every rank for a bad argument (on any rank), for a
     parameter holding NaN or Inf (named) and for a failed preparation or publication; a shard
     write that failed with an OSError (ENOSPC: a full disk) raises that OSError on every rank,
@@ -119,7 +125,7 @@ def save(
     try:
         dcp.save(
             state.entries,
-            storage_writer=FileSystemWriter(partial, thread_count=writer_threads),
+            storage_writer=(writer := _RecordingWriter(partial, thread_count=writer_threads)),
             planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
         )
     except CheckpointException as failed:  # DCP raises it on every rank, whichever rank failed
@@ -128,7 +134,13 @@ def save(
             raise
         raise os_error from failed
     # DCP's last step is rank 0 writing its metadata after every rank reported its writes: from
-    # here on every file but the train state is in place.
+    # here on every file but the train state is in place. Each rank hashes the files it wrote
+    # (still in its page cache); rank 0 records every rank's sums.
+    sums = {}
+    mine = [*writer.written, f"{RNG_DIR}/{rng_file(partial, layout.rank).name}"]
+    error = attempt(lambda: sums.update(sums_of(partial, mine)))
+    for rank_sums in gather_or_raise(sums, error):
+        sums.update(rank_sums)
     error = None
     if layout.rank == 0:
         train_state = {
@@ -147,7 +159,7 @@ def save(
             "torch_version": torch.__version__,
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
-        error = attempt(lambda: _finish(partial, path, train_state, keep_last, before_publish))
+        error = attempt(lambda: _finish(partial, path, train_state, sums, keep_last, before_publish))
     raise_if_any(error)
     return str(path)
 
@@ -202,10 +214,27 @@ def _write_rng(partial: Path, layout: Layout) -> None:
     write_json(file, rng_state(layout.device))
 
 
+class _RecordingWriter(FileSystemWriter):
+    """DCP's file writer, remembering the files this rank wrote (to hash them, and only them)."""
+
+    written: list[str] = []
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        self.written = sorted({result.storage_data.relative_path for result in future.value()})
+        return future
+
+
 def _finish(
-    partial: Path, path: Path, train_state: dict, keep_last: int | None, before_publish: Callable[[Path], None] | None
+    partial: Path,
+    path: Path,
+    train_state: dict,
+    sums: dict[str, dict],
+    keep_last: int | None,
+    before_publish: Callable[[Path], None] | None,
 ) -> None:
     write_json(partial / TRAIN_STATE_FILE, train_state)
+    write_manifest(partial, {**sums, **sums_of(partial, [directories.DCP_METADATA, TRAIN_STATE_FILE])})
     if before_publish is not None:
         before_publish(partial)
     directories.publish(partial, path)
@@ -232,7 +261,8 @@ def load(
     with none, as it would have in the saving run.
 
     Raises DamagedCheckpoint (a ValueError) on every rank, before reading any tensor, when a file of
-    the checkpoint is missing, cut short or unreadable, naming the checkpoint and the file.
+    the checkpoint is missing, cut short, unreadable or changed since it was saved (its checksum,
+    verified with the ranks sharing the files out), naming the checkpoint and the file.
     Raises ValueError on every rank, before reading any tensor, when the checkpoint does not fit
     the model (naming the first mismatching parameter) or the optimizer; the model and optimizer
     are then as they were.
