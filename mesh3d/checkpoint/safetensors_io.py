@@ -6,9 +6,10 @@ state entry, the config written and checked, the tied embedding/output pair.
 Export gathers one tensor at a time to global rank 0 through the state map (a DTensor is
 assembled by the ranks of its owning pp rank, then sent from that pp rank's first rank), which writes `model.safetensors`
 or, above `max_shard_size`, `model-0000k-of-0000n.safetensors` files with the standard
-`model.safetensors.index.json`, plus `config.json`, and last `checksums.json` (a CRC-32 of each
-of these files, as a checkpoint has). Import verifies those checksums when the file is there
-(each rank hashing a share of the files), then every rank opens the files and reads only the
+`model.safetensors.index.json`, plus `config.json`, and last `checksums.json`: a CRC-32 of each
+weight file, as a checkpoint has (not of config.json and the index, which users edit by hand).
+Import verifies those checksums when the file is there (each rank hashing a share of the
+files), then every rank opens the files and reads only the
 slices of the tensors it owns (safetensors reads a slice without reading the rest of the file).
 """
 
@@ -185,8 +186,7 @@ def _write_index_and_config(out_dir, files, shards, hf_names, sizes, config) -> 
         weight_map = {hf_names[n]: file for file, names in zip(files, shards) for n in names}
         write_json(out_dir / INDEX_FILE, {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map})
     write_json(out_dir / CONFIG_FILE, config)
-    written = [*files, CONFIG_FILE, *([INDEX_FILE] if len(files) > 1 else [])]
-    write_manifest(out_dir, sums_of(out_dir, written))
+    write_manifest(out_dir, sums_of(out_dir, files))
 
 
 def _weight_files(in_dir: Path) -> dict[str, Path]:
@@ -214,8 +214,9 @@ def import_safetensors(pm: ParallelModel, in_dir: str | os.PathLike) -> None:
     `config_mismatch`), the directory must hold a tensor for every state entry and place every
     tensor it holds (one the model has no entry for is refused, not dropped), and every tensor's
     shape must be the model's; the first mismatch is named. A directory written by
-    `export_safetensors` carries checksums.json: its files are verified first (a file changed
-    since the export raises ValueError on every rank, naming it); one without it loads unchecked.
+    `export_safetensors` carries checksums.json: its weight files are verified first (a file
+    changed since the export raises ValueError on every rank, naming it); one without it (saved by
+    transformers) loads unchecked.
     """
     in_dir = Path(in_dir)
     raise_if_any(_checksum_problem(in_dir, pm.layout.rank, pm.layout.world_size))

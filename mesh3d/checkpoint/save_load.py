@@ -64,6 +64,7 @@ def save(
     keep_last: int | None = None,
     writer_threads: int = 1,
     before_publish: Callable[[Path], None] | None = None,
+    checksums: bool = True,
 ) -> str:
     """Save model, optimizer and train state to the directory `path`, atomically. Call on every rank.
 
@@ -85,9 +86,12 @@ def save(
             files (its temporary name, renamed to `path` next): a job can check or copy them, a
             fault test can kill the process there. An exception it raises is raised on every
             rank and nothing is published.
+        checksums: record a CRC-32 of every file (below); False leaves them out, and `load`
+            then checks the files' sizes only (the cost of both: docs/performance.md).
 
-    Every file written gets a CRC-32 in the checkpoint's checksums.json (each rank hashes its own
-    files, in threads, right after writing them), which `load` verifies before reading.
+    Every file written gets CRC-32s (one per 64 MiB block) in the checkpoint's checksums.json:
+    each rank hashes the files it wrote, in threads, right after writing them, and `load`
+    verifies them before reading.
 
     Returns the path. Raises ValueError on every rank for a bad argument (on any rank), for a
     parameter holding NaN or Inf (named) and for a failed preparation or publication; a shard
@@ -111,10 +115,10 @@ def save(
         _check_finite(pm, layout)
     except ValueError as problem:
         error = str(problem)
-    everyone = gather_or_raise((str(path), step, data_json), error)
+    everyone = gather_or_raise((str(path), step, data_json, bool(checksums)), error)
     if any(entry != everyone[0] for entry in everyone):
         raise ValueError(
-            "checkpoint.save: ranks passed different path, step or data_state "
+            "checkpoint.save: ranks passed different path, step or data_state (or checksums=) "
             f"(rank 0: {everyone[0]}, this rank: {everyone[layout.rank]}); the data state is the global sample "
             "position, the same on every rank: pass the same values everywhere"
         )
@@ -136,11 +140,13 @@ def save(
     # DCP's last step is rank 0 writing its metadata after every rank reported its writes: from
     # here on every file but the train state is in place. Each rank hashes the files it wrote
     # (still in its page cache); rank 0 records every rank's sums.
-    sums = {}
-    mine = [*writer.written, f"{RNG_DIR}/{rng_file(partial, layout.rank).name}"]
-    error = attempt(lambda: sums.update(sums_of(partial, mine)))
-    for rank_sums in gather_or_raise(sums, error):
-        sums.update(rank_sums)
+    sums = None
+    if checksums:
+        sums = {}
+        mine = [*writer.written, f"{RNG_DIR}/{rng_file(partial, layout.rank).name}"]
+        error = attempt(lambda: sums.update(sums_of(partial, mine)))
+        for rank_sums in gather_or_raise(sums, error):
+            sums.update(rank_sums)
     error = None
     if layout.rank == 0:
         train_state = {
@@ -229,12 +235,13 @@ def _finish(
     partial: Path,
     path: Path,
     train_state: dict,
-    sums: dict[str, dict],
+    sums: dict[str, dict] | None,
     keep_last: int | None,
     before_publish: Callable[[Path], None] | None,
 ) -> None:
     write_json(partial / TRAIN_STATE_FILE, train_state)
-    write_manifest(partial, {**sums, **sums_of(partial, [directories.DCP_METADATA, TRAIN_STATE_FILE])})
+    if sums is not None:
+        write_manifest(partial, {**sums, **sums_of(partial, [directories.DCP_METADATA, TRAIN_STATE_FILE])})
     if before_publish is not None:
         before_publish(partial)
     directories.publish(partial, path)

@@ -7,6 +7,7 @@ export is refused by the import.
 
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -46,13 +47,22 @@ def reference_crc32(data: bytes) -> int:
     return crc ^ 0xFFFFFFFF
 
 
-def test_the_crc32_of_a_file_read_in_chunks_is_the_reference_crc32(tmp_path, monkeypatch):
-    monkeypatch.setattr(checksums, "_CHUNK", 1000)  # several chunks, the last one partial
-    data = random.Random(0).randbytes(4321)
+def test_every_block_of_a_file_read_in_chunks_has_the_reference_crc32(tmp_path, monkeypatch):
+    monkeypatch.setattr(checksums, "_CHUNK", 1000)  # several chunks per block, the last one partial
+    monkeypatch.setattr(checksums, "BLOCK_BYTES", 2500)
+    data = random.Random(0).randbytes(6321)
     (tmp_path / "f").write_bytes(data)
-    assert checksums.crc32_of(tmp_path / "f") == (4321, f"{reference_crc32(data):08x}")
     (tmp_path / "empty").write_bytes(b"")
-    assert checksums.crc32_of(tmp_path / "empty") == (0, "00000000")
+    sums = checksums.sums_of(tmp_path, ["f", "empty"], threads=3)
+    blocks = [data[:2500], data[2500:5000], data[5000:]]
+    assert sums == {"f": {"size": 6321, "crc32": [f"{reference_crc32(b):08x}" for b in blocks]},
+                    "empty": {"size": 0, "crc32": ["00000000"]}}
+    assert checksums.first_mismatch(tmp_path, sums, sums) is None
+    with open(tmp_path / "f", "r+b") as f:  # one bit of the second block
+        f.seek(4000)
+        f.write(bytes([data[4000] ^ 1]))
+    problem = checksums.first_mismatch(tmp_path, sums, sums)
+    assert problem.startswith(f"{tmp_path / 'f'} has another checksum than when it was written (bytes 2500-5000:")
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 8])
@@ -104,7 +114,7 @@ def test_save_records_a_checksum_of_every_file_it_publishes(pm, tmp_path):
     assert set(sums) == on_disk - {checksums.CHECKSUM_FILE}
     for name, entry in sums.items():
         data = (path / name).read_bytes()
-        assert entry == {"size": len(data), "crc32": f"{reference_crc32(data):08x}"}, name
+        assert entry == {"size": len(data), "crc32": [f"{reference_crc32(data):08x}"]}, name  # one block each
 
 
 @pytest.mark.parametrize("which", ["data", ".metadata", "train_state.json"])
@@ -120,6 +130,13 @@ def test_a_file_changed_in_place_is_named_by_load_and_by_verify(pm, tmp_path, ca
         mesh3d.checkpoint.load(path, pm)
     status, out = _verify(path, capsys)
     assert status == 1 and out.startswith("damaged:") and str(file) in out
+
+
+def test_a_checkpoint_with_an_unreadable_train_state_is_still_listed_by_its_step(pm, tmp_path):
+    path = _saved(pm, tmp_path)
+    shutil.copytree(path, path.parent / "step12")
+    (path.parent / "step12" / "train_state.json").write_text("{")
+    assert mesh3d.checkpoint.complete_checkpoints(path.parent) == [path, path.parent / "step12"]
 
 
 def test_verify_as_a_command_exits_0_for_whole_and_1_for_damaged(pm, tmp_path):
@@ -159,7 +176,7 @@ def test_an_edited_manifest_is_damage(pm, tmp_path):
 
 def test_a_safetensors_export_carries_checksums_and_its_import_verifies_them(pm, tmp_path, capsys):
     out = Path(mesh3d.checkpoint.export_safetensors(pm, tmp_path / "hf"))
-    assert set(checksums.read_manifest(out)) == {"model.safetensors", "config.json"}
+    assert set(checksums.read_manifest(out)) == {"model.safetensors"}  # the weights; config.json is the user's to edit
     mesh3d.checkpoint.import_safetensors(pm, out)
     assert _verify(out, capsys)[0] == 0
     _damage(out / "model.safetensors")
