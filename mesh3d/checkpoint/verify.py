@@ -5,8 +5,8 @@ against the checksums `save` recorded, and the train state and DCP's metadata ar
 file they point into checked for its size, as `load` does before reading a tensor. A Hugging
 Face directory written by `export_safetensors` is checked against its checksums.json.
 
-Prints `whole: DIR` or `damaged: <the first damaged file and why>` for each directory; exit
-status 0 when every one is whole, 1 otherwise.
+Prints `whole: DIR` or `damaged: <the first damaged file and why>` (or `cannot verify: ...` for
+a directory that is neither) for each directory; exit status 0 when every one is whole, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -54,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.paths:
         try:
             problem = verify(path)
-        except (FileNotFoundError, ValueError) as error:
-            problem = str(error)
+        except (FileNotFoundError, ValueError) as error:  # not a checkpoint, or one of another format
+            all_whole = False
+            print(f"cannot verify: {error}", flush=True)
+            continue
         if problem:
             all_whole = False
             print(f"damaged: {problem}", flush=True)

@@ -148,6 +148,8 @@ def test_verify_as_a_command_exits_0_for_whole_and_1_for_damaged(pm, tmp_path):
     _damage(path / "rng" / "rank-00000.json")
     damaged = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
     assert damaged.returncode == 1 and str(path / "rng" / "rank-00000.json") in damaged.stdout
+    elsewhere = subprocess.run([*command[:-1], str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
+    assert elsewhere.returncode == 1 and elsewhere.stdout.startswith(f"cannot verify: {tmp_path} is not a mesh3d checkpoint")
 
 
 def test_a_checkpoint_without_checksums_loads_with_one_notice(pm, tmp_path, capsys):
