@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 
 import mesh3d
 from mesh3d.checkpoint import directories
-from mesh3d.checkpoint.checksums import sums_of, write_manifest
 from mesh3d.checkpoint.integrity import read_whole
+from mesh3d.checkpoint.checksums import sums_of, write_manifest
 from mesh3d.checkpoint.flat_state import (
     apply_loaded,
     check_against_checkpoint,
