@@ -99,6 +99,7 @@ def test_a_damaged_checkpoint_named_by_resume_from_is_refused(tmp_path, undamage
     root = _twelve_step_run(undamaged[0], tmp_path)
     victim = max((root / "step12").glob("*.distcp"), key=lambda p: p.stat().st_size)
     _flip_middle(victim)
-    done = _train("--steps", "16", "--resume-from", str(root / "step12"), "--metrics", "", check=False)
+    done = _train("--steps", "16", "--resume-from", str(root / "step12"), "--checkpoint-dir", str(root), "--metrics", "",
+                  check=False)
     assert done.returncode != 0, done.stdout[-3000:]
     assert str(victim) in done.stderr and "another checksum than when it was written" in done.stderr, done.stderr[-6000:]
