@@ -3,10 +3,13 @@
     python bench/checkpoint_io.py --config 1B                                  # one process (a GPU if present)
     torchrun --standalone --nproc-per-node 8 bench/checkpoint_io.py --pp 2 --dp 2 --tp 2 --config debug
 
-Builds the model, takes one AdamW step (so the optimizer has state), then saves a checkpoint,
-loads it into a fresh model and optimizer of the same layout (checking every value came back),
-exports Hugging Face safetensors (optionally in bf16) and imports them. Rank 0 prints the wall
-times (every rank waits for the slowest), the bytes on disk and the write/read rates.
+Builds the model, takes one AdamW step (so the optimizer has state), then saves a checkpoint
+with checksums and one without (`save(..., checksums=False)`), loads each into a fresh model and
+optimizer of the same layout (the first verifying its checksums, the second checking sizes only;
+checking every value came back), exports Hugging Face safetensors (optionally in bf16) and
+imports them. Each save and load runs --repeats times, alternating with and without, and the
+fastest is kept. Rank 0 prints the wall times (every rank waits for the slowest), the bytes on
+disk, the write/read rates and the checksums' overhead.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory, removed after)")
     p.add_argument("--writer-threads", type=int, default=1, help="files each rank writes in parallel")
     p.add_argument("--export-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=2, help="times each save and load runs (the fastest is kept)")
     args = p.parse_args()
 
     layout = mesh3d.build_mesh(pp=args.pp, dp=args.dp, tp=args.tp)
@@ -93,12 +97,18 @@ def main() -> None:
     optimizer.zero_grad()
     before = _snapshot(pm, optimizer)
 
-    ckpt = root / "ckpt" / "step1"
-    save_s = _timed(layout, lambda: mesh3d.checkpoint.save(ckpt, pm, optimizer, step=1, writer_threads=args.writer_threads))
+    ckpt, unchecked = root / "ckpt" / "step1", root / "unchecked" / "step1"
+    save_s, save_unchecked_s, load_s, load_unchecked_s = [], [], [], []
     _, pm2, optimizer2 = _build(args, layout)
-    load_s = _timed(layout, lambda: mesh3d.checkpoint.load(ckpt, pm2, optimizer2))
-    after = _snapshot(pm2, optimizer2)
-    exact = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+    exact = True
+    for _ in range(args.repeats):  # alternating, so that neither side gets all the warm caches
+        for path, sums, saves, loads in ((unchecked, False, save_unchecked_s, load_unchecked_s), (ckpt, True, save_s, load_s)):
+            saves.append(_timed(layout, lambda: mesh3d.checkpoint.save(
+                path, pm, optimizer, step=1, writer_threads=args.writer_threads, checksums=sums)))
+            loads.append(_timed(layout, lambda: mesh3d.checkpoint.load(path, pm2, optimizer2)))
+            after = _snapshot(pm2, optimizer2)
+            exact = exact and len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+    save_s, save_unchecked_s, load_s, load_unchecked_s = map(min, (save_s, save_unchecked_s, load_s, load_unchecked_s))
     flags = torch.tensor([int(exact)], device=layout.device)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
 
@@ -113,10 +123,14 @@ def main() -> None:
         print(f"{layout}\nmodel {args.config} ({count_parameters(model) / 1e6:.1f}M parameters), AdamW state")
         print("| operation | wall s | on disk GiB | GiB/s |")
         print("| --- | --- | --- | --- |")
-        print(f"| save (DCP: model + AdamW + train state, {args.writer_threads} writer threads) | {save_s:.2f} | {ckpt_bytes / gib:.3f} | {ckpt_bytes / gib / save_s:.2f} |")
-        print(f"| load into a fresh model and optimizer | {load_s:.2f} | | {ckpt_bytes / gib / load_s:.2f} |")
+        print(f"| save (DCP: model + AdamW + train state, {args.writer_threads} writer threads), checksums | {save_s:.2f} | {ckpt_bytes / gib:.3f} | {ckpt_bytes / gib / save_s:.2f} |")
+        print(f"| save without checksums | {save_unchecked_s:.2f} | | {ckpt_bytes / gib / save_unchecked_s:.2f} |")
+        print(f"| load into a fresh model and optimizer, verifying checksums | {load_s:.2f} | | {ckpt_bytes / gib / load_s:.2f} |")
+        print(f"| load without checksums (sizes checked) | {load_unchecked_s:.2f} | | {ckpt_bytes / gib / load_unchecked_s:.2f} |")
         print(f"| export safetensors ({args.export_dtype}) | {export_s:.2f} | {hf_bytes / gib:.3f} | {hf_bytes / gib / export_s:.2f} |")
         print(f"| import safetensors | {import_s:.2f} | | {hf_bytes / gib / import_s:.2f} |")
+        print(f"checksums' overhead: save +{100 * (save_s / save_unchecked_s - 1):.1f} %, "
+              f"load +{100 * (load_s / load_unchecked_s - 1):.1f} % (fastest of {args.repeats})")
         print(f"every model and optimizer value equal after load: {bool(flags.item())}", flush=True)
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)

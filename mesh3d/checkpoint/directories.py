@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -88,10 +89,13 @@ def publish(partial: Path, path: Path) -> None:
 
 
 def _step_of(path: Path) -> int:
+    """The saved step; for an unreadable train state (a damaged checkpoint, still listed so that
+    loading it says what is wrong) the number its name ends with, as `save` defaults it."""
     try:
         return int(json.loads((path / TRAIN_STATE_FILE).read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError):
-        return -1
+        digits = re.search(r"(\d+)$", path.name)
+        return int(digits.group(1)) if digits else -1
 
 
 def complete_checkpoints(root: str | os.PathLike) -> list[Path]:

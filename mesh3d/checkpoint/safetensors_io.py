@@ -6,9 +6,11 @@ state entry, the config written and checked, the tied embedding/output pair.
 Export gathers one tensor at a time to global rank 0 through the state map (a DTensor is
 assembled by the ranks of its owning pp rank, then sent from that pp rank's first rank), which writes `model.safetensors`
 or, above `max_shard_size`, `model-0000k-of-0000n.safetensors` files with the standard
-`model.safetensors.index.json`, plus `config.json`. Import needs no communication: every rank
-opens the files and reads only the slices of the tensors it owns (safetensors reads a slice
-without reading the rest of the file).
+`model.safetensors.index.json`, plus `config.json`, and last `checksums.json`: a CRC-32 of each
+weight file, as a checkpoint has (not of config.json and the index, which users edit by hand).
+Import verifies those checksums when the file is there (each rank hashing a share of the
+files), then every rank opens the files and reads only the
+slices of the tensors it owns (safetensors reads a slice without reading the rest of the file).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mesh3d.distributed.agree import attempt, raise_if_any
+from mesh3d.checkpoint.checksums import CHECKSUM_FILE, ManifestError, first_mismatch, read_manifest, share, sums_of, write_manifest
 from mesh3d.checkpoint.hf_adapter import HFAdapter, adapter_of, as_config_dict
 from mesh3d.checkpoint.train_state import write_json
 from mesh3d.parallel_model import ParallelModel
@@ -167,7 +170,8 @@ def _prepare_out_dir(out_dir: Path) -> None:
     """Create out_dir; remove the weights of an earlier export there, which a reader would mix in
     (a stale index naming files this export does not write, or a stale single file beside an index)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    for old in [*out_dir.glob("model*.safetensors"), *out_dir.glob("model*.safetensors.tmp"), out_dir / INDEX_FILE]:
+    stale = [*out_dir.glob("model*.safetensors"), *out_dir.glob("model*.safetensors.tmp"), out_dir / INDEX_FILE]
+    for old in [out_dir / CHECKSUM_FILE, *stale]:
         old.unlink(missing_ok=True)
 
 
@@ -182,6 +186,7 @@ def _write_index_and_config(out_dir, files, shards, hf_names, sizes, config) -> 
         weight_map = {hf_names[n]: file for file, names in zip(files, shards) for n in names}
         write_json(out_dir / INDEX_FILE, {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map})
     write_json(out_dir / CONFIG_FILE, config)
+    write_manifest(out_dir, sums_of(out_dir, files))
 
 
 def _weight_files(in_dir: Path) -> dict[str, Path]:
@@ -208,9 +213,13 @@ def import_safetensors(pm: ParallelModel, in_dir: str | os.PathLike) -> None:
     directory's config.json (if any) must agree with the model (the adapter's
     `config_mismatch`), the directory must hold a tensor for every state entry and place every
     tensor it holds (one the model has no entry for is refused, not dropped), and every tensor's
-    shape must be the model's; the first mismatch is named.
+    shape must be the model's; the first mismatch is named. A directory written by
+    `export_safetensors` carries checksums.json: its weight files are verified first (a file
+    changed since the export raises ValueError on every rank, naming it); one without it (saved by
+    transformers) loads unchecked.
     """
     in_dir = Path(in_dir)
+    raise_if_any(_checksum_problem(in_dir, pm.layout.rank, pm.layout.world_size))
     adapter = _adapter(pm)
     files = _weight_files(in_dir)
     theirs = json.loads((in_dir / CONFIG_FILE).read_text()) if (in_dir / CONFIG_FILE).is_file() else None
@@ -228,6 +237,18 @@ def import_safetensors(pm: ParallelModel, in_dir: str | os.PathLike) -> None:
             )
     raise_if_any(attempt(lambda: _read_local_slices(pm, files, source)))
     pm.tied.sync_values()
+
+
+def _checksum_problem(in_dir: Path, rank: int, world_size: int) -> str | None:
+    """This rank's share of the checksum check of an export directory (none when it has no checksums.json)."""
+    try:
+        sums = read_manifest(in_dir)
+    except ManifestError as damage:
+        return f"import_safetensors: {in_dir} is damaged: {damage}"
+    if sums is None:
+        return None
+    mismatch = first_mismatch(in_dir, sums, share(sums, rank, world_size))
+    return f"import_safetensors: {in_dir} is damaged: {mismatch}; export it again" if mismatch else None
 
 
 def _source_names(

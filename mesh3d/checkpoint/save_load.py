@@ -3,8 +3,9 @@
 Tensors go through torch.distributed.checkpoint (DCP): every rank writes its own shards, keyed by
 the unsplit model's names (flat_state.py), and DCP records where each shard sits in the global
 tensor, so any other (pp, dp, tp, virtual stages, dp_mode) reads exactly the pieces it needs.
-The train state is JSON (train_state.py). The directory appears under its name only once
-complete (directories.py).
+The train state is JSON (train_state.py). Every file gets a checksum (checksums.py), each rank
+hashing the files it wrote; `load` verifies them first (integrity.py). The directory appears
+under its name only once complete (directories.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 
 from mesh3d.checkpoint import directories
 from mesh3d.checkpoint.integrity import read_whole
+from mesh3d.checkpoint.checksums import sums_of, write_manifest
 from mesh3d.checkpoint.flat_state import (
     apply_loaded,
     check_against_checkpoint,
@@ -39,6 +41,7 @@ from mesh3d.checkpoint.train_state import (
     VERSION,
     check_json,
     read_rng_state,
+    RNG_DIR,
     rng_file,
     rng_state,
     set_rng_state,
@@ -61,6 +64,7 @@ def save(
     keep_last: int | None = None,
     writer_threads: int = 1,
     before_publish: Callable[[Path], None] | None = None,
+    checksums: bool = True,
 ) -> str:
     """Save model, optimizer and train state to the directory `path`, atomically. Call on every rank.
 
@@ -82,6 +86,12 @@ def save(
             files (its temporary name, renamed to `path` next): a job can check or copy them, a
             fault test can kill the process there. An exception it raises is raised on every
             rank and nothing is published.
+        checksums: record a CRC-32 of every file (below); False leaves them out, and `load`
+            then checks the files' sizes only (the cost of both: docs/performance.md).
+
+    Every file written gets CRC-32s (one per 64 MiB block) in the checkpoint's checksums.json:
+    each rank hashes the files it wrote, in threads, right after writing them, and `load`
+    verifies them before reading.
 
     Returns the path. Raises ValueError on every rank for a bad argument (on any rank), for a
     parameter holding NaN or Inf (named) and for a failed preparation or publication; a shard
@@ -105,10 +115,10 @@ def save(
         _check_finite(pm, layout)
     except ValueError as problem:
         error = str(problem)
-    everyone = gather_or_raise((str(path), step, data_json), error)
+    everyone = gather_or_raise((str(path), step, data_json, bool(checksums)), error)
     if any(entry != everyone[0] for entry in everyone):
         raise ValueError(
-            "checkpoint.save: ranks passed different path, step or data_state "
+            "checkpoint.save: ranks passed different path, step or data_state (or checksums=) "
             f"(rank 0: {everyone[0]}, this rank: {everyone[layout.rank]}); the data state is the global sample "
             "position, the same on every rank: pass the same values everywhere"
         )
@@ -119,7 +129,7 @@ def save(
     try:
         dcp.save(
             state.entries,
-            storage_writer=FileSystemWriter(partial, thread_count=writer_threads),
+            storage_writer=(writer := _RecordingWriter(partial, thread_count=writer_threads)),
             planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
         )
     except CheckpointException as failed:  # DCP raises it on every rank, whichever rank failed
@@ -128,7 +138,15 @@ def save(
             raise
         raise os_error from failed
     # DCP's last step is rank 0 writing its metadata after every rank reported its writes: from
-    # here on every file but the train state is in place.
+    # here on every file but the train state is in place. Each rank hashes the files it wrote
+    # (still in its page cache); rank 0 records every rank's sums.
+    sums = None
+    if checksums:
+        sums = {}
+        mine = [*writer.written, f"{RNG_DIR}/{rng_file(partial, layout.rank).name}"]
+        error = attempt(lambda: sums.update(sums_of(partial, mine)))
+        for rank_sums in gather_or_raise(sums, error):
+            sums.update(rank_sums)
     error = None
     if layout.rank == 0:
         train_state = {
@@ -147,7 +165,7 @@ def save(
             "torch_version": torch.__version__,
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
-        error = attempt(lambda: _finish(partial, path, train_state, keep_last, before_publish))
+        error = attempt(lambda: _finish(partial, path, train_state, sums, keep_last, before_publish))
     raise_if_any(error)
     return str(path)
 
@@ -202,10 +220,28 @@ def _write_rng(partial: Path, layout: Layout) -> None:
     write_json(file, rng_state(layout.device))
 
 
+class _RecordingWriter(FileSystemWriter):
+    """DCP's file writer, remembering the files this rank wrote (to hash them, and only them)."""
+
+    written: list[str] = []
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        self.written = sorted({result.storage_data.relative_path for result in future.value()})
+        return future
+
+
 def _finish(
-    partial: Path, path: Path, train_state: dict, keep_last: int | None, before_publish: Callable[[Path], None] | None
+    partial: Path,
+    path: Path,
+    train_state: dict,
+    sums: dict[str, dict] | None,
+    keep_last: int | None,
+    before_publish: Callable[[Path], None] | None,
 ) -> None:
     write_json(partial / TRAIN_STATE_FILE, train_state)
+    if sums is not None:
+        write_manifest(partial, {**sums, **sums_of(partial, [directories.DCP_METADATA, TRAIN_STATE_FILE])})
     if before_publish is not None:
         before_publish(partial)
     directories.publish(partial, path)
@@ -232,7 +268,8 @@ def load(
     with none, as it would have in the saving run.
 
     Raises DamagedCheckpoint (a ValueError) on every rank, before reading any tensor, when a file of
-    the checkpoint is missing, cut short or unreadable, naming the checkpoint and the file.
+    the checkpoint is missing, cut short, unreadable or changed since it was saved (its checksum,
+    verified with the ranks sharing the files out), naming the checkpoint and the file.
     Raises ValueError on every rank, before reading any tensor, when the checkpoint does not fit
     the model (naming the first mismatching parameter) or the optimizer; the model and optimizer
     are then as they were.

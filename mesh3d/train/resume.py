@@ -6,8 +6,9 @@ resumes through `resume_latest` instead, which is sturdier in two ways:
 - every rank loads the same checkpoint: rank 0's listing is broadcast, because ranks listing a
   shared directory themselves could disagree while another job (or a slow filesystem) writes
   there;
-- a damaged checkpoint (a missing or truncated file, unreadable metadata: `DamagedCheckpoint`,
-  raised on every rank alike) is passed over with a message, and the next older one is tried.
+- a damaged checkpoint (a missing or truncated file, unreadable metadata, a file whose checksum
+  changed since the save: `DamagedCheckpoint`, raised on every rank alike) is passed over with a
+  message naming the file, and the next older one is tried.
 
 `resume_from(path)` loads the checkpoint named, and nothing else: a missing, incomplete or
 damaged one is an error on every rank.
@@ -64,7 +65,7 @@ def resume_from(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.opt
 
     Returns the state `mesh3d.checkpoint.load` returns. Raises ValueError on every rank when
     `path` is not a complete checkpoint (missing, or a save that never finished), and
-    DamagedCheckpoint (a ValueError) when one of its files is missing or cut short.
+    DamagedCheckpoint (a ValueError) when one of its files is missing, cut short or changed.
     """
     path = Path(path)
     problem = None

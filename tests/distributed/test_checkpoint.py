@@ -172,7 +172,7 @@ def test_latest_keep_last_train_state_rng_and_errors(tmp_path):
     out = per_rank[0]
     assert out["listings"] == [["step1"], ["step1", "step2"], ["step2", "step3"]]
     assert out["latest"] == str(tmp_path / "step3")
-    assert out["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "rng", "train_state.json"]
+    assert out["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.json", "rng", "train_state.json"]
     assert out["state"]["step"] == 3 and out["state"]["extra"] == {"note": "again"}
     assert out["state"]["data_state"]["position"] == 3 * 16
     assert all(r["rng_restored"] for r in per_rank)

@@ -1,7 +1,8 @@
 """Damaged checkpoints, a full disk and non-finite weights (issue 16), at pp=2 on 2 ranks.
 
-- The newest checkpoint with a shard file cut short, a shard file removed, or its metadata
-  overwritten: `load` raises DamagedCheckpoint on every rank naming the checkpoint and the file,
+- The newest checkpoint with a shard file cut short, a shard file removed, its metadata
+  overwritten, or 64 bytes in the middle of a shard file changed (its size kept: caught by its
+  checksum, issue 25): `load` raises DamagedCheckpoint on every rank naming the checkpoint and the file,
   and mesh3d.train's resume (`resume_latest`) says so and loads the newest checkpoint that loads,
   whose weights equal those saved there.
 - A save whose first write (the RNG state) or shard write fails with ENOSPC raises that OSError on
@@ -27,7 +28,7 @@ from multiprocess import run_on_ranks
 from pipeline_cases import TOLERANCE
 from rank_errors import raised
 
-DAMAGES = ("cut short", "removed", "metadata")
+DAMAGES = ("cut short", "removed", "metadata", "changed")
 REFUSED = (ValueError, OSError)  # what a load or save says about a damaged checkpoint, a full disk or a NaN weight
 
 
@@ -42,7 +43,13 @@ def _damage(root: Path, how: str) -> str:
         victim.write_bytes(b"not a pickle")
     else:
         victim = sorted(newest.glob("*.distcp"))[-1]
-        if how == "cut short":
+        if how == "changed":
+            with open(victim, "r+b") as f:  # every bit of 64 bytes flipped, the size kept
+                f.seek(victim.stat().st_size // 2)
+                flipped = bytes(b ^ 0xFF for b in f.read(64))
+                f.seek(victim.stat().st_size // 2)
+                f.write(flipped)
+        elif how == "cut short":
             victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
         else:
             victim.unlink()
@@ -108,7 +115,9 @@ def test_damaged_checkpoints_full_disk_and_nan_weights(tmp_path):
             assert kind == "DamagedCheckpoint", (rank, how, kind, message)
             assert str(tmp_path / f"damaged {how}" / "step4") in message and victim in message, (rank, message)
         assert "cut short" in result["load_errors"][0][1] and "missing" in result["load_errors"][1][1]
-        assert "metadata" in result["load_errors"][2][1] and "unreadable" in result["load_errors"][2][1]
+        # The metadata's checksum is checked before it is parsed: a shorter file is cut short.
+        assert ".metadata is cut short" in result["load_errors"][2][1], result["load_errors"][2][1]
+        assert "another checksum than when it was written" in result["load_errors"][3][1]
         for how, path, said in zip(DAMAGES, result["resumed"], result["said"]):
             assert path == str(tmp_path / f"damaged {how}" / "step2"), (rank, how, path)
             assert len(said) == 1 and said[0].startswith(f"cannot resume from {tmp_path / f'damaged {how}' / 'step4'}")

@@ -230,5 +230,5 @@ def test_import_refuses_what_does_not_fit(round_trip, tmp_path):
     assert "has neither model.safetensors nor model.safetensors.index.json" in out["missing"]
     assert out["tied into untied: head equals embedding"] is True
     assert "rotary setting rope_theta is 500000.0 there but 10000.0 in this model" in out["other rope"]
-    assert out["listing after re-export"] == ["config.json", "model.safetensors"]
+    assert out["listing after re-export"] == ["checksums.json", "config.json", "model.safetensors"]
     assert out["re-export imports the new weights"] is True

@@ -39,6 +39,15 @@ def _train(tmp, fault: str | None = None) -> tuple[subprocess.CompletedProcess, 
     return done, [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_same_weights(export_dir, want_weights: dict) -> None:
+    """The safetensors export in `export_dir` holds `want_weights`, each within TOLERANCE (relative)."""
+    weights = load_file(export_dir / "model.safetensors")
+    assert sorted(weights) == sorted(want_weights)
+    for name, want in want_weights.items():
+        error = ((weights[name] - want).norm() / want.norm()).item()
+        assert error <= TOLERANCE, (name, error)
+
+
 def _losses_by_step(records: list[dict]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}  # a step logged twice: the later line wins
 
@@ -73,11 +82,7 @@ def test_a_killed_worker_is_restarted_and_nothing_is_lost(tmp_path, fault_free, 
     errors = {s: abs(got[s] - want_losses[s]) / abs(want_losses[s]) for s in want_losses}
     assert max(errors.values()) <= TOLERANCE, (got, want_losses)
 
-    weights = load_file(tmp_path / "final" / "model.safetensors")
-    assert sorted(weights) == sorted(want_weights)
-    for name, want in want_weights.items():
-        error = ((weights[name] - want).norm() / want.norm()).item()
-        assert error <= TOLERANCE, (name, error)
+    assert_same_weights(tmp_path / "final", want_weights)
 
 
 def test_the_fault_hook_is_off_unless_asked_and_only_in_the_first_attempt(monkeypatch):

@@ -72,9 +72,9 @@ def _resume_and_publish(root: str) -> dict:
 
 def test_resume_latest_agrees_resume_from_is_exact_and_before_publish_sees_the_files(tmp_path):
     results = run_on_ranks(_resume_and_publish, 2, str(tmp_path), timeout=180)
-    # Every shard (one per pp rank), DCP's metadata and the train state written; not yet published.
-    assert results[0]["seen"] == [(".step2.partial", [".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.json"],
-                                   False)]
+    # Every shard (one per pp rank), DCP's metadata, the train state and their checksums written; not yet published.
+    assert results[0]["seen"] == [(".step2.partial", [".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.json",
+                                                      "train_state.json"], False)]
     assert results[1]["seen"] == []  # rank 0 publishes, so rank 0 alone calls the hook
     for result in results:
         assert "disk check failed" in result["refused"], result["refused"]
