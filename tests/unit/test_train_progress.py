@@ -59,6 +59,7 @@ def test_flops_need_the_meta_model():
 def test_peak_flops_table_and_unknown_devices():
     assert peak_flops_of("NVIDIA H100 80GB HBM3") == 989e12
     assert peak_flops_of("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops_of("NVIDIA H100 NVL") == 835e12
     assert peak_flops_of("NVIDIA H200") == 989e12
     assert peak_flops_of("NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_flops_of("NVIDIA B200") == 2.25e15
