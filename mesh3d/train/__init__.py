@@ -14,8 +14,8 @@
   units.
 
 examples/llama/train.py composes them; a loop of your own can take any of them alone. They sit
-above the rest of mesh3d (they use checkpoint, data and a ParallelModel); nothing in mesh3d
-imports them.
+above the rest of mesh3d (they use checkpoint, data and a ParallelModel); no other room of mesh3d
+imports them (only the package face, `mesh3d.train`).
 """
 
 from mesh3d.train.flops import flops_per_token, mfu, peak_flops
