@@ -40,7 +40,8 @@ from mesh3d.parallel_model import ParallelModel
 from mesh3d.pipeline.config import PipelineConfig
 from mesh3d.pipeline.p2p import PipelinePeers
 from mesh3d.pipeline.runtime import PipelineRuntime
-from mesh3d.pipeline.split import Split, find_layers, split_model
+from mesh3d.model.anatomy import Anatomy, anatomy_of
+from mesh3d.pipeline.split import Split, split_model
 from mesh3d.pipeline.tied import TiedWeights, find_ties
 from mesh3d.model.state_map import StateMap
 from mesh3d.tensor import TensorParallelConfig, apply_tensor_parallel, loss_context
@@ -71,13 +72,18 @@ def parallelize(
     reduce_dtype: torch.dtype = torch.float32,
     compile: bool | str = False,
     seed: int | None = None,
+    split_points: Sequence[str] | None = None,
+    example_inputs: tuple | None = None,
 ) -> ParallelModel:
     """Split `model` into pipeline stages, keep this rank's, and return a ParallelModel.
 
     Args:
         model: the whole model, on the meta device (materialized here, then `init_weights()`
-            if the model has it) or on CPU (its values are kept). It must follow the model
-            protocol: repeated blocks in an nn.ModuleDict `layers` (docs/model_protocol.md).
+            if the model has it) or on CPU (its values are kept). One of three kinds
+            (docs/model_protocol.md): the mesh3d protocol (repeated blocks in an nn.ModuleDict
+            `layers`), a Hugging Face causal LM as transformers builds it (split as its config's
+            `base_model_pp_plan` says, tensor-parallel by its `base_model_tp_plan`), or an
+            nn.Sequential (its children are the blocks).
         layout: from `build_mesh`; or give pp=/dp=/tp= and the mesh is built here.
         schedule: the pipeline schedule (docs/pipeline.md#schedules), with its default
             virtual_stages and the microbatch counts it runs:
@@ -119,25 +125,31 @@ def parallelize(
         compile: torch.compile each block of `layers` (True: inductor; or a backend name such as
             "aot_eager"); composes with tensor and data parallelism, activation checkpointing and
             tied weights, and keeps parameter names.
+        split_points: the names of the blocks where stages 1, 2, ... begin (PiPPy's
+            SplitPoint.BEGINNING), e.g. ["model.layers.4"]; instead of layers_per_stage.
+        example_inputs: one microbatch's positional inputs, what a traced model is captured with;
+            accepted for every model, unused where mesh3d does not trace.
         seed: seeds the initialization of a model given on meta: `init_weights(seed=seed)` when
             the model's init_weights takes a seed (a model that seeds by parameter name then gets
             the same weights under every layout), and the global RNG per stage. None: the
             model's default. Unused for a model given with values.
     """
-    find_layers(model)  # the model protocol, before any collective
+    anatomy = anatomy_of(model)  # which way the model came in, checked before any collective
     layout = _resolve_layout(layout, pp, dp, tp)
     precision = MixedPrecision.resolve(model, param_dtype, reduce_dtype)
     data = DataParallelConfig.resolve(dp_mode, reshard_after_forward, layout.pp, layout.dp, precision)
     compile_backend = resolve_compile(compile)
-    tensor = TensorParallelConfig.resolve(model, layout.tp, tp_plan, loss_parallel)
+    tensor = TensorParallelConfig.resolve(
+        model, layout.tp, tp_plan if tp_plan is not None else anatomy.tp_plan, loss_parallel, anatomy.tensor_parallel_sizes
+    )
     pipe = PipelineConfig.resolve(
-        model, layout.pp, schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
+        model, anatomy, layout.pp, schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
         activation_checkpoint=activation_checkpoint, layers_per_stage=layers_per_stage,
-        stage_balance=stage_balance, end_weight=end_weight,
+        stage_balance=stage_balance, end_weight=end_weight, split_points=split_points,
     )
     _check_same_config_everywhere(f"{pipe} {data} {tensor} compile={compile_backend}")
 
-    split = split_model(model, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank))
+    split = split_model(model, anatomy, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank))
     stages = to_device(split.stages, layout.device, materialize=split.from_meta)
     ties = find_ties(model)
     state = StateMap.from_stages(layout, split.meta_model, split.meta_stages, pipe.schedule.stage_rank, ties, stages)
@@ -147,11 +159,11 @@ def parallelize(
     if tensor.plan:
         _apply_tensor_parallel(split, stages, tied, tensor, layout)
     if compile_backend is not None:
-        compile_blocks(stages.values(), compile_backend, split_backward=pipe.schedule.splits_backward)
+        compile_blocks(stages.values(), anatomy, compile_backend, split_backward=pipe.schedule.splits_backward)
     grad_sync = None
     if data.wraps(layout.dp):
         tied.separate_stages()  # each stage is its own FSDP/DDP root: no Parameter shared by two
-        grad_sync = apply_data_parallel(stages, layout, data)
+        grad_sync = apply_data_parallel(stages, layout, data, anatomy.blocks)
 
     peers = PipelinePeers(
         layout.pp_rank, layout.group_ranks("pp"), layout.group("pp") if layout.pp > 1 else None, layout.device
@@ -160,13 +172,14 @@ def parallelize(
         stages, precision.computed(split.meta_stages), pipe.training, pipe.evaluation, peers, pipe.activation_checkpoint,
         before_backward=grad_sync.before_backward if grad_sync is not None else None,
         after_weight_backward=grad_sync.after_weight_backward if grad_sync is not None else None,
+        fake_shape_run=anatomy.fake_shape_run,
     )
     has_last_stage = pipe.schedule.n_stages - 1 in stages
     loss = GlobalLoss(
         layout, loss_fn or cross_entropy_loss, loss_context(tensor.loss_parallel), pipe.schedule.microbatches, has_last_stage
     )
     return ParallelModel(
-        layout, runtime, loss, tied, state, pipe.stage_layers, tensor, grad_sync, declared_vocab_size(model)
+        layout, runtime, loss, tied, state, pipe.stage_layers, tensor, grad_sync, declared_vocab_size(anatomy.vocab_size)
     )
 
 

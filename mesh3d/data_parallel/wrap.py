@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
@@ -58,8 +59,10 @@ class DataParallelConfig:
         return f"dp_mode={self.mode} reshard={self.reshard_after_forward} {self.precision}"
 
 
-def apply_data_parallel(stages: dict[int, nn.Module], layout: Layout, config: DataParallelConfig) -> GradientSync:
-    """Wrap each block of every stage, then the stage itself, over layout's dp dim (of any size,
+def apply_data_parallel(
+    stages: dict[int, nn.Module], layout: Layout, config: DataParallelConfig, blocks: Callable[[nn.Module], list[nn.Module]]
+) -> GradientSync:
+    """Wrap each block of every stage (`blocks(stage)`, the model's repeated blocks), then the stage itself, over layout's dp dim (of any size,
     1 included: the mixed-precision policy applies all the same); returns the once-per-step
     gradient sync the pipeline runtime calls before each backward.
 
@@ -85,7 +88,7 @@ def apply_data_parallel(stages: dict[int, nn.Module], layout: Layout, config: Da
 
         wrap = functools.partial(replicate, mesh=mesh)
     for stage in stages.values():
-        for block in stage.layers.values():
+        for block in blocks(stage):
             wrap(block, mp_policy=config.precision.policy(root=False))
         wrap(stage, mp_policy=config.precision.policy(root=True))
     return GradientSync(stages, reshard_between_backwards=config.mode == "fsdp" and config.reshard_after_forward)

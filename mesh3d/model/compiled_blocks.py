@@ -1,4 +1,4 @@
-"""torch.compile per block of `layers`, the pattern torchtitan uses.
+"""torch.compile per block (the model's repeated blocks, as its anatomy names them), the pattern torchtitan uses.
 
 Each block's `forward` is replaced by its compiled version, so parameter names stay those of the
 unsplit model (no `_orig_mod.` prefix in the state map, checkpoints or exports), and everything
@@ -20,6 +20,8 @@ import torch
 import torch._functorch.config
 from torch import nn
 
+from mesh3d.model.anatomy import Anatomy
+
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
@@ -36,8 +38,8 @@ def resolve_compile(compile: bool | str) -> str | None:
     raise ValueError(f"compile={compile!r}; pass True (inductor), False, or one of {list(COMPILE_BACKENDS)}")
 
 
-def compile_blocks(stages: Iterable[nn.Module], backend: str, split_backward: bool = False) -> None:
-    """Compile the forward of every block in each stage's `layers`, in place.
+def compile_blocks(stages: Iterable[nn.Module], anatomy: Anatomy, backend: str, split_backward: bool = False) -> None:
+    """Compile the forward of every block in each stage, in place.
 
     split_backward: the schedule runs each backward in two passes over one graph (I, then W with
     the graph kept). AOTAutograd's compiled backward reuses ("donates") buffers, which forbids a
@@ -47,7 +49,7 @@ def compile_blocks(stages: Iterable[nn.Module], backend: str, split_backward: bo
     if split_backward:
         torch._functorch.config.donated_buffer = False
     for stage in stages:
-        for block in stage.layers.values():
+        for block in anatomy.blocks(stage):
             block.forward = functools.partial(_unaliased_call, torch.compile(block.forward, backend=backend))
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
 Spec = tuple[torch.Size, torch.dtype]
@@ -25,10 +26,16 @@ class Boundaries:
 
 
 class BoundaryShapes:
-    """Runs every stage on meta tensors, once per microbatch shape and dtype."""
+    """Runs every stage on meta tensors, once per microbatch shape and dtype.
 
-    def __init__(self, meta_stages: list[nn.Module]):
+    `fake`: run under torch's FakeTensorMode, for a forward that reads values (transformers'
+    packed-sequence check calls `.item()` on the position ids, which a meta tensor refuses and a
+    fake tensor skips, as under tracing); the output is handed on as a plain meta tensor.
+    """
+
+    def __init__(self, meta_stages: list[nn.Module], fake: bool = False):
         self.meta_stages = meta_stages
+        self.fake = fake
         self._cache: dict[tuple, Boundaries] = {}
 
     def of(self, microbatch: torch.Tensor) -> Boundaries:
@@ -37,8 +44,15 @@ class BoundaryShapes:
             self._cache[key] = self._run(microbatch)
         return self._cache[key]
 
-    @torch.no_grad()
     def _run(self, microbatch: torch.Tensor) -> Boundaries:
+        if not self.fake:
+            return self._run_stages(microbatch)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            boundaries = self._run_stages(microbatch)
+        return Boundaries(boundaries.specs, _as_meta(boundaries.output))
+
+    @torch.no_grad()
+    def _run_stages(self, microbatch: torch.Tensor) -> Boundaries:
         x = torch.empty(microbatch.shape, dtype=microbatch.dtype, device="meta")
         last = len(self.meta_stages) - 1
         specs = []
@@ -56,3 +70,12 @@ class BoundaryShapes:
                 )
             specs.append((x.to_local().shape if isinstance(x, DTensor) else x.shape, x.dtype))
         return Boundaries(specs, x)
+
+
+def _as_meta(fake: torch.Tensor) -> torch.Tensor:
+    """A meta tensor (a DTensor with a meta shard) of the fake output's shape, dtype and placement."""
+    if isinstance(fake, DTensor):
+        local = torch.empty(fake.to_local().shape, dtype=fake.dtype, device="meta")
+        return DTensor.from_local(local, fake.device_mesh, fake.placements, run_check=False, shape=fake.shape,
+                                  stride=fake.stride())
+    return torch.empty(fake.shape, dtype=fake.dtype, device="meta")

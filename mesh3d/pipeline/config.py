@@ -15,7 +15,8 @@ from torch import nn
 from mesh3d.pipeline.schedule.catalog import build_schedule, default_microbatches, default_virtual_stages
 from mesh3d.pipeline.schedule.ir import Schedule
 from mesh3d.pipeline.schedule.lower import LoweredSchedule, lower
-from mesh3d.pipeline.split import find_layers, stage_layer_ranges
+from mesh3d.model.anatomy import Anatomy
+from mesh3d.pipeline.split import split_point_counts, stage_layer_ranges
 
 ACTIVATION_CHECKPOINT_MODES = ("never", "always", "except_last")
 
@@ -39,6 +40,7 @@ class PipelineConfig:
     def resolve(
         cls,
         model: nn.Module,
+        anatomy: Anatomy,
         pp: int,
         *,
         schedule: str,
@@ -48,20 +50,26 @@ class PipelineConfig:
         layers_per_stage: Sequence[int] | None,
         stage_balance: str,
         end_weight: float,
+        split_points: Sequence[str] | None = None,
     ) -> PipelineConfig:
         """Defaults from the catalog (schedule/catalog.py): microbatches = pp; virtual_stages as
-        each schedule's `virtual_stages_rule` says."""
-        layers = find_layers(model)
+        each schedule's `virtual_stages_rule` says. `split_points` (block names where stages begin)
+        gives the counts per stage, as `layers_per_stage` would."""
+        n_layers = len(anatomy.block_names(model))
+        if split_points is not None:
+            if layers_per_stage is not None:
+                raise ValueError("parallelize: give split_points or layers_per_stage, not both")
+            layers_per_stage = split_point_counts(anatomy, n_layers, split_points)
         if microbatches is None:
             microbatches = default_microbatches(pp)
         if virtual_stages is None:
-            virtual_stages = default_virtual_stages(schedule, pp, len(layers))
+            virtual_stages = default_virtual_stages(schedule, pp, n_layers)
         built = build_schedule(schedule, pp, microbatches, virtual_stages)  # checks the sizes
         if activation_checkpoint not in ACTIVATION_CHECKPOINT_MODES:
             raise ValueError(
                 f"activation_checkpoint={activation_checkpoint!r}; choose one of {list(ACTIVATION_CHECKPOINT_MODES)}"
             )
-        ranges = stage_layer_ranges(model, pp * virtual_stages, stage_balance, end_weight, layers_per_stage)
+        ranges = stage_layer_ranges(model, anatomy, pp * virtual_stages, stage_balance, end_weight, layers_per_stage)
         return cls(lower(built), lower(built.forward_only()), ranges, activation_checkpoint)
 
     def __str__(self) -> str:

@@ -62,6 +62,8 @@ class PipelineRuntime:
         after_weight_backward: called as after_weight_backward(stage) after a W that started
             inside the graph (backward_halves.py), where data parallelism's autograd hooks do not
             reach.
+        fake_shape_run: learn the boundary shapes under FakeTensorMode (boundary.py), for stages
+            whose forward reads values.
 
     Stages may be tensor-parallel: what crosses a stage boundary is then the local shard of the
     activation (with sequence parallel, 1/tp of it), and the meta stages carry the same plan, so
@@ -78,9 +80,10 @@ class PipelineRuntime:
         activation_checkpoint: str = "never",
         before_backward: Callable[[int, bool], None] | None = None,
         after_weight_backward: Callable[[int], None] | None = None,
+        fake_shape_run: bool = False,
     ):
         self.stages = stages
-        self.boundaries = BoundaryShapes(meta_stages)
+        self.boundaries = BoundaryShapes(meta_stages, fake=fake_shape_run)
         self.peers = peers
         self.device = peers.device
         self.activation_checkpoint = activation_checkpoint

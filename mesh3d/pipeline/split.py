@@ -1,48 +1,20 @@
-"""Stage builder: which layers each stage gets, and the stage modules themselves.
-
-A stage is a copy of the whole model with what it does not own removed: layers outside its range
-are deleted from the `layers` ModuleDict (keys keep their numbers), the modules registered before
-`layers` stay only on the first stage, those after it only on the last. Parameter names are
-therefore exactly those of the unsplit model. The copy never duplicates what it drops: the
-deep copy is told up front to map every unowned module to None.
+"""The split: which blocks each stage gets (balanced, explicit counts, or split points), and the
+stages themselves, each cut from the model as its anatomy says (model/cut.py): every stage on
+meta, this rank's for real.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import nn
+
+from mesh3d.model.anatomy import Anatomy
+from mesh3d.model.cut import block_parameter_counts, cut_stage, meta_copy
 
 
 STAGE_BALANCE = ("layers", "params")
-
-
-def find_layers(model: nn.Module, attr: str = "layers") -> nn.ModuleDict:
-    """The model's repeated blocks; a clear error if they are not an nn.ModuleDict keyed "0".."L-1"."""
-    layers = getattr(model, attr, None)
-    if not isinstance(layers, nn.ModuleDict):
-        found = type(layers).__name__ if layers is not None else "nothing"
-        raise ValueError(
-            f"{type(model).__name__} has no nn.ModuleDict attribute {attr!r} (found {found}); mesh3d splits a model "
-            f"by the repeated blocks it keeps in `self.{attr} = nn.ModuleDict({{'0': block, '1': block, ...}})` "
-            "(see docs/model_protocol.md)"
-        )
-    expected = [str(i) for i in range(len(layers))]
-    if list(layers.keys()) != expected:
-        raise ValueError(f"{type(model).__name__}.{attr} must be keyed '0'..'{len(layers) - 1}' in order, got {list(layers.keys())}")
-    if len(layers) == 0:
-        raise ValueError(f"{type(model).__name__}.{attr} is empty; a pipeline needs at least one layer per stage")
-    return layers
-
-
-def end_modules(model: nn.Module, attr: str = "layers") -> tuple[list[str], list[str]]:
-    """Names of the child modules registered before `layers` (first stage) and after it (last stage)."""
-    names = list(model._modules)
-    at = names.index(attr)
-    return names[:at], names[at + 1 :]
 
 
 def assign_layers(
@@ -106,21 +78,43 @@ def assign_layers(
 
 def stage_layer_ranges(
     model: nn.Module,
+    anatomy: Anatomy,
     n_stages: int,
     stage_balance: str = "layers",
     end_weight: float = 0.0,
     layers_per_stage: Sequence[int] | None = None,
 ) -> list[range]:
-    """parallelize's stage split: explicit counts, or balanced by layer count (the ends weighing
-    `end_weight` layers each) or by parameter count."""
+    """parallelize's stage split: explicit counts, or balanced by block count (the ends weighing
+    `end_weight` blocks each) or by parameter count."""
     if stage_balance not in STAGE_BALANCE:
         raise ValueError(f"stage_balance={stage_balance!r}; choose one of {list(STAGE_BALANCE)}")
-    n_layers = len(find_layers(model))
+    n_layers = len(anatomy.block_names(model))
     if stage_balance == "params":
-        per_layer, first, last = layer_parameter_counts(model)
+        per_layer, first, last = block_parameter_counts(model, anatomy)
         return assign_layers(n_layers, n_stages, layer_costs=per_layer, first_cost=first, last_cost=last,
                              layers_per_stage=layers_per_stage)
     return assign_layers(n_layers, n_stages, first_cost=end_weight, last_cost=end_weight, layers_per_stage=layers_per_stage)
+
+
+def split_point_counts(anatomy: Anatomy, n_layers: int, split_points: Sequence[str]) -> list[int]:
+    """Blocks per stage from the names where stages 1.. begin (PiPPy's SplitPoint.BEGINNING)."""
+    names = {anatomy.block_path(str(i)): i for i in range(n_layers)}
+    starts = []
+    for point in split_points:
+        if point not in names:
+            shown = list(names)[:4] + (["..."] if len(names) > 4 else [])
+            raise ValueError(
+                f"split_points: {point!r} is not a block of {anatomy.name}; a split point names the block a stage "
+                f"begins with, one of {shown}"
+            )
+        starts.append(names[point])
+    if starts != sorted(set(starts)) or (starts and starts[0] == 0):
+        raise ValueError(
+            f"split_points={list(split_points)} must name distinct blocks in model order, none the first block "
+            "(stage 0 always begins there)"
+        )
+    bounds = [0, *starts, n_layers]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
 @dataclass
@@ -133,74 +127,11 @@ class Split:
     stages: dict[int, nn.Module]  # this rank's stages, on the model's device (meta: not materialized)
 
 
-def split_model(model: nn.Module, stage_layers: list[range], local_stages: list[int]) -> Split:
+def split_model(model: nn.Module, anatomy: Anatomy, stage_layers: list[range], local_stages: list[int]) -> Split:
     """Cut `model` into len(stage_layers) stages; build every stage on meta and `local_stages` from the model."""
     n_stages = len(stage_layers)
     on_meta = any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
     meta_model = model if on_meta else meta_copy(model)
-    meta_stages = [build_stage(meta_model, s, n_stages, stage_layers[s]) for s in range(n_stages)]
-    stages = {s: build_stage(model, s, n_stages, stage_layers[s]) for s in local_stages}
+    meta_stages = [cut_stage(meta_model, anatomy, s, n_stages, stage_layers[s]) for s in range(n_stages)]
+    stages = {s: cut_stage(model, anatomy, s, n_stages, stage_layers[s]) for s in local_stages}
     return Split(on_meta, meta_model, meta_stages, stages)
-
-
-def build_stage(model: nn.Module, stage: int, n_stages: int, layer_range: range, attr: str = "layers") -> nn.Module:
-    """A copy of `model` holding only layer_range (and the ends if first/last), on the model's device."""
-    before, after = end_modules(model, attr)
-    layers = getattr(model, attr)
-    edges = [(layers, key, f"{attr}.{key}") for key in layers.keys() if int(key) not in layer_range]
-    if stage != 0:
-        edges += [(model, name, name) for name in before]
-    if stage != n_stages - 1:
-        edges += [(model, name, name) for name in after]
-    cut = {(id(parent), name) for parent, name, _ in edges}
-    dropped = {id(parent._modules[name]): label for parent, name, label in edges if parent._modules[name] is not None}
-    _check_not_shared(model, cut, dropped)
-    memo = dict.fromkeys(dropped, None)
-    stage_module = copy.deepcopy(model, memo)
-    stage_layers = getattr(stage_module, attr)
-    for key in [k for k, m in stage_layers._modules.items() if m is None]:
-        del stage_layers._modules[key]
-    return stage_module
-
-
-def _check_not_shared(model: nn.Module, cut: set[tuple[int, str]], dropped: dict[int, str]) -> None:
-    """A module this stage drops must not also be reachable through a part it keeps."""
-    seen: set[int] = set()
-    stack: list[tuple[str, nn.Module]] = [("", model)]
-    while stack:
-        path, module = stack.pop()
-        for name, child in module._modules.items():
-            if child is None or (id(module), name) in cut or id(child) in seen:
-                continue
-            where = f"{path}{name}"
-            if id(child) in dropped:
-                raise ValueError(
-                    f"module {dropped[id(child)]!r} is also registered as {where!r}, and the two land on different "
-                    "pipeline stages; share Parameters between stages (ties are supported), not whole modules"
-                )
-            seen.add(id(child))
-            stack.append((where + ".", child))
-
-
-def meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of `model` on the meta device, sharing what the model shares, without copying any data."""
-    memo: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for tensor in list(module._parameters.values()) + list(module._buffers.values()):
-            if tensor is None or id(tensor) in memo:
-                continue
-            empty = torch.empty_like(tensor, device="meta")
-            memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
-    return copy.deepcopy(model, memo)
-
-
-def layer_parameter_counts(model: nn.Module, attr: str = "layers") -> tuple[list[int], int, int]:
-    """Parameter counts per layer and of the first/last ends (a tied head counts on both ends)."""
-    before, after = end_modules(model, attr)
-
-    def count(modules) -> int:
-        return sum(p.numel() for m in modules if m is not None for p in m.parameters())
-
-    layers = getattr(model, attr)
-    per_layer = [count([layers[str(i)]]) for i in range(len(layers))]
-    return per_layer, count(model._modules[n] for n in before), count(model._modules[n] for n in after)

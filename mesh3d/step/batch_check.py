@@ -23,9 +23,9 @@ from mesh3d.distributed.agree import raise_if_any
 from mesh3d.model.loss import IGNORE_INDEX
 
 
-def declared_vocab_size(model: torch.nn.Module) -> int | None:
-    """The model's `vocab_size` attribute (the model protocol's way to declare it), or None."""
-    vocab_size = getattr(model, "vocab_size", None)
+def declared_vocab_size(vocab_size: object) -> int | None:
+    """The model's declared vocabulary (the protocol's `vocab_size` attribute, a Hugging Face
+    config's `vocab_size`), checked; None when it declares none."""
     if vocab_size is None:
         return None
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:

@@ -23,12 +23,18 @@ class TensorParallelConfig:
 
     @classmethod
     def resolve(
-        cls, model: nn.Module, tp: int, tp_plan: dict[str, ParallelStyle] | None, loss_parallel: bool
+        cls,
+        model: nn.Module,
+        tp: int,
+        tp_plan: dict[str, ParallelStyle] | None,
+        loss_parallel: bool,
+        declared_sizes: dict[str, int] | None = None,
     ) -> TensorParallelConfig:
-        """Check parallelize's tp arguments against the (meta) model: pure, the same on every rank."""
+        """Check parallelize's tp arguments (the plan: the user's or the model's own) against the
+        (meta) model and the sizes it declares tp must divide: pure, the same on every rank."""
         if tp == 1:
             return cls()
-        return cls(check_plan(model, model_plan(model, tp_plan), tp), bool(loss_parallel))
+        return cls(check_plan(model, model_plan(model, tp_plan), tp, declared_sizes), bool(loss_parallel))
 
     @property
     def sequence_parallel(self) -> bool:
@@ -47,8 +53,8 @@ def _describe(style: ParallelStyle) -> str:
 
 
 def model_plan(model: nn.Module, tp_plan: dict[str, ParallelStyle] | None) -> dict[str, ParallelStyle]:
-    """The plan to use: `tp_plan` when given, else the model's `tp_plan` attribute."""
-    plan = tp_plan if tp_plan is not None else getattr(model, "tp_plan", None)
+    """The plan to use (parallelize's `tp_plan`, else the model's own), checked for its type."""
+    plan = tp_plan
     if plan is None:
         raise ValueError(
             f"tp > 1 needs a tensor-parallel plan: give {type(model).__name__} a `tp_plan` attribute or pass "
@@ -80,18 +86,20 @@ def resolve_plan(module: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str,
     return resolved
 
 
-def check_plan(model: nn.Module, plan: dict[str, ParallelStyle], tp: int) -> dict[str, ParallelStyle]:
+def check_plan(
+    model: nn.Module, plan: dict[str, ParallelStyle], tp: int, declared: dict[str, int] | None = None
+) -> dict[str, ParallelStyle]:
     """Check the plan against the whole (meta) model for tensor-parallel degree `tp`; return it resolved.
 
     Raises ValueError naming the module and the sizes when a pattern matches nothing, when tp does
     not divide a sharded weight dimension, or when it does not divide one of the sizes the model
-    declares in `tensor_parallel_sizes()` (heads, kv heads, FFN width, vocabulary, ...).
+    declares (`declared`: heads, kv heads, FFN width, vocabulary, ...).
     """
     resolved = resolve_plan(model, plan)
     unused = [p for p in plan if not any(fnmatchcase(name, p) for name in resolved)]
     if unused:
         raise ValueError(f"tp_plan: patterns {unused} match no module of {type(model).__name__}; check their spelling")
-    declared = model.tensor_parallel_sizes() if callable(getattr(model, "tensor_parallel_sizes", None)) else {}
+    declared = declared or {}
     for what, size in declared.items():
         if size % tp != 0:
             raise ValueError(

@@ -18,6 +18,7 @@ from torch import nn
 
 from mesh3d import parallelize
 from mesh3d.data_parallel import DP_MODES
+from mesh3d.model.anatomy import protocol_anatomy
 from mesh3d.pipeline.config import ACTIVATION_CHECKPOINT_MODES, PipelineConfig
 from mesh3d.pipeline.schedule.catalog import DEFAULT_MICROBATCHES, SCHEDULES, build_schedule
 
@@ -62,8 +63,9 @@ def tiny_model(n_layers: int) -> nn.Module:
 
 
 def resolved(schedule: str, pp: int, n_layers: int) -> PipelineConfig:
+    model = tiny_model(n_layers)
     return PipelineConfig.resolve(
-        tiny_model(n_layers), pp, schedule=schedule, microbatches=None, virtual_stages=None,
+        model, protocol_anatomy(model), pp, schedule=schedule, microbatches=None, virtual_stages=None,
         activation_checkpoint="never", layers_per_stage=None, stage_balance="layers", end_weight=0.0,
     )
 
@@ -158,7 +160,7 @@ def test_the_documented_modes_are_the_ones_accepted():
     """The lists above are the ones the checks use: a mode outside them is refused."""
     with pytest.raises(ValueError, match="activation_checkpoint"):
         PipelineConfig.resolve(
-            tiny_model(2), 1, schedule="gpipe", microbatches=None, virtual_stages=None,
+            tiny_model(2), protocol_anatomy(tiny_model(2)), 1, schedule="gpipe", microbatches=None, virtual_stages=None,
             activation_checkpoint="sometimes", layers_per_stage=None, stage_balance="layers", end_weight=0.0,
         )
     from mesh3d.data_parallel import DataParallelConfig, MixedPrecision

@@ -1,4 +1,4 @@
-"""The stage builder: layer assignment, ModuleDict deletion, unsplit FQNs, copies without waste."""
+"""The stage builder: layer assignment, split points, block deletion, unsplit FQNs, copies without waste."""
 
 import itertools
 import random
@@ -8,8 +8,14 @@ import torch
 from torch import nn
 
 from examples.llama.model import Transformer
-from mesh3d.pipeline.split import assign_layers, build_stage, find_layers, layer_parameter_counts, meta_copy
+from mesh3d.model.anatomy import anatomy_of, protocol_anatomy
+from mesh3d.model.cut import block_parameter_counts, cut_stage, meta_copy
+from mesh3d.pipeline.split import assign_layers, split_point_counts
 from pipeline_cases import meta_model, tiny_args
+
+
+def build_stage(model, stage, n_stages, layer_range):
+    return cut_stage(model, anatomy_of(model), stage, n_stages, layer_range)
 
 
 def sizes(ranges):
@@ -56,7 +62,8 @@ def test_assignment_minimizes_the_most_expensive_stage():
 
 
 def test_assignment_by_parameter_count():
-    per_layer, first, last = layer_parameter_counts(meta_model(tied=False))
+    model = meta_model(tied=False)
+    per_layer, first, last = block_parameter_counts(model, anatomy_of(model))
     assert len(per_layer) == 8 and len(set(per_layer)) == 1
     assert first == 64 * 32 and last == 32 + 64 * 32  # embedding; final norm + head
     # a heavy head pushes layers towards the front
@@ -127,10 +134,34 @@ def test_model_without_a_layers_moduledict():
             self.layers = nn.ModuleList([nn.Linear(2, 2)])
 
     with pytest.raises(ValueError, match=r"Blocks has no nn.ModuleDict attribute 'layers' \(found ModuleList\)"):
-        find_layers(Blocks())
+        protocol_anatomy(Blocks())
     with pytest.raises(ValueError, match="found nothing"):
-        find_layers(nn.Linear(2, 2))
+        protocol_anatomy(nn.Linear(2, 2))
     gapped = nn.Module()
     gapped.layers = nn.ModuleDict({"0": nn.Linear(2, 2), "2": nn.Linear(2, 2)})
     with pytest.raises(ValueError, match="must be keyed '0'..'1' in order"):
-        find_layers(gapped)
+        protocol_anatomy(gapped)
+
+
+def test_an_nn_sequential_splits_at_its_children():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(5)])
+    anatomy = anatomy_of(model)
+    ranges = assign_layers(5, 2)
+    stages = [cut_stage(model, anatomy, s, 2, ranges[s]) for s in range(2)]
+    assert [list(st._modules) for st in stages] == [["0", "1", "2"], ["3", "4"]]
+    assert {n for st in stages for n, _ in st.named_parameters()} == {n for n, _ in model.named_parameters()}
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(stages[1](stages[0](x)), model(x), rtol=0, atol=0)
+
+
+def test_split_points_name_where_stages_begin():
+    model = meta_model(tied=False)
+    anatomy = anatomy_of(model)
+    assert split_point_counts(anatomy, 8, ["layers.3", "layers.6"]) == [3, 3, 2]
+    with pytest.raises(ValueError, match=r"'layers.9' is not a block of Transformer.*one of \['layers.0'"):
+        split_point_counts(anatomy, 8, ["layers.9"])
+    with pytest.raises(ValueError, match="distinct blocks in model order"):
+        split_point_counts(anatomy, 8, ["layers.6", "layers.3"])
+    with pytest.raises(ValueError, match="none the first block"):
+        split_point_counts(anatomy, 8, ["layers.0"])

@@ -25,6 +25,7 @@ from examples.llama.model import Transformer  # noqa: E402
 from examples.llama.text_data import build_datasets, build_tokenizer, fit_vocab  # noqa: E402
 from mesh3d.data import HFTokenizer, TokenDataset  # noqa: E402
 from mesh3d.data.hf_tokenizer import NoEOSTokenError  # noqa: E402
+from mesh3d.model.anatomy import anatomy_of  # noqa: E402
 from mesh3d.step.batch_check import batch_problem, declared_vocab_size  # noqa: E402
 from text_corpus import documents, train_bpe, write_jsonl  # noqa: E402
 
@@ -136,17 +137,17 @@ def test_padding_rows_are_never_a_target(tmp_path, own_end, docs):
     with torch.device("meta"):
         model = Transformer(config)
     assert model.tok_embeddings.weight.shape[0] == model.output.weight.shape[0] == 320
-    assert declared_vocab_size(model) == 300  # what parallelize hands the batch check
+    assert declared_vocab_size(anatomy_of(model).vocab_size) == 300  # what parallelize hands the batch check
     inputs = torch.zeros(2, 4, dtype=torch.long)
     ok = torch.full((2, 4), 299)
-    assert batch_problem(inputs, ok, declared_vocab_size(model)) is None
+    assert batch_problem(inputs, ok, declared_vocab_size(anatomy_of(model).vocab_size)) is None
     padding = ok.clone()
     padding[1, 2] = 300  # the first padding row
     assert "target 300 at position (1, 2) is outside [0, 300)" in batch_problem(inputs, padding, 300)
     assert "input token id 319" in batch_problem(torch.full((2, 4), 319), ok, 300)
     with torch.device("meta"):  # a model without padding declares all its rows, as before
         unpadded = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=4, vocab_size=64))
-    assert declared_vocab_size(unpadded) == 64
+    assert declared_vocab_size(anatomy_of(unpadded).vocab_size) == 64
 
 
 def test_library_errors_name_library_parameters_and_the_trainer_adds_its_flags(tmp_path, monkeypatch):

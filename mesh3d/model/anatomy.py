@@ -1,0 +1,132 @@
+"""A model's anatomy: where its repeated blocks are, what only the first or the last stage keeps,
+and how a stage cut from it runs.
+
+mesh3d takes a model in one of three ways (docs/model_protocol.md), and each becomes an Anatomy,
+so that the split, tensor and data parallelism, compile and the checkpoints see one shape:
+
+- the mesh3d protocol: blocks in an nn.ModuleDict `layers`, ends by registration order, one
+  forward that tolerates missing parts;
+- a Hugging Face causal LM, described by its config's `base_model_pp_plan`
+  (model/hugging_face/causal_lm.py);
+- an nn.Sequential: its children are the blocks, each stage runs the ones it keeps.
+
+A stage is always a copy of the whole model with what it does not own removed (model/cut.py), so
+every parameter keeps its name in the unsplit model.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+# (stage copy, is first stage, is last stage, the block indices it keeps) -> the runnable stage
+StageMaker = Callable[[nn.Module, bool, bool, range], nn.Module]
+
+
+@dataclass(frozen=True)
+class Anatomy:
+    """How to cut one model into pipeline stages."""
+
+    name: str  # for messages: the model's class and which way it came in
+    layers: str  # dotted path of the container of the repeated blocks ("" is the model itself)
+    first: tuple[str, ...] = ()  # dotted paths of modules only the first stage keeps
+    last: tuple[str, ...] = ()  # dotted paths of modules only the last stage keeps
+    # among `first` and `last`: where dropped, an nn.Identity stands in (the forward calls it regardless)
+    identity_when_dropped: tuple[str, ...] = ()
+    make_stage: StageMaker | None = None  # None: the cut copy runs its own forward
+    tp_plan: dict | None = None  # the plan from the model's own declaration, when it has one
+    tensor_parallel_sizes: dict[str, int] = field(default_factory=dict)  # sizes tp must divide, by name
+    vocab_size: int | None = None  # the declared vocabulary (ids the data may hold), when known
+    fake_shape_run: bool = False  # its forward reads values: learn boundary shapes under FakeTensorMode
+
+    def container(self, module: nn.Module) -> nn.Module:
+        """The blocks' container in `module` (the whole model or a stage cut from it)."""
+        return module.get_submodule(self.layers) if self.layers else module
+
+    def block_names(self, module: nn.Module) -> list[str]:
+        """The keys of the blocks `module` holds, in order ("0".."L-1" for the whole model)."""
+        return [key for key, block in self.container(module)._modules.items() if block is not None]
+
+    def blocks(self, module: nn.Module) -> list[nn.Module]:
+        """The blocks `module` holds, in order."""
+        container = self.container(module)
+        return [container._modules[key] for key in self.block_names(module)]
+
+    def block_path(self, key: str) -> str:
+        """The dotted name of block `key` in the unsplit model."""
+        return f"{self.layers}.{key}" if self.layers else key
+
+    def end_modules(self, model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+        """The modules of the first stage's end and of the last stage's end."""
+        return [model.get_submodule(p) for p in self.first], [model.get_submodule(p) for p in self.last]
+
+
+def anatomy_of(model: nn.Module) -> Anatomy:
+    """The anatomy of `model`, whichever way it came in; a ValueError listing the ways otherwise."""
+    if _is_hugging_face(model):
+        from mesh3d.model.hugging_face.causal_lm import hugging_face_anatomy
+
+        return hugging_face_anatomy(model)
+    if isinstance(getattr(model, "layers", None), nn.ModuleDict):
+        return protocol_anatomy(model)
+    if isinstance(model, nn.Sequential):
+        return sequential_anatomy(model)
+    found = type(getattr(model, "layers", None)).__name__ if getattr(model, "layers", None) is not None else "nothing"
+    raise ValueError(
+        f"{type(model).__name__} has no nn.ModuleDict attribute 'layers' (found {found}), is not an nn.Sequential "
+        "and is not a Hugging Face PreTrainedModel; mesh3d splits a model by the repeated blocks it keeps in "
+        "`self.layers = nn.ModuleDict({'0': block, '1': block, ...})` (see docs/model_protocol.md for the ways to "
+        "bring a model)"
+    )
+
+
+def protocol_anatomy(model: nn.Module, attr: str = "layers") -> Anatomy:
+    """The mesh3d protocol: an nn.ModuleDict `layers` keyed "0".."L-1"; the children registered
+    before it belong to the first stage, those after it to the last."""
+    layers = getattr(model, attr, None)
+    if not isinstance(layers, nn.ModuleDict):
+        found = type(layers).__name__ if layers is not None else "nothing"
+        raise ValueError(
+            f"{type(model).__name__} has no nn.ModuleDict attribute {attr!r} (found {found}); mesh3d splits a model "
+            f"by the repeated blocks it keeps in `self.{attr} = nn.ModuleDict({{'0': block, '1': block, ...}})` "
+            "(see docs/model_protocol.md)"
+        )
+    _check_keys(type(model).__name__ + f".{attr}", list(layers.keys()))
+    names = list(model._modules)
+    at = names.index(attr)
+    return Anatomy(
+        name=type(model).__name__,
+        layers=attr,
+        first=tuple(names[:at]),
+        last=tuple(names[at + 1 :]),
+        tp_plan=getattr(model, "tp_plan", None),
+        tensor_parallel_sizes=model.tensor_parallel_sizes() if callable(getattr(model, "tensor_parallel_sizes", None)) else {},
+        vocab_size=getattr(model, "vocab_size", None),
+    )
+
+
+def sequential_anatomy(model: nn.Sequential) -> Anatomy:
+    """An nn.Sequential: every child is a block; a stage is the Sequential of the children it keeps."""
+    _check_keys(f"{type(model).__name__} (nn.Sequential)", list(model._modules))
+    return Anatomy(
+        name=f"{type(model).__name__} (nn.Sequential)",
+        layers="",
+        tp_plan=getattr(model, "tp_plan", None),
+        vocab_size=getattr(model, "vocab_size", None),
+    )
+
+
+def _check_keys(what: str, keys: list[str]) -> None:
+    if not keys:
+        raise ValueError(f"{what} has no blocks; a pipeline needs at least one block per stage")
+    expected = [str(i) for i in range(len(keys))]
+    if keys != expected:
+        raise ValueError(f"{what} must be keyed '0'..'{len(keys) - 1}' in order, got {keys}")
+
+
+def _is_hugging_face(model: nn.Module) -> bool:
+    transformers = sys.modules.get("transformers")  # a model of transformers' means it is imported
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)

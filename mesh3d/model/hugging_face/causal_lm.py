@@ -1,0 +1,119 @@
+"""A Hugging Face causal LM's anatomy, read from what transformers declares for its architecture.
+
+The config's `base_model_pp_plan` names the base model's children in order: those before the
+repeated blocks take `input_ids` (the embedding: first stage), the one ModuleList is the blocks,
+those after it (the final norm) belong to the last stage, with the output head
+(`get_output_embeddings()`). Every other child (the rotary table) holds no state and stays on
+every stage.
+
+A stage runs the architecture's own forward, not a rewrite of it: the first stage calls the base
+model with `input_ids`, the others with `inputs_embeds` (the hidden states received); stages
+before the last return the base model's `last_hidden_state` (the final norm stands down as an
+nn.Identity there), the last stage runs the causal LM's forward whole (norm, head, logit scaling
+or softcapping) and returns its `logits`. Each stage's config lists only its own blocks'
+`layer_types`, for forwards that pick a block's mask by its position in the loop. Whether this
+composition equals the architecture's forward is not assumed: it is checked on a small instance
+of the architecture (exactness.py) and an architecture that fails is refused by name.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+
+from mesh3d.model.anatomy import Anatomy
+
+
+def hugging_face_anatomy(model: nn.Module, check_exactness: bool = True) -> Anatomy:
+    """The anatomy of a transformers `*ForCausalLM`; a ValueError naming the architecture and
+    what is missing when mesh3d cannot split it exactly."""
+    arch = type(model).__name__
+    config = model.config
+    prefix = model.base_model_prefix
+    base = getattr(model, prefix, None) if prefix else None
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if base is None or base is model or head is None:
+        raise ValueError(
+            f"{arch}: mesh3d takes a Hugging Face causal LM (a *ForCausalLM with a base model and an output head, "
+            "as AutoModelForCausalLM builds it); pass that model, not the bare base model or another head"
+        )
+    pp_plan = getattr(config, "base_model_pp_plan", None)
+    if not pp_plan:
+        raise ValueError(
+            f"{arch} ({config.model_type}): its config declares no base_model_pp_plan, so mesh3d cannot tell which "
+            "modules take and give what between stages; use an architecture that declares one, or write the model "
+            "to the mesh3d protocol (docs/model_protocol.md)"
+        )
+    names = list(pp_plan)
+    blocks = [n for n in names if isinstance(getattr(base, n, None), nn.ModuleList)]
+    if len(blocks) != 1:
+        raise ValueError(f"{arch}: its base_model_pp_plan {names} must name exactly one nn.ModuleList of blocks, found {blocks}")
+    at = names.index(blocks[0])
+    before, after = names[:at], names[at + 1 :]
+    problem = _plan_problem(pp_plan, before, blocks[0], after) or _stateful_extra(model, base, prefix, head, names)
+    if problem:
+        raise ValueError(f"{arch} ({config.model_type}): {problem}; mesh3d cannot split it exactly")
+    head_path = next(name for name, module in model.named_modules() if module is head)
+    anatomy = Anatomy(
+        name=f"{arch} (Hugging Face)",
+        layers=f"{prefix}.{blocks[0]}",
+        first=tuple(f"{prefix}.{n}" for n in before),
+        last=(*(f"{prefix}.{n}" for n in after), head_path),
+        identity_when_dropped=tuple(f"{prefix}.{n}" for n in after),
+        make_stage=functools.partial(_make_stage, prefix, list(getattr(config, "layer_types", None) or [])),
+        vocab_size=config.vocab_size,
+        fake_shape_run=True,  # transformers' mask code reads the position ids' values
+    )
+    if check_exactness:
+        from mesh3d.model.hugging_face.exactness import check_stages_exact
+
+        check_stages_exact(model)
+    return anatomy
+
+
+def _plan_problem(pp_plan: dict, before: list[str], blocks: str, after: list[str]) -> str | None:
+    """The pipeline plan's shape must be: input_ids -> ... -> hidden_states through the blocks -> ..."""
+    if not before or "input_ids" not in pp_plan[before[0]][0]:
+        return f"its base_model_pp_plan does not begin with a module taking input_ids (got {dict(pp_plan)})"
+    if list(pp_plan[blocks][1]) != ["hidden_states"]:
+        return f"its blocks give {list(pp_plan[blocks][1])} between stages, not hidden_states alone"
+    for name in after:
+        if list(pp_plan[name][0]) != ["hidden_states"] or list(pp_plan[name][1]) != ["hidden_states"]:
+            return f"its base_model_pp_plan's {name!r} after the blocks does not map hidden_states to hidden_states"
+    return None
+
+
+def _stateful_extra(model: nn.Module, base: nn.Module, prefix: str, head: nn.Module, planned: list[str]) -> str | None:
+    """A module outside the plan runs on every stage, so it must hold no state a stage would duplicate."""
+    extras = [(f"{prefix}.{n}", m) for n, m in base.named_children() if n not in planned]
+    extras += [(n, m) for n, m in model.named_children() if m is not base and m is not head]
+    for path, module in extras:
+        if any(True for _ in module.parameters()) or any(True for _ in module.state_dict()):
+            return f"module {path!r} holds state but is not in its base_model_pp_plan (stages would each hold a copy)"
+    return None
+
+
+def _make_stage(prefix: str, layer_types: list, stage: nn.Module, is_first: bool, is_last: bool, layer_range: range) -> nn.Module:
+    """Turn a cut copy into a stage that runs the architecture's own forward (module docstring)."""
+    if layer_types:
+        stage.config.layer_types = [layer_types[i] for i in layer_range]
+    original = type(stage)
+    stage.__class__ = _stage_class(original)
+    stage._mesh3d_role = (original, prefix, is_first, is_last)
+    return stage
+
+
+@functools.cache
+def _stage_class(original: type) -> type:
+    # A subclass, so the stage is still the architecture's class for everything but its forward.
+    return type(original.__name__, (original,), {"forward": _stage_forward, "__module__": original.__module__,
+                                                 "__qualname__": original.__qualname__})
+
+
+def _stage_forward(self, x):
+    original, prefix, is_first, is_last = self._mesh3d_role
+    given = {"input_ids": x} if is_first else {"inputs_embeds": x}
+    if is_last:
+        return original.forward(self, **given, use_cache=False).logits
+    return getattr(self, prefix)(**given, use_cache=False).last_hidden_state

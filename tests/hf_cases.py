@@ -1,0 +1,101 @@
+"""Shared pieces of the Hugging Face tests: tiny configs of real architectures, masked batches, and
+the independent reference, transformers' own model in one process on the whole batch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SEQ_LEN = 8
+VOCAB = 96
+STEPS = 2
+# Plain SGD: a mathematically zero gradient (a key bias: softmax ignores a shift shared by all keys)
+# stays a rounding-sized update, where Adam would blow the rounding up to a step of size lr.
+LR = 0.1
+TOLERANCE = 1e-5
+
+# Every size tensor parallelism splits (4 heads, 2 kv heads, FFN 96, vocab 96) divides tp = 2.
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+ARCHITECTURES = {
+    # Llama 3 rope scaling, grouped-query attention, tied embeddings
+    "llama": dict(tie_word_embeddings=True, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16, "rope_theta": 10000.0}),
+    "qwen2": dict(tie_word_embeddings=True),  # q/k/v biases
+    "qwen3": dict(head_dim=16, tie_word_embeddings=True),  # q/k norms; head_dim * heads != hidden_size
+    "mistral": dict(tie_word_embeddings=False),
+}
+
+
+def hf_config(arch: str, **overrides):
+    import transformers
+
+    return transformers.AutoConfig.for_model(arch, **{**COMMON, **ARCHITECTURES[arch], **overrides})
+
+
+def hf_model(arch: str, seed: int = 0, **overrides):
+    """The tiny model with values (CPU, fp32), the same for a seed in every process."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(arch, **overrides)).float()
+    with torch.no_grad():  # transformers starts biases at zero; values make their relative error meaningful
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.02)
+    return model
+
+
+def masked_batches(batch_size: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Input ids and next-token targets with some targets -100 (not counted), unevenly per row."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(3, VOCAB, (batch_size, SEQ_LEN + 1), generator=generator)
+        targets = ids[:, 1:].clone()
+        targets[torch.rand(targets.shape, generator=generator) < 0.25] = -100
+        out.append((ids[:, :-1].contiguous(), targets))
+    return out
+
+
+def reference_run(arch: str, data, **overrides):
+    """transformers' model in one process: losses and the state after every step (numpy, by value)."""
+    model = hf_model(arch, **overrides)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for inputs, targets in data:
+        logits = model(inputs).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def pipeline_run(arch: str, layout, data, **parallelize_kwargs):
+    import mesh3d
+
+    pm = mesh3d.parallelize(hf_model(arch), layout, **parallelize_kwargs)
+    optimizer = torch.optim.SGD(pm.parameters(), lr=LR)
+    losses = []
+    for inputs, targets in data:
+        share = slice(layout.dp_rank * len(inputs) // layout.dp, (layout.dp_rank + 1) * len(inputs) // layout.dp)
+        losses.append(pm.step(inputs[share], targets[share]).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, pm.full_state_dict()
+
+
+def worst_error(result, reference) -> tuple[float, str]:
+    losses, state = result
+    ref_losses, ref_state = reference
+    if sorted(state) != sorted(ref_state):
+        return float("inf"), f"names differ: {sorted(set(state) ^ set(ref_state))}"
+    errors = {f"loss {i}": abs(a - b) / abs(b) for i, (a, b) in enumerate(zip(losses, ref_losses))}
+    for name, want in ref_state.items():
+        want = torch.from_numpy(want)
+        errors[name] = ((state[name] - want).norm() / want.norm().clamp_min(1e-30)).item()
+    where = max(errors, key=errors.get)
+    return errors[where], where
