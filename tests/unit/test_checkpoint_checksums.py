@@ -1,10 +1,12 @@
-"""Checksums of checkpoints (issue 25), in this one process: the CRC-32 against a bitwise reference,
+"""Checksums of checkpoints (issue 25), in this one process: block digests read in chunks against
+one-shot XXH3 and the legacy CRC-32 against a bitwise reference,
 the files dealt out among ranks, and a real checkpoint (a tiny LLaMA at pp = dp = tp = 1, a
 private world of one) damaged in place with its sizes kept: `load` and the verify command name the
 damaged file; a checkpoint without checksums still loads, with one notice; a damaged safetensors
 export is refused by the import.
 """
 
+import json
 import os
 import random
 import shutil
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import xxhash
 
 import mesh3d
 from examples.llama.config import ModelArgs
@@ -47,7 +50,7 @@ def reference_crc32(data: bytes) -> int:
     return crc ^ 0xFFFFFFFF
 
 
-def test_every_block_of_a_file_read_in_chunks_has_the_reference_crc32(tmp_path, monkeypatch):
+def test_every_block_of_a_file_read_in_chunks_has_the_one_shot_digest(tmp_path, monkeypatch):
     monkeypatch.setattr(checksums, "_CHUNK", 1000)  # several chunks per block, the last one partial
     monkeypatch.setattr(checksums, "BLOCK_BYTES", 2500)
     data = random.Random(0).randbytes(6321)
@@ -55,19 +58,24 @@ def test_every_block_of_a_file_read_in_chunks_has_the_reference_crc32(tmp_path, 
     (tmp_path / "empty").write_bytes(b"")
     sums = checksums.sums_of(tmp_path, ["f", "empty"], threads=3)
     blocks = [data[:2500], data[2500:5000], data[5000:]]
-    assert sums == {"f": {"size": 6321, "crc32": [f"{reference_crc32(b):08x}" for b in blocks]},
-                    "empty": {"size": 0, "crc32": ["00000000"]}}
+    assert sums == {"f": {"size": 6321, "xxh3_64": [xxhash.xxh3_64_hexdigest(b) for b in blocks]},
+                    "empty": {"size": 0, "xxh3_64": [xxhash.xxh3_64_hexdigest(b"")]}}
     assert checksums.first_mismatch(tmp_path, sums, sums) is None
+    # a manifest written with CRC-32 (mesh3d before XXH3) still verifies, against a bitwise CRC-32
+    legacy = {"f": {"size": 6321, "crc32": [f"{reference_crc32(b):08x}" for b in blocks], "algorithm": "crc32"}}
+    assert [checksums.hash_of(tmp_path / "f", i * 2500, 2500, "crc32") for i in range(3)] == legacy["f"]["crc32"]
+    assert checksums.first_mismatch(tmp_path, legacy, legacy) is None
     with open(tmp_path / "f", "r+b") as f:  # one bit of the second block
         f.seek(4000)
         f.write(bytes([data[4000] ^ 1]))
-    problem = checksums.first_mismatch(tmp_path, sums, sums)
-    assert problem.startswith(f"{tmp_path / 'f'} has another checksum than when it was written (bytes 2500-5000:")
+    for recorded in (sums, legacy):
+        problem = checksums.first_mismatch(tmp_path, recorded, recorded)
+        assert problem.startswith(f"{tmp_path / 'f'} has another checksum than when it was written (bytes 2500-5000:")
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 8])
 def test_every_file_is_verified_by_exactly_one_rank(world_size):
-    sums = {f"__{i}_0.distcp": {"size": (i * 37) % 11, "crc32": "0"} for i in range(7)}
+    sums = {f"__{i}_0.distcp": {"size": (i * 37) % 11, "xxh3_64": "0"} for i in range(7)}
     shares = [checksums.share(sums, rank, world_size) for rank in range(world_size)]
     assert sorted(name for names in shares for name in names) == sorted(sums)
 
@@ -114,7 +122,7 @@ def test_save_records_a_checksum_of_every_file_it_publishes(pm, tmp_path):
     assert set(sums) == on_disk - {checksums.CHECKSUM_FILE}
     for name, entry in sums.items():
         data = (path / name).read_bytes()
-        assert entry == {"size": len(data), "crc32": [f"{reference_crc32(data):08x}"]}, name  # one block each
+        assert entry == {"size": len(data), "xxh3_64": [xxhash.xxh3_64_hexdigest(data)], "algorithm": "xxh3_64"}, name
 
 
 @pytest.mark.parametrize("which", ["data", ".metadata", "train_state.json"])
@@ -186,3 +194,17 @@ def test_a_safetensors_export_carries_checksums_and_its_import_verifies_them(pm,
         mesh3d.checkpoint.import_safetensors(pm, out)
     status, printed = _verify(out, capsys)
     assert status == 1 and str(out / "model.safetensors") in printed
+
+
+def test_a_checkpoint_with_a_crc32_manifest_still_verifies_and_loads(pm, tmp_path, capsys):
+    """Checkpoints written before the switch to XXH3 recorded CRC-32s; they stay loadable."""
+    path = _saved(pm, tmp_path)
+    files = {name: {"size": entry["size"], "crc32": [f"{reference_crc32((path / name).read_bytes()):08x}"]}
+             for name, entry in checksums.read_manifest(path).items()}
+    manifest = {"algorithm": "crc32", "block_bytes": checksums.BLOCK_BYTES, "files": files}  # as mesh3d wrote it then
+    (path / checksums.CHECKSUM_FILE).write_text(json.dumps(manifest))
+    assert _verify(path, capsys) == (0, f"whole: {path}\n")
+    mesh3d.checkpoint.load(path, pm)
+    _damage(max(path.glob("*.distcp"), key=lambda p: p.stat().st_size))
+    with pytest.raises(DamagedCheckpoint, match="crc32"):
+        mesh3d.checkpoint.load(path, pm)
