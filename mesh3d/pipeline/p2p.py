@@ -21,7 +21,7 @@ time per 512 KB message, 3 % of a pp=2 ZBV step) and a fresh buffer costs page f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,16 @@ class Traffic:
     bytes_sent: int = 0
     bytes_received: int = 0
     messages_sent: int = 0
+    # bytes sent, by (producer stage, consumer stage): only what left this rank; a hand-over in
+    # memory between two stages of this rank sends nothing and is not counted
+    bytes_by_stage_pair: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def count_send(self, producer: int, consumer: int, nbytes: int) -> None:
+        """One message of `nbytes` from stage `producer` to stage `consumer`."""
+        self.bytes_sent += nbytes
+        self.messages_sent += 1
+        pair = (producer, consumer)
+        self.bytes_by_stage_pair[pair] = self.bytes_by_stage_pair.get(pair, 0) + nbytes
 
 
 def message_tag(schedule: Schedule, kind: Kind, producer_stage: int, microbatch: int) -> int:
@@ -166,8 +176,8 @@ class Mailbox:
         what = (f"P2P send of the {'output' if forward else 'input gradient'} of stage {stage}, microbatch {microbatch}, "
                 f"to global rank {self.peers.global_ranks[action.peer]}")
         self.sends.append((work, tensor, what))  # the tensor must live until the send completes
-        self.traffic.bytes_sent += tensor.numel() * tensor.element_size()
-        self.traffic.messages_sent += 1
+        consumer = stage + 1 if forward else stage - 1
+        self.traffic.count_send(stage, consumer, tensor.numel() * tensor.element_size())
 
     def close(self) -> None:
         """End of a step that finished: wait for the sends; the receive buffers go back for the
