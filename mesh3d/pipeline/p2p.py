@@ -61,10 +61,12 @@ class Traffic:
         self.bytes_by_stage_pair[pair] = self.bytes_by_stage_pair.get(pair, 0) + nbytes
 
 
-def message_tag(schedule: Schedule, kind: Kind, producer_stage: int, microbatch: int) -> int:
-    """A tag unique to one message within a step (gloo matches on it; NCCL ignores it)."""
+def message_tag(schedule: Schedule, kind: Kind, producer_stage: int, consumer_stage: int, microbatch: int) -> int:
+    """A tag unique to one message within a step (gloo matches on it; NCCL ignores it): a stage
+    with a skip connection sends to two consumers, so the consumer is part of it."""
+    n = schedule.n_stages
     direction = 0 if kind in (Kind.SEND_F, Kind.RECV_F) else 1
-    return (direction * schedule.n_stages + producer_stage) * schedule.microbatches + microbatch
+    return ((direction * n + producer_stage) * n + consumer_stage) * schedule.microbatches + microbatch
 
 
 class ReceiveBuffers:
@@ -137,7 +139,7 @@ class Mailbox:
         if action in self.posted:
             return
         forward = action.kind == Kind.RECV_F
-        producer = action.stage - 1 if forward else action.stage + 1
+        producer = action.other_stage
         shape, dtype = self.specs[producer if forward else action.stage]
         if self.buffers is not None:
             buffer = self.posted[action] = self.buffers.get(action, shape, dtype, self.peers.device)
@@ -147,7 +149,7 @@ class Mailbox:
             buffer,
             src=self.peers.global_ranks[action.peer],
             group=self.peers.group,
-            tag=message_tag(self.schedule, action.kind, producer, action.microbatch),
+            tag=message_tag(self.schedule, action.kind, producer, action.stage, action.microbatch),
         )
         self.traffic.bytes_received += buffer.numel() * buffer.element_size()
         what = (f"P2P recv of the {'activation' if forward else 'output gradient'} of stage {action.stage}, "
@@ -171,13 +173,12 @@ class Mailbox:
             tensor,
             dst=self.peers.global_ranks[action.peer],
             group=self.peers.group,
-            tag=message_tag(self.schedule, action.kind, stage, microbatch),
+            tag=message_tag(self.schedule, action.kind, stage, action.other_stage, microbatch),
         )
         what = (f"P2P send of the {'output' if forward else 'input gradient'} of stage {stage}, microbatch {microbatch}, "
                 f"to global rank {self.peers.global_ranks[action.peer]}")
         self.sends.append((work, tensor, what))  # the tensor must live until the send completes
-        consumer = stage + 1 if forward else stage - 1
-        self.traffic.count_send(stage, consumer, tensor.numel() * tensor.element_size())
+        self.traffic.count_send(stage, action.other_stage, tensor.numel() * tensor.element_size())
 
     def close(self) -> None:
         """End of a step that finished: wait for the sends; the receive buffers go back for the
