@@ -9,6 +9,8 @@ boundary shapes give (batch / dp / microbatches rows of DIM floats, or of SEQ x 
 stages' ranks as the schedule lays them out. One 4-rank launch runs every case.
 """
 
+from torch.distributed.tensor import DTensor
+
 import mesh3d
 from multiprocess import run_on_ranks
 from pipeline_cases import TOLERANCE
@@ -45,7 +47,9 @@ def _run(references):
         rows = BATCH // layout.dp // m
         boundary = rows * DIM * 4 if kind == "blocks" else rows * SEQ * DIM * 4
         want = expected_bytes(layout.pp_rank, stage_ranks(options["schedule"], layout.pp, v), m, boundary)
-        outcome[index] = (worst((losses, state), references[index]), sent, want)
+        # under tp the plan must have reached every block (a plan matching nothing would pass too)
+        sharded = layout.tp == 1 or all(isinstance(p, DTensor) for n, p in pm.named_parameters() if ".up." in n)
+        outcome[index] = (worst((losses, state), references[index]), sent, want, sharded)
     return outcome
 
 
@@ -55,10 +59,12 @@ def test_sequential_matches_one_process_and_sends_what_its_shapes_say():
         references[index] = reference(model_of(kind), mse if kind == "blocks" else token_loss, data(kind, BATCH))
     failures = []
     for rank, outcome in enumerate(run_on_ranks(_run, 4, references, timeout=240)):
-        for index, ((error, where), sent, want) in outcome.items():
+        for index, ((error, where), sent, want, sharded) in outcome.items():
             case = f"rank {rank} {CASES[index][0]} {CASES[index][1]} {CASES[index][2].get('schedule')}"
             if error > TOLERANCE:
                 failures.append(f"{case}: relative error {error:.2e} at {where}")
+            if not sharded:
+                failures.append(f"{case}: the tp_plan left a block's up projection unsharded")
             if any(step != want for step in sent):
                 failures.append(f"{case}: comm_bytes() {sent[0]} (and later steps {sent[1:]}), expected {want}")
     assert not failures, "\n".join(failures)
