@@ -158,6 +158,16 @@ class ParallelModel:
         """Most stage-microbatch forwards this rank held for their backward during the last step."""
         return self.runtime.counters.peak_live_activations
 
+    def comm_bytes(self) -> dict[tuple[int, int], int]:
+        """{(src_stage, dst_stage): bytes this rank sent to that stage in the last training step}.
+
+        Activations and gradients alike: an activation from stage 1 to stage 2 is key (1, 2), a
+        gradient from stage 2 back to stage 1 is key (2, 1). Only messages that left this rank
+        count; a hand-over between two stages this rank holds (ZBV's turn, for one) sends nothing
+        and has no key. Bytes are those of the tensors as sent: local shards under tensor
+        parallelism, param_dtype under mixed precision. An evaluation does not change it."""
+        return dict(self.runtime.counters.bytes_by_stage_pair)
+
     # -- parameters ---------------------------------------------------------------------------
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:

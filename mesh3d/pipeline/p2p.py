@@ -21,7 +21,7 @@ time per 512 KB message, 3 % of a pp=2 ZBV step) and a fresh buffer costs page f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -49,12 +49,24 @@ class Traffic:
     bytes_sent: int = 0
     bytes_received: int = 0
     messages_sent: int = 0
+    # bytes sent, by (producer stage, consumer stage): only what left this rank; a hand-over in
+    # memory between two stages of this rank sends nothing and is not counted
+    bytes_by_stage_pair: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def count_send(self, producer: int, consumer: int, nbytes: int) -> None:
+        """One message of `nbytes` from stage `producer` to stage `consumer`."""
+        self.bytes_sent += nbytes
+        self.messages_sent += 1
+        pair = (producer, consumer)
+        self.bytes_by_stage_pair[pair] = self.bytes_by_stage_pair.get(pair, 0) + nbytes
 
 
-def message_tag(schedule: Schedule, kind: Kind, producer_stage: int, microbatch: int) -> int:
-    """A tag unique to one message within a step (gloo matches on it; NCCL ignores it)."""
+def message_tag(schedule: Schedule, kind: Kind, producer_stage: int, consumer_stage: int, microbatch: int) -> int:
+    """A tag unique to one message within a step (gloo matches on it; NCCL ignores it): a stage
+    with a skip connection sends to two consumers, so the consumer is part of it."""
+    n = schedule.n_stages
     direction = 0 if kind in (Kind.SEND_F, Kind.RECV_F) else 1
-    return (direction * schedule.n_stages + producer_stage) * schedule.microbatches + microbatch
+    return ((direction * n + producer_stage) * n + consumer_stage) * schedule.microbatches + microbatch
 
 
 class ReceiveBuffers:
@@ -127,7 +139,7 @@ class Mailbox:
         if action in self.posted:
             return
         forward = action.kind == Kind.RECV_F
-        producer = action.stage - 1 if forward else action.stage + 1
+        producer = action.other_stage
         shape, dtype = self.specs[producer if forward else action.stage]
         if self.buffers is not None:
             buffer = self.posted[action] = self.buffers.get(action, shape, dtype, self.peers.device)
@@ -137,7 +149,7 @@ class Mailbox:
             buffer,
             src=self.peers.global_ranks[action.peer],
             group=self.peers.group,
-            tag=message_tag(self.schedule, action.kind, producer, action.microbatch),
+            tag=message_tag(self.schedule, action.kind, producer, action.stage, action.microbatch),
         )
         self.traffic.bytes_received += buffer.numel() * buffer.element_size()
         what = (f"P2P recv of the {'activation' if forward else 'output gradient'} of stage {action.stage}, "
@@ -161,13 +173,12 @@ class Mailbox:
             tensor,
             dst=self.peers.global_ranks[action.peer],
             group=self.peers.group,
-            tag=message_tag(self.schedule, action.kind, stage, microbatch),
+            tag=message_tag(self.schedule, action.kind, stage, action.other_stage, microbatch),
         )
         what = (f"P2P send of the {'output' if forward else 'input gradient'} of stage {stage}, microbatch {microbatch}, "
                 f"to global rank {self.peers.global_ranks[action.peer]}")
         self.sends.append((work, tensor, what))  # the tensor must live until the send completes
-        self.traffic.bytes_sent += tensor.numel() * tensor.element_size()
-        self.traffic.messages_sent += 1
+        self.traffic.count_send(stage, action.other_stage, tensor.numel() * tensor.element_size())
 
     def close(self) -> None:
         """End of a step that finished: wait for the sends; the receive buffers go back for the

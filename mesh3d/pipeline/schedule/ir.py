@@ -40,17 +40,31 @@ RELEASES = (Kind.B, Kind.W)  # the action after which a forward's activation is 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of one rank's list: `kind` of `stage` on `microbatch` (and `peer` pp rank for P2P)."""
+    """One step of one rank's list: `kind` of `stage` on `microbatch` (and `peer` pp rank for P2P).
+
+    A message normally goes between adjacent stages (SEND_F from s to s+1, SEND_B from s to s-1);
+    a skip connection's message goes further, and `far_stage` names the stage at its other end
+    (the consumer of a SEND_F or the producer of a RECV_F, and so on; None: the adjacent one).
+    """
 
     stage: int
     kind: Kind
     microbatch: int
     peer: int | None = None
+    far_stage: int | None = None
 
     def __str__(self) -> str:
         where = f"->{self.peer}" if self.kind in (Kind.SEND_F, Kind.SEND_B) else f"<-{self.peer}"
         suffix = where if self.peer is not None else ""
-        return f"{self.kind}{self.microbatch}@s{self.stage}{suffix}"
+        skip = f"(s{self.far_stage})" if self.far_stage is not None else ""
+        return f"{self.kind}{self.microbatch}@s{self.stage}{suffix}{skip}"
+
+    @property
+    def other_stage(self) -> int:
+        """The stage at the other end of a message: `far_stage`, or the adjacent stage."""
+        if self.far_stage is not None:
+            return self.far_stage
+        return self.stage + 1 if self.kind in (Kind.SEND_F, Kind.RECV_B) else self.stage - 1
 
 
 def stage_to_rank(stage: int, pp: int, virtual_stages: int, placement: str = "loop") -> int:

@@ -3,6 +3,11 @@
 - `lower()` inserts SEND/RECV actions. Every rank lists its messages in the order of the
   simulated send times (from `timeline()`, ties broken by one global key), so the two ends of
   every rank pair see their shared messages in the same order (gloo also matches them by tag).
+  Skip connections (a stage whose output some stage past the next one consumes) get their own
+  messages, straight from producer to consumer and back for the gradient, never relayed through
+  the stages between (torchgpipe's portals): the consumer's forward already waits for the
+  producer's through the chain, and the producer's backward for the consumer's, so they add
+  messages but no ordering.
 - `check_lowered()` replays the lowered lists with only their order (no costs), with each
   rank's communication completing in issue order (NCCL, one stream), and requires every rank to
   reach its end. A lowered schedule that passes runs under any real timing.
@@ -19,15 +24,13 @@ from mesh3d.pipeline.schedule.timeline import dependencies, replay, timeline
 
 @dataclass(frozen=True)
 class Message:
-    """An activation (SEND_F) or gradient (SEND_B) going from one stage to the next/previous one."""
+    """An activation (SEND_F) or gradient (SEND_B) going from one stage to another: the next /
+    previous one, or, across a skip connection, a later / earlier one."""
 
     kind: Kind  # SEND_F or SEND_B
     stage: int  # the stage that produces it
     microbatch: int
-
-    @property
-    def consumer_stage(self) -> int:
-        return self.stage + 1 if self.kind == Kind.SEND_F else self.stage - 1
+    consumer_stage: int
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class LoweredSchedule:
 
     schedule: Schedule
     actions: tuple[tuple[Action, ...], ...]
+    skips: tuple[tuple[int, int], ...] = ()  # (producer, consumer) stage pairs past the adjacent ones
 
     def __str__(self) -> str:
         return "\n".join(f"rank {r}: " + " ".join(str(a) for a in acts) for r, acts in enumerate(self.actions))
@@ -44,36 +48,65 @@ class LoweredSchedule:
 def _message_of(action: Action) -> Message:
     """The message a SEND/RECV action carries, keyed by its producer."""
     if action.kind in (Kind.SEND_F, Kind.SEND_B):
-        return Message(action.kind, action.stage, action.microbatch)
-    if action.kind == Kind.RECV_F:
-        return Message(Kind.SEND_F, action.stage - 1, action.microbatch)
-    return Message(Kind.SEND_B, action.stage + 1, action.microbatch)
+        return Message(action.kind, action.stage, action.microbatch, action.other_stage)
+    kind = Kind.SEND_F if action.kind == Kind.RECV_F else Kind.SEND_B
+    return Message(kind, action.other_stage, action.microbatch, action.stage)
 
 
-def lower(schedule: Schedule) -> LoweredSchedule:
-    """Add SEND after each compute whose result another rank needs, RECV before its use; then check."""
+def check_skips(skips, n_stages: int) -> tuple[tuple[int, int], ...]:
+    """Skip connections as sorted (producer, consumer) pairs, each past the next stage."""
+    pairs = tuple(sorted({(int(p), int(c)) for p, c in skips}))
+    for producer, consumer in pairs:
+        if not 0 <= producer < consumer - 1 < n_stages - 1:
+            raise ScheduleError(
+                f"skip connection {(producer, consumer)}: a skip goes from a stage to one past the next, "
+                f"within stages 0..{n_stages - 1}"
+            )
+    return pairs
+
+
+def consumers(stage: int, n_stages: int, skips: tuple[tuple[int, int], ...]) -> list[int]:
+    """The stages that take `stage`'s output: the next one, then the skips' consumers."""
+    nxt = [stage + 1] if stage < n_stages - 1 else []
+    return nxt + [c for p, c in skips if p == stage]
+
+
+def producers(stage: int, skips: tuple[tuple[int, int], ...]) -> list[int]:
+    """The stages whose output `stage` takes: the previous one, then the skips' producers."""
+    return ([stage - 1] if stage > 0 else []) + [p for p, c in skips if c == stage]
+
+
+def lower(schedule: Schedule, skips=()) -> LoweredSchedule:
+    """Add SEND after each compute whose result another rank needs, RECV before its use; then check.
+
+    `skips`: (producer, consumer) stage pairs of skip connections, consumer past producer + 1."""
     timed = timeline(schedule)
     n_stages = schedule.n_stages
+    skips = check_skips(skips, n_stages)
     # (time, 0 for communication / 1 for compute, global tie-break) -> same message order on both ends.
     keyed: list[list[tuple]] = [[] for _ in range(schedule.pp)]
     for item in timed:
         action, rank = item.action, item.rank
         keyed[rank].append((item.start, 1, (), action))
-        if action.kind == Kind.F and action.stage < n_stages - 1:
-            kind, consumer = Kind.SEND_F, action.stage + 1
-        elif action.kind in BACKWARD_INPUT and action.stage > 0:
-            kind, consumer = Kind.SEND_B, action.stage - 1
+        if action.kind == Kind.F:
+            kind, targets = Kind.SEND_F, consumers(action.stage, n_stages, skips)
+        elif action.kind in BACKWARD_INPUT:
+            kind, targets = Kind.SEND_B, producers(action.stage, skips)
         else:
             continue
-        peer = schedule.stage_rank(consumer)
-        if peer == rank:
-            continue  # both stages on this rank: handed over in memory
-        tie_break = (action.stage, kind.value, action.microbatch)
-        keyed[rank].append((item.end, 0, tie_break, Action(action.stage, kind, action.microbatch, peer)))
-        recv_kind = Kind.RECV_F if kind == Kind.SEND_F else Kind.RECV_B
-        keyed[peer].append((item.end, 0, tie_break, Action(consumer, recv_kind, action.microbatch, rank)))
+        for target in targets:
+            peer = schedule.stage_rank(target)
+            if peer == rank:
+                continue  # both stages on this rank: handed over in memory
+            adjacent = abs(target - action.stage) == 1
+            tie_break = (action.stage, kind.value, action.microbatch, target)
+            send = Action(action.stage, kind, action.microbatch, peer, None if adjacent else target)
+            keyed[rank].append((item.end, 0, tie_break, send))
+            recv_kind = Kind.RECV_F if kind == Kind.SEND_F else Kind.RECV_B
+            recv = Action(target, recv_kind, action.microbatch, rank, None if adjacent else action.stage)
+            keyed[peer].append((item.end, 0, tie_break, recv))
     actions = tuple(tuple(entry[-1] for entry in sorted(entries, key=lambda e: e[:3])) for entries in keyed)
-    lowered = LoweredSchedule(schedule, actions)
+    lowered = LoweredSchedule(schedule, actions, skips)
     check_lowered(lowered)
     return lowered
 
@@ -124,8 +157,7 @@ def check_lowered(lowered: LoweredSchedule) -> None:
             needed = dependencies(action, n_stages)
             if any(d not in done for d in needed if schedule.stage_rank(d.stage) == rank):
                 return False
-            remote = [d for d in needed if schedule.stage_rank(d.stage) != rank]
-            if any(_produced_message(d) not in completed for d in remote):
+            if any(m not in completed for m in _messages_needed(action, schedule, rank, lowered.skips)):
                 return False
             done.add(action)
         else:
@@ -142,6 +174,13 @@ def check_lowered(lowered: LoweredSchedule) -> None:
         )
 
 
-def _produced_message(dependency: Action) -> Message:
-    kind = Kind.SEND_F if dependency.kind == Kind.F else Kind.SEND_B
-    return Message(kind, dependency.stage, dependency.microbatch)
+def _messages_needed(action: Action, schedule: Schedule, rank: int, skips: tuple[tuple[int, int], ...]) -> list[Message]:
+    """The messages from other ranks a compute action consumes: F its inputs, B / I its output gradients."""
+    s, j = action.stage, action.microbatch
+    if action.kind == Kind.F:
+        sources, kind = producers(s, skips), Kind.SEND_F
+    elif action.kind in BACKWARD_INPUT:
+        sources, kind = consumers(s, schedule.n_stages, skips), Kind.SEND_B
+    else:
+        return []
+    return [Message(kind, source, j, s) for source in sources if schedule.stage_rank(source) != rank]
