@@ -140,7 +140,8 @@ def parallelize(
     data = DataParallelConfig.resolve(dp_mode, reshard_after_forward, layout.pp, layout.dp, precision)
     compile_backend = resolve_compile(compile)
     tensor = TensorParallelConfig.resolve(
-        model, layout.tp, tp_plan if tp_plan is not None else anatomy.tp_plan, loss_parallel, anatomy.tensor_parallel_sizes
+        model, layout.tp, tp_plan if tp_plan is not None else anatomy.tp_plan, loss_parallel,
+        anatomy.tensor_parallel_sizes, refusal=anatomy.tp_plan_refusal,
     )
     pipe = PipelineConfig.resolve(
         model, anatomy, layout.pp, schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,

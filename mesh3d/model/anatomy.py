@@ -38,6 +38,7 @@ class Anatomy:
     identity_when_dropped: tuple[str, ...] = ()
     make_stage: StageMaker | None = None  # None: the cut copy runs its own forward
     tp_plan: dict | None = None  # the plan from the model's own declaration, when it has one
+    tp_plan_refusal: str | None = None  # why the model's own declaration gives no plan (raised when tp > 1)
     tensor_parallel_sizes: dict[str, int] = field(default_factory=dict)  # sizes tp must divide, by name
     vocab_size: int | None = None  # the declared vocabulary (ids the data may hold), when known
     fake_shape_run: bool = False  # its forward reads values: learn boundary shapes under FakeTensorMode
