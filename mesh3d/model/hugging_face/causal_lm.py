@@ -23,6 +23,7 @@ import functools
 from torch import nn
 
 from mesh3d.model.anatomy import Anatomy
+from mesh3d.model.hugging_face.seeded_init import init_stage_weights
 from mesh3d.model.hugging_face.tp_plan import tensor_parallel_sizes, translate_tp_plan
 
 
@@ -68,6 +69,7 @@ def hugging_face_anatomy(model: nn.Module, check_exactness: bool = True) -> Anat
         tp_plan_refusal=tp_plan_refusal,
         tensor_parallel_sizes=tensor_parallel_sizes(config),
         vocab_size=config.vocab_size,
+        init_stage=init_stage_weights,
         fake_shape_run=True,  # transformers' mask code reads the position ids' values
     )
     if check_exactness:
