@@ -79,7 +79,8 @@ def parallelize(
 
     Args:
         model: the whole model, on the meta device (materialized here, then `init_weights()`
-            if the model has it) or on CPU (its values are kept). One of three kinds
+            if the model has it; a Hugging Face model: its own `_init_weights` per module, seeded
+            by the module's name) or on CPU (its values are kept). One of three kinds
             (docs/model_protocol.md): the mesh3d protocol (repeated blocks in an nn.ModuleDict
             `layers`), a Hugging Face causal LM as transformers builds it (split as its config's
             `base_model_pp_plan` says, tensor-parallel by its `base_model_tp_plan`), or an
@@ -131,8 +132,10 @@ def parallelize(
             accepted for every model, unused where mesh3d does not trace.
         seed: seeds the initialization of a model given on meta: `init_weights(seed=seed)` when
             the model's init_weights takes a seed (a model that seeds by parameter name then gets
-            the same weights under every layout), and the global RNG per stage. None: the
-            model's default. Unused for a model given with values.
+            the same weights under every layout), and the global RNG per stage; a Hugging Face
+            model's modules are each seeded by (seed, module name), so every layout gets the same
+            weights. None: the model's default (Hugging Face: torch.initial_seed()). Unused for a
+            model given with values.
     """
     anatomy = anatomy_of(model)  # which way the model came in, checked before any collective
     layout = _resolve_layout(layout, pp, dp, tp)
@@ -140,7 +143,8 @@ def parallelize(
     data = DataParallelConfig.resolve(dp_mode, reshard_after_forward, layout.pp, layout.dp, precision)
     compile_backend = resolve_compile(compile)
     tensor = TensorParallelConfig.resolve(
-        model, layout.tp, tp_plan if tp_plan is not None else anatomy.tp_plan, loss_parallel, anatomy.tensor_parallel_sizes
+        model, layout.tp, tp_plan if tp_plan is not None else anatomy.tp_plan, loss_parallel,
+        anatomy.tensor_parallel_sizes, refusal=anatomy.tp_plan_refusal,
     )
     pipe = PipelineConfig.resolve(
         model, anatomy, layout.pp, schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
@@ -155,7 +159,7 @@ def parallelize(
     state = StateMap.from_stages(layout, split.meta_model, split.meta_stages, pipe.schedule.stage_rank, ties, stages)
     tied = TiedWeights(ties, split.meta_stages, pipe.schedule.stage_rank, layout, stages)
     tied.tie_locally()
-    _initialize(split, stages, tied, layout, seed)
+    _initialize(split, stages, tied, layout, seed, anatomy)
     if tensor.plan:
         _apply_tensor_parallel(split, stages, tied, tensor, layout)
     if compile_backend is not None:
@@ -202,12 +206,12 @@ def _check_same_config_everywhere(config: str) -> None:
 
 
 def _initialize(
-    split: Split, stages: dict[int, nn.Module], tied: TiedWeights, layout: Layout, seed: int | None
+    split: Split, stages: dict[int, nn.Module], tied: TiedWeights, layout: Layout, seed: int | None, anatomy: Anatomy
 ) -> None:
     """Fresh values for a model given on meta; then every copy and replica equal to its first."""
     if split.from_meta:
         for index, stage in stages.items():
-            initialize(stage, index, layout.device, seed)
+            initialize(stage, index, layout.device, seed, anatomy.init_stage)
     tied.sync_values()
     make_replicas_identical(stages, layout)
 

@@ -26,12 +26,28 @@ ARCHITECTURES = {
     "qwen3": dict(head_dim=16, tie_word_embeddings=True),  # q/k norms; head_dim * heads != hidden_size
     "mistral": dict(tie_word_embeddings=False),
 }
+# Architectures mesh3d refuses, each for a reason it names: Granite multiplies the embeddings inside
+# its forward (every stage would multiply again); Qwen3-MoE's tp plan packs experts (no exact torch
+# style); GPT-2 declares no base_model_pp_plan.
+REFUSED = {
+    "granite": dict(embedding_multiplier=12.0, tie_word_embeddings=True),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8),
+    "gpt2": dict(tie_word_embeddings=True),
+}
 
 
 def hf_config(arch: str, **overrides):
     import transformers
 
-    return transformers.AutoConfig.for_model(arch, **{**COMMON, **ARCHITECTURES[arch], **overrides})
+    return transformers.AutoConfig.for_model(arch, **{**COMMON, **{**ARCHITECTURES, **REFUSED}[arch], **overrides})
+
+
+def meta_hf_model(arch: str, **overrides):
+    """The tiny model on the meta device, as a user builds one to be initialized by mesh3d."""
+    import transformers
+
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(hf_config(arch, **overrides))
 
 
 def hf_model(arch: str, seed: int = 0, **overrides):
@@ -54,14 +70,18 @@ def masked_batches(batch_size: int, seed: int = 0) -> list[tuple[torch.Tensor, t
     for _ in range(STEPS):
         ids = torch.randint(3, VOCAB, (batch_size, SEQ_LEN + 1), generator=generator)
         targets = ids[:, 1:].clone()
+        ids[0, 0] = VOCAB // 2  # the first row of the second vocabulary shard (tp = 2): its lookup and gradient
         targets[torch.rand(targets.shape, generator=generator) < 0.25] = -100
         out.append((ids[:, :-1].contiguous(), targets))
     return out
 
 
-def reference_run(arch: str, data, **overrides):
-    """transformers' model in one process: losses and the state after every step (numpy, by value)."""
+def reference_run(arch: str, data, state: dict | None = None, **overrides):
+    """transformers' model in one process (from `state` when given): losses and the state after every
+    step (numpy, by value)."""
     model = hf_model(arch, **overrides)
+    if state is not None:
+        model.load_state_dict(state)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for inputs, targets in data:
@@ -74,10 +94,11 @@ def reference_run(arch: str, data, **overrides):
     return losses, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
 
-def pipeline_run(arch: str, layout, data, **parallelize_kwargs):
+def pipeline_run(arch: str, layout, data, model=None, **parallelize_kwargs):
+    """mesh3d's run of `model` (default: hf_model(arch)): losses and the full state after the steps."""
     import mesh3d
 
-    pm = mesh3d.parallelize(hf_model(arch), layout, **parallelize_kwargs)
+    pm = mesh3d.parallelize(hf_model(arch) if model is None else model, layout, **parallelize_kwargs)
     optimizer = torch.optim.SGD(pm.parameters(), lr=LR)
     losses = []
     for inputs, targets in data:

@@ -38,8 +38,12 @@ class Anatomy:
     identity_when_dropped: tuple[str, ...] = ()
     make_stage: StageMaker | None = None  # None: the cut copy runs its own forward
     tp_plan: dict | None = None  # the plan from the model's own declaration, when it has one
+    tp_plan_refusal: str | None = None  # why the model's own declaration gives no plan (raised when tp > 1)
     tensor_parallel_sizes: dict[str, int] = field(default_factory=dict)  # sizes tp must divide, by name
     vocab_size: int | None = None  # the declared vocabulary (ids the data may hold), when known
+    # (stage from meta, seed) -> fresh values, the same for a module whichever stage holds it; None: the
+    # model's own init_weights() (model/initialize.py)
+    init_stage: Callable[[nn.Module, int], None] | None = None
     fake_shape_run: bool = False  # its forward reads values: learn boundary shapes under FakeTensorMode
 
     def container(self, module: nn.Module) -> nn.Module:

@@ -9,6 +9,7 @@ first rank's values, so sharding starts from one model.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,10 @@ def to_device(stages: dict[int, nn.Module], device: torch.device, materialize: b
 
 
 @torch.no_grad()
-def initialize(stage: nn.Module, index: int, device: torch.device, seed: int | None = None) -> None:
+def initialize(
+    stage: nn.Module, index: int, device: torch.device, seed: int | None = None,
+    init_stage: Callable[[nn.Module, int], None] | None = None,
+) -> None:
     """Fresh values for a stage materialized from meta: the model's own init_weights() if it has one.
 
     With a `seed`, an `init_weights` that takes a `seed` argument gets it: a model that seeds each
@@ -31,10 +35,18 @@ def initialize(stage: nn.Module, index: int, device: torch.device, seed: int | N
     seed under every layout. The global RNG is reseeded too, with (seed + stage index), or
     without a seed with (initial seed + stage index), so stages on different ranks, which start
     from the same RNG state, do not get identical layers.
+
+    `init_stage` (the anatomy's, e.g. a Hugging Face model's per-module seeded init) replaces
+    init_weights: called with `seed`, or without one with the initial seed, the same on every rank
+    that seeded alike.
     """
     devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    base_seed = torch.initial_seed() if seed is None else seed
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed((torch.initial_seed() if seed is None else seed) + index)
+        torch.manual_seed(base_seed + index)
+        if init_stage is not None:
+            init_stage(stage, base_seed)
+            return
         init_weights = getattr(stage, "init_weights", None)
         if callable(init_weights):
             if seed is not None and _takes_seed(init_weights):

@@ -29,12 +29,14 @@ class TensorParallelConfig:
         tp_plan: dict[str, ParallelStyle] | None,
         loss_parallel: bool,
         declared_sizes: dict[str, int] | None = None,
+        refusal: str | None = None,
     ) -> TensorParallelConfig:
         """Check parallelize's tp arguments (the plan: the user's or the model's own) against the
-        (meta) model and the sizes it declares tp must divide: pure, the same on every rank."""
+        (meta) model and the sizes it declares tp must divide: pure, the same on every rank.
+        `refusal`: why the model's own declaration gives no plan, raised when tp > 1 and no plan is given."""
         if tp == 1:
             return cls()
-        return cls(check_plan(model, model_plan(model, tp_plan), tp, declared_sizes), bool(loss_parallel))
+        return cls(check_plan(model, model_plan(model, tp_plan, refusal), tp, declared_sizes), bool(loss_parallel))
 
     @property
     def sequence_parallel(self) -> bool:
@@ -52,9 +54,13 @@ def _describe(style: ParallelStyle) -> str:
     return type(style).__name__ if " object at 0x" in text else text
 
 
-def model_plan(model: nn.Module, tp_plan: dict[str, ParallelStyle] | None) -> dict[str, ParallelStyle]:
+def model_plan(
+    model: nn.Module, tp_plan: dict[str, ParallelStyle] | None, refusal: str | None = None
+) -> dict[str, ParallelStyle]:
     """The plan to use (parallelize's `tp_plan`, else the model's own), checked for its type."""
     plan = tp_plan
+    if plan is None and refusal:
+        raise ValueError(refusal)
     if plan is None:
         raise ValueError(
             f"tp > 1 needs a tensor-parallel plan: give {type(model).__name__} a `tp_plan` attribute or pass "

@@ -23,6 +23,8 @@ import functools
 from torch import nn
 
 from mesh3d.model.anatomy import Anatomy
+from mesh3d.model.hugging_face.seeded_init import init_stage_weights
+from mesh3d.model.hugging_face.tp_plan import tensor_parallel_sizes, translate_tp_plan
 
 
 def hugging_face_anatomy(model: nn.Module, check_exactness: bool = True) -> Anatomy:
@@ -55,6 +57,7 @@ def hugging_face_anatomy(model: nn.Module, check_exactness: bool = True) -> Anat
     if problem:
         raise ValueError(f"{arch} ({config.model_type}): {problem}; mesh3d cannot split it exactly")
     head_path = next(name for name, module in model.named_modules() if module is head)
+    tp_plan, tp_plan_refusal = translate_tp_plan(model)
     anatomy = Anatomy(
         name=f"{arch} (Hugging Face)",
         layers=f"{prefix}.{blocks[0]}",
@@ -62,7 +65,11 @@ def hugging_face_anatomy(model: nn.Module, check_exactness: bool = True) -> Anat
         last=(*(f"{prefix}.{n}" for n in after), head_path),
         identity_when_dropped=tuple(f"{prefix}.{n}" for n in after),
         make_stage=functools.partial(_make_stage, prefix, list(getattr(config, "layer_types", None) or [])),
+        tp_plan=tp_plan,
+        tp_plan_refusal=tp_plan_refusal,
+        tensor_parallel_sizes=tensor_parallel_sizes(config),
         vocab_size=config.vocab_size,
+        init_stage=init_stage_weights,
         fake_shape_run=True,  # transformers' mask code reads the position ids' values
     )
     if check_exactness:

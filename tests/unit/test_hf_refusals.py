@@ -1,0 +1,62 @@
+"""Hugging Face models mesh3d cannot take exactly are refused by name, in one process, before any collective
+(anatomy_of and the tp-plan check are pure); and the plan it does translate is transformers' own."""
+
+from __future__ import annotations
+
+import pytest
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+import hf_cases
+from mesh3d.model.anatomy import anatomy_of
+from mesh3d.model.hugging_face.tp_plan import declared_tp_plan
+from mesh3d.tensor import TensorParallelConfig
+
+pytest.importorskip("transformers")
+
+
+def test_granite_with_an_embedding_multiplier_is_refused_by_name():
+    with pytest.raises(ValueError, match="GraniteForCausalLM") as error:
+        anatomy_of(hf_cases.meta_hf_model("granite"))
+    assert "inputs_embeds" in str(error.value)
+
+
+def test_granite_without_a_multiplier_is_taken():
+    assert anatomy_of(hf_cases.meta_hf_model("granite", embedding_multiplier=1.0)).layers == "model.layers"
+
+
+def test_gpt2_without_a_pipeline_plan_is_refused_by_name():
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*base_model_pp_plan"):
+        anatomy_of(hf_cases.meta_hf_model("gpt2"))
+
+
+def test_an_untranslatable_tp_style_is_refused_only_under_tensor_parallelism():
+    model = hf_cases.meta_hf_model("qwen3_moe")
+    anatomy = anatomy_of(model)  # pipeline-only use is fine
+    assert TensorParallelConfig.resolve(model, 1, anatomy.tp_plan, False, refusal=anatomy.tp_plan_refusal).plan == {}
+    with pytest.raises(ValueError) as error:
+        TensorParallelConfig.resolve(model, 2, anatomy.tp_plan, False, anatomy.tensor_parallel_sizes,
+                                     refusal=anatomy.tp_plan_refusal)
+    message = str(error.value)
+    refused = {p: s for p, s in declared_tp_plan(model).items() if s in ("packed_colwise", "moe_tp_experts")}
+    assert "Qwen3MoeForCausalLM" in message
+    assert any(f"{p!r}" in message and f"{s!r}" in message for p, s in refused.items()), message
+
+
+@pytest.mark.parametrize("arch", list(hf_cases.ARCHITECTURES))
+def test_the_translated_plan_is_transformers_declaration(arch):
+    model = hf_cases.meta_hf_model(arch)
+    declared = declared_tp_plan(model)
+    plan = anatomy_of(model).tp_plan
+    assert set(plan) == set(declared)  # every declared module pattern, under its name in the whole model
+    kinds = {"colwise": ColwiseParallel, "colwise_gather_output": ColwiseParallel, "rowwise": RowwiseParallel,
+             "embedding_rowwise": RowwiseParallel, "replicated_with_grad_allreduce": SequenceParallel}
+    for pattern, style in declared.items():
+        assert type(plan[pattern]) is kinds[style], (pattern, style, plan[pattern])
+    assert "model.layers.*.self_attn.q_proj" in plan and "lm_head" in plan and "model.embed_tokens" in plan
+
+
+def test_tp_must_divide_the_heads_the_config_declares():
+    model = hf_cases.meta_hf_model("llama")
+    anatomy = anatomy_of(model)
+    with pytest.raises(ValueError, match="tp=4 does not divide num_key_value_heads=2"):
+        TensorParallelConfig.resolve(model, 4, anatomy.tp_plan, False, anatomy.tensor_parallel_sizes)
