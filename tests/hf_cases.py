@@ -47,11 +47,11 @@ def hf_model(arch: str, seed: int = 0, **overrides):
     return model
 
 
-def masked_batches(batch_size: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def masked_batches(batch_size: int, seed: int = 0, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Input ids and next-token targets with some targets -100 (not counted), unevenly per row."""
     generator = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         ids = torch.randint(3, VOCAB, (batch_size, SEQ_LEN + 1), generator=generator)
         targets = ids[:, 1:].clone()
         targets[torch.rand(targets.shape, generator=generator) < 0.25] = -100
@@ -59,10 +59,10 @@ def masked_batches(batch_size: int, seed: int = 0) -> list[tuple[torch.Tensor, t
     return out
 
 
-def reference_run(arch: str, data, **overrides):
+def reference_run(arch: str, data, momentum: float = 0.0, **overrides):
     """transformers' model in one process: losses and the state after every step (numpy, by value)."""
     model = hf_model(arch, **overrides)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
     losses = []
     for inputs, targets in data:
         logits = model(inputs).logits
