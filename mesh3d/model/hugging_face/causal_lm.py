@@ -122,8 +122,17 @@ def architecture_of(stage: nn.Module) -> type | None:
 @functools.cache
 def _stage_class(original: type) -> type:
     # A subclass, so the stage is still the architecture's class for everything but its forward.
-    return type(original.__name__, (original,), {"forward": _stage_forward, "__module__": original.__module__,
-                                                 "__qualname__": original.__qualname__})
+    return type(original.__name__, (original,), {"forward": _stage_forward, "init_weights": _stage_init_weights,
+                                                 "__module__": original.__module__, "__qualname__": original.__qualname__})
+
+
+def _stage_init_weights(self) -> None:
+    """The architecture's own initialization of what this stage holds (a model given on meta).
+
+    transformers' `init_weights` also ties the output head to the embedding, which a stage that
+    holds one end without the other cannot do; mesh3d ties across stages itself (pipeline/tied.py).
+    """
+    self.initialize_weights()
 
 
 def _stage_forward(self, x):
