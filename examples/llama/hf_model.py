@@ -90,11 +90,15 @@ def _is_flat_rope(rope) -> bool:
 
 
 def build(config) -> nn.Module:
-    """The causal LM on the meta device: no memory until parallelize materializes this rank's part."""
+    """The causal LM on the meta device: no memory until parallelize materializes this rank's part.
+
+    Its parameters are fp32 whatever dtype the config was saved in (a Hub checkpoint's is often
+    bfloat16): the optimizer updates fp32 master weights, --param-dtype sets the compute dtype.
+    """
     import transformers
 
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config)
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def describe(config) -> str:
