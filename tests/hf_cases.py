@@ -63,11 +63,11 @@ def hf_model(arch: str, seed: int = 0, **overrides):
     return model
 
 
-def masked_batches(batch_size: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def masked_batches(batch_size: int, seed: int = 0, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Input ids and next-token targets with some targets -100 (not counted), unevenly per row."""
     generator = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         ids = torch.randint(3, VOCAB, (batch_size, SEQ_LEN + 1), generator=generator)
         targets = ids[:, 1:].clone()
         ids[0, 0] = VOCAB // 2  # the first row of the second vocabulary shard (tp = 2): its lookup and gradient
@@ -76,13 +76,13 @@ def masked_batches(batch_size: int, seed: int = 0) -> list[tuple[torch.Tensor, t
     return out
 
 
-def reference_run(arch: str, data, state: dict | None = None, **overrides):
+def reference_run(arch: str, data, state: dict | None = None, momentum: float = 0.0, **overrides):
     """transformers' model in one process (from `state` when given): losses and the state after every
     step (numpy, by value)."""
     model = hf_model(arch, **overrides)
     if state is not None:
         model.load_state_dict(state)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
     losses = []
     for inputs, targets in data:
         logits = model(inputs).logits

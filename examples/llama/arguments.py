@@ -15,6 +15,7 @@ from typing import NoReturn
 import torch
 
 import mesh3d
+from examples.llama import hf_model
 from examples.llama.config import CONFIGS
 from examples.llama.run_config import config_file_argv
 from examples.llama.tensorboard_log import tensorboard_available
@@ -105,6 +106,9 @@ def build_parser(description: str | None = None) -> Parser:
                    help="stop after this many optimizer steps in a row skipped for a non-finite gradient norm")
     p.add_argument("--init-from-hf", default=None, metavar="DIR",
                    help="model config and weights from a Hugging Face Llama directory (config.json + safetensors)")
+    p.add_argument("--hf-model", default=None, metavar="DIR_OR_ARCH",
+                   help="train a Hugging Face model as transformers builds it: a directory with a config.json (its "
+                        "weights too, when there) or a model type (qwen2, llama, ...) at --config's sizes")
     p.add_argument("--export-hf", default=None, metavar="DIR", help="after training, write the model as Hugging Face safetensors")
     return p
 
@@ -126,6 +130,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         p.error("--checkpoint-every must be >= 0 and --keep-last >= 1")
     if args.init_from_hf and (args.n_layers is not None or args.tied is not None or args.vocab_size is not None):
         p.error("--init-from-hf takes the model's shape from its config.json; drop --n-layers/--tied/--vocab-size")
+    if args.hf_model:
+        _check_hf_model(p, args)
     if args.eval_every < 0 or args.eval_batches < 1:
         p.error("--eval-every must be >= 0 and --eval-batches >= 1")
     if args.token_file and (args.tokenizer or args.data):
@@ -133,3 +139,13 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     if args.tensorboard and not tensorboard_available():
         p.error("--tensorboard needs the tensorboard package: pip install tensorboard")
     return args
+
+
+def _check_hf_model(p: Parser, args: argparse.Namespace) -> None:
+    problem = hf_model.check_spec(args.hf_model)
+    if problem:
+        p.error(problem)
+    if args.init_from_hf:
+        p.error("--hf-model DIR already starts from DIR's weights; --init-from-hf is the LLaMA example's: pass one of them")
+    if hf_model.is_directory(args.hf_model) and (args.n_layers is not None or args.tied is not None or args.vocab_size is not None):
+        p.error("--hf-model DIR takes the model's shape from its config.json; drop --n-layers/--tied/--vocab-size")

@@ -1,11 +1,11 @@
 """train.py's data: which tokenizer, which corpus, the model's vocabulary, and the held-out split for evaluation.
 
 - `--tokenizer PATH` (a Hugging Face tokenizer.json, or its directory); with `--init-from-hf DIR`
-  and no `--tokenizer`, DIR/tokenizer.json when there is one; else the byte tokenizer.
+  or `--hf-model DIR` and no `--tokenizer`, DIR/tokenizer.json when there is one; else the byte tokenizer.
   `--eos-token TOKEN` chooses the token that ends each document where the tokenizer declares none.
 - The model's vocabulary: `--vocab-size N` when given (at least the tokenizer's), the
-  `--init-from-hf` model's own, else the tokenizer's padded to a multiple that tensor parallelism
-  divides (`padded_vocab_size`); the padding rows are never an input or a target.
+  `--init-from-hf` (or `--hf-model DIR`) model's own, else the tokenizer's padded to a multiple
+  that tensor parallelism divides (`padded_vocab_size`); the padding rows are never an input or a target.
 - `--data` files, directories and globs of .txt/.jsonl/.parquet, tokenized once into the cache;
   `--token-file` a pre-tokenized array; neither: the standard library's sources.
 - `--eval-every N` holds out `--eval-batches` global batches of samples, drawn by `--seed`.
@@ -17,6 +17,7 @@ import argparse
 from pathlib import Path
 
 from examples.llama.config import ModelArgs, padded_vocab_size
+from examples.llama.hf_model import hf_model_dir
 from mesh3d.data import ByteTokenizer, HFTokenizer, SampleSubset, TokenDataset, split_heldout, stdlib_sources
 from mesh3d.data.hf_tokenizer import NoEOSTokenError
 
@@ -27,10 +28,11 @@ _FLAGS = "train.py sets the data's `paths` with --data and `text_field` with --t
 def build_tokenizer(args: argparse.Namespace):
     """The run's tokenizer: --tokenizer, else the --init-from-hf directory's tokenizer.json, else bytes."""
     path = None
+    model_dir = args.init_from_hf or hf_model_dir(args)
     if args.tokenizer:
         path = args.tokenizer
-    elif args.init_from_hf and (Path(args.init_from_hf) / "tokenizer.json").is_file():
-        path = Path(args.init_from_hf) / "tokenizer.json"
+    elif model_dir and (Path(model_dir) / "tokenizer.json").is_file():
+        path = Path(model_dir) / "tokenizer.json"
     if path is None:
         if args.eos_token is not None:
             raise SystemExit(f"--eos-token {args.eos_token} needs a Hugging Face tokenizer (--tokenizer); "
@@ -55,9 +57,7 @@ def fit_vocab(config: ModelArgs, tokenizer, args: argparse.Namespace) -> ModelAr
     tokens = tokenizer.vocab_size
     described = getattr(tokenizer, "path", "the byte tokenizer")
     if args.init_from_hf:
-        if tokens > config.vocab_size:
-            raise SystemExit(f"the tokenizer ({described}) has {tokens} tokens, more than the vocab_size="
-                             f"{config.vocab_size} of the model in {args.init_from_hf}; use the model's own tokenizer")
+        check_fits(config.vocab_size, args.init_from_hf, tokenizer, args)
     elif args.vocab_size is not None:
         if tokens > args.vocab_size:
             raise SystemExit(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's {tokens} tokens "
@@ -66,6 +66,18 @@ def fit_vocab(config: ModelArgs, tokenizer, args: argparse.Namespace) -> ModelAr
     else:
         config = config.with_(vocab_size=padded_vocab_size(tokens, args.tp))
     return config.with_(tokenizer_vocab_size=tokens)
+
+
+def check_fits(vocab_size: int, model_dir: str, tokenizer, args: argparse.Namespace) -> None:
+    """A model whose vocabulary its directory fixes (--init-from-hf, --hf-model DIR) must have a row
+    for every id the tokenizer makes."""
+    if args.token_file:
+        return
+    tokens = tokenizer.vocab_size
+    if tokens > vocab_size:
+        described = getattr(tokenizer, "path", "the byte tokenizer")
+        raise SystemExit(f"the tokenizer ({described}) has {tokens} tokens, more than the vocab_size="
+                         f"{vocab_size} of the model in {model_dir}; use the model's own tokenizer")
 
 
 def build_datasets(args: argparse.Namespace, tokenizer) -> tuple[TokenDataset | SampleSubset, SampleSubset | None]:

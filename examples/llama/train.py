@@ -10,6 +10,9 @@
         --checkpoint-dir ckpt --checkpoint-every 50 --resume          # or --resume-from ckpt/step100
     # start from Hugging Face Llama weights, write the result back as safetensors:
     python examples/llama/train.py --init-from-hf path/to/llama --export-hf runs/hf
+    # a Hugging Face model as transformers builds it: a directory (with or without weights), or an
+    # architecture at --config's sizes; --export-hf writes it back as that architecture:
+    torchrun --standalone --nproc-per-node 2 examples/llama/train.py --hf-model qwen2 --pp 2 --export-hf runs/qwen2
     # your tokenizer and JSONL/Parquet shards, held-out eval, settings kept in a TOML file:
     python examples/llama/train.py --config-file run.toml --tokenizer tokenizer.json \
         --data "shards/*.jsonl" --eval-every 50 --eval-batches 4
@@ -36,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mesh3d  # noqa: E402
-from examples.llama import arguments  # noqa: E402
+from examples.llama import arguments, hf_model  # noqa: E402
 from examples.llama.config import ModelArgs, get_config  # noqa: E402
 from examples.llama.config_errors import flags_of, reported_once  # noqa: E402
 from examples.llama.fault_injection import FaultInjection  # noqa: E402
@@ -44,7 +47,7 @@ from examples.llama.model import Transformer, count_parameters, llama_tp_plan  #
 from examples.llama.placement import placement_report  # noqa: E402
 from examples.llama.run_config import effective_config_toml  # noqa: E402
 from examples.llama.tensorboard_log import TensorBoardLog  # noqa: E402
-from examples.llama.text_data import build_datasets, build_tokenizer, fit_vocab  # noqa: E402
+from examples.llama.text_data import build_datasets, build_tokenizer, check_fits, fit_vocab  # noqa: E402
 from mesh3d.data import DistributedLoader  # noqa: E402
 from mesh3d.distributed.rendezvous import restart_count  # noqa: E402
 from mesh3d.train import BadStepGuard, HeldOutEvaluator, Progress, due, resume_from, resume_latest  # noqa: E402
@@ -81,6 +84,22 @@ def model_config(args) -> ModelArgs:
     return get_config(args.config, **{k: v for k, v in overrides.items() if v is not None})
 
 
+def build_model(args, tokenizer) -> tuple[torch.nn.Module, str]:
+    """The whole model on the meta device (no memory until parallelize materializes this rank's
+    part), and how to name it: the LLaMA example's Transformer, or with --hf-model a Hugging Face
+    model (a directory's config, or an architecture at --config's sizes)."""
+    if args.hf_model and hf_model.is_directory(args.hf_model):
+        config = hf_model.hf_config(args, None)
+        check_fits(config.vocab_size, args.hf_model, tokenizer, args)
+        return hf_model.build(config), f"{args.hf_model}: {hf_model.describe(config)}"
+    sizes = fit_vocab(model_config(args), tokenizer, args)  # the tokenizer's vocabulary unless --vocab-size
+    if args.hf_model:
+        config = hf_model.hf_config(args, sizes)
+        return hf_model.build(config), f"{hf_model.describe(config)} at --config {args.config}'s sizes"
+    with torch.device("meta"):
+        return Transformer(sizes), args.init_from_hf or args.config
+
+
 def set_up(args):
     """Everything a configuration error can come from, before the first step; the same on every rank."""
     if args.threads:
@@ -91,14 +110,13 @@ def set_up(args):
         if layout.rank == 0:
             Path(args.placement_report).write_text(json.dumps(report))
     tokenizer = build_tokenizer(args)
-    config = fit_vocab(model_config(args), tokenizer, args)  # the tokenizer's vocabulary unless --vocab-size
-    with torch.device("meta"):  # no memory until parallelize materializes this rank's part
-        model = Transformer(config)
+    model, described = build_model(args, tokenizer)
     n_params, per_token = count_parameters(model), flops_per_token(model, args.seq_len)
     pm = mesh3d.parallelize(
         model, layout, schedule=args.schedule, microbatches=args.microbatches, virtual_stages=args.virtual_stages,
         activation_checkpoint=args.activation_checkpoint, dp_mode=args.dp_mode,
-        tp_plan=llama_tp_plan(loss_parallel=args.loss_parallel), loss_parallel=args.loss_parallel,
+        # A Hugging Face model's plan is its own (its config's base_model_tp_plan)
+        tp_plan=None if args.hf_model else llama_tp_plan(loss_parallel=args.loss_parallel), loss_parallel=args.loss_parallel,
         param_dtype=arguments.PARAM_DTYPES[args.param_dtype], compile=args.compile, seed=args.seed,
     )  # the default loss: next-token cross-entropy over the global batch's counted tokens, any layout
     dataset, heldout = build_datasets(args, tokenizer)
@@ -113,11 +131,17 @@ def set_up(args):
     if state is not None:
         loader.load_state_dict(state["data_state"])
         start_step, origin = state["step"], f"resumed from {resumed} (step {state['step']})"
-    elif args.init_from_hf:
-        mesh3d.checkpoint.import_safetensors(pm, args.init_from_hf)
-        origin = f"weights from {args.init_from_hf}"
+    elif args.init_from_hf or hf_model.weights_dir(args):
+        weights = args.init_from_hf or hf_model.weights_dir(args)
+        try:
+            mesh3d.checkpoint.import_safetensors(pm, weights)
+        except ValueError as error:
+            if args.init_from_hf:  # the LLaMA example's import: another architecture has its own way in
+                error.add_note(f"to train the model in {weights} as its own architecture, pass --hf-model {weights}")
+            raise
+        origin = f"weights from {weights}"
     say(f"effective config (TOML):\n{effective_config_toml(args)}\n{layout}\n{pm}\n"
-        f"model {args.init_from_hf or args.config}: {n_params / 1e6:.2f}M parameters, {origin}\n"
+        f"model {described}: {n_params / 1e6:.2f}M parameters, {origin}\n"
         f"tokenizer: {'pre-tokenized' if args.token_file else repr(tokenizer)}\n"
         f"data: {mesh3d.train.human_count(len(dataset.tokens))} tokens ({len(dataset)} samples of {args.seq_len} "
         f"to train on{f', {len(heldout)} held out' if heldout else ''}), "

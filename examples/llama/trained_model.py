@@ -92,6 +92,12 @@ def _checkpoint_source(path: Path) -> TrainedSource:
             "model's shape is unknown; save with extra={'args': ...} as train.py does, or export the model "
             "with mesh3d.checkpoint.export_safetensors and load that directory"
         )
+    if saved.get("hf_model"):
+        raise ValueError(
+            f"{path} holds a Hugging Face model (train.py --hf-model {saved['hf_model']}), which this loader, made for "
+            "the LLaMA example's model, does not build; export it with train.py --export-hf (or --resume-from it with "
+            "--steps at its step and --export-hf) and load the export with transformers"
+        )
     if saved.get("init_from_hf"):
         base = ModelArgs.from_hf_config(json.loads(_required(Path(saved["init_from_hf"]) / _HF_CONFIG, path).read_text()))
     else:

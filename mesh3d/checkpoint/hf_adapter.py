@@ -8,17 +8,23 @@ entry, so an import still opens only each rank's slices; for the config the expo
 the check an import makes against a checkpoint's config; and for the embedding/output-head pair
 that Hugging Face ties by writing the embedding alone.
 
-A model without `hf_adapter()` gets the identity: its own names are the Hugging Face names (a
-model built with transformers' module names), its config is its `config` attribute when that is
-a dict or has `to_dict()` (a transformers config), and nothing in a checkpoint's config is
-compared (each tensor's shape still is).
+A Hugging Face model as transformers builds it needs no `hf_adapter()`: its adapter is derived
+from the model (transformers_adapter.py: its own names, its config, its declared tie).
+
+Any other model without `hf_adapter()` gets the identity: its own names are the Hugging Face
+names (a model built with transformers' module names), its config is its `config` attribute when
+that is a dict or has `to_dict()`, and nothing in a checkpoint's config is compared (each
+tensor's shape still is).
 """
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
+
+from mesh3d.model.hugging_face.causal_lm import architecture_of, unsplit_config
 
 
 class HFAdapter:
@@ -35,6 +41,11 @@ class HFAdapter:
     # example buffers that older checkpoints saved and the model recomputes); any other tensor of
     # the checkpoint that no state entry reads makes an import refuse.
     ignored_hf: tuple[str, ...] = ()
+
+    def ignores(self, hf_name: str) -> bool:
+        """Whether the checkpoint tensor `hf_name` is one this model deliberately does not read
+        (default: it matches a pattern of `ignored_hf`)."""
+        return any(fnmatchcase(hf_name, pattern) for pattern in self.ignored_hf)
 
     def to_hf(self, name: str) -> str:
         """The Hugging Face name of the state entry `name`; raise ValueError for a name with none."""
@@ -76,11 +87,18 @@ def as_config_dict(config: Any) -> dict:
 
 
 def adapter_of(stage: nn.Module, ties: list[list[str]]) -> HFAdapter:
-    """The adapter `stage` (any pipeline stage of the model) declares, or the identity.
+    """The adapter `stage` (any pipeline stage of the model) declares, the one derived from a
+    transformers model, or the identity.
 
     ties: the model's tied name groups; for a model without an adapter, a tie of exactly two
     names is taken as its embedding/output pair (the embedding registered first).
     """
+    architecture = architecture_of(stage)
+    if architecture is not None:
+        # Imported here: transformers_adapter.py subclasses HFAdapter from this file.
+        from mesh3d.checkpoint.transformers_adapter import TransformersAdapter
+
+        return TransformersAdapter(architecture, unsplit_config(stage))
     declared = getattr(stage, "hf_adapter", None)
     if callable(declared):
         adapter = declared()

@@ -20,7 +20,6 @@ import json
 import logging
 import os
 from contextlib import ExitStack, contextmanager
-from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -283,7 +282,7 @@ def _source_names(
 def _refuse_unplaced(files: dict[str, Path], placed: set[str], adapter: HFAdapter, in_dir: Path) -> None:
     """A checkpoint tensor no state entry reads would be dropped silently (a model without the
     checkpoint's biases would compute something else); refuse, naming them."""
-    unplaced = [n for n in files if n not in placed and not any(fnmatchcase(n, p) for p in adapter.ignored_hf)]
+    unplaced = [n for n in files if n not in placed and not adapter.ignores(n)]
     if unplaced:
         shown = ", ".join(repr(n) for n in unplaced[:5]) + (" ..." if len(unplaced) > 5 else "")
         raise ValueError(

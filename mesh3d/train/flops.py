@@ -71,6 +71,7 @@ def flops_per_token(model: nn.Module, seq_len: int, batch: int = 1) -> float:
     counter = FlopCounterMode(display=False)
     with counter:
         output = model(tokens)
+        output = getattr(output, "logits", output)  # a Hugging Face model returns a ModelOutput
         torch.autograd.grad(output.float().sum(), weights)
     return counter.get_total_flops() / (batch * seq_len)
 

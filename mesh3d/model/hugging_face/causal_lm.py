@@ -18,6 +18,7 @@ of the architecture (exactness.py) and an architecture that fails is refused by 
 
 from __future__ import annotations
 
+import copy
 import functools
 
 from torch import nn
@@ -64,7 +65,7 @@ def hugging_face_anatomy(model: nn.Module, check_exactness: bool = True) -> Anat
         first=tuple(f"{prefix}.{n}" for n in before),
         last=(*(f"{prefix}.{n}" for n in after), head_path),
         identity_when_dropped=tuple(f"{prefix}.{n}" for n in after),
-        make_stage=functools.partial(_make_stage, prefix, list(getattr(config, "layer_types", None) or [])),
+        make_stage=functools.partial(_make_stage, prefix, copy.deepcopy(config)),
         tp_plan=tp_plan,
         tp_plan_refusal=tp_plan_refusal,
         tensor_parallel_sizes=tensor_parallel_sizes(config),
@@ -101,21 +102,44 @@ def _stateful_extra(model: nn.Module, base: nn.Module, prefix: str, head: nn.Mod
     return None
 
 
-def _make_stage(prefix: str, layer_types: list, stage: nn.Module, is_first: bool, is_last: bool, layer_range: range) -> nn.Module:
+def _make_stage(prefix: str, config, stage: nn.Module, is_first: bool, is_last: bool, layer_range: range) -> nn.Module:
     """Turn a cut copy into a stage that runs the architecture's own forward (module docstring)."""
+    layer_types = list(getattr(config, "layer_types", None) or [])
     if layer_types:
         stage.config.layer_types = [layer_types[i] for i in layer_range]
     original = type(stage)
     stage.__class__ = _stage_class(original)
     stage._mesh3d_role = (original, prefix, is_first, is_last)
+    stage._mesh3d_unsplit_config = config  # the stage's own config lists only its blocks' layer_types
     return stage
+
+
+def unsplit_config(stage: nn.Module):
+    """The config of the whole model a Hugging Face stage was cut from (its `layer_types` all of the
+    model's, where the stage's own lists its blocks'); None for a stage of any other kind of model."""
+    return getattr(stage, "_mesh3d_unsplit_config", None)
+
+
+def architecture_of(stage: nn.Module) -> type | None:
+    """The transformers class of the model a Hugging Face stage was cut from; None for any other stage."""
+    role = getattr(stage, "_mesh3d_role", None)
+    return role[0] if role is not None else None
 
 
 @functools.cache
 def _stage_class(original: type) -> type:
     # A subclass, so the stage is still the architecture's class for everything but its forward.
-    return type(original.__name__, (original,), {"forward": _stage_forward, "__module__": original.__module__,
-                                                 "__qualname__": original.__qualname__})
+    return type(original.__name__, (original,), {"forward": _stage_forward, "init_weights": _stage_init_weights,
+                                                 "__module__": original.__module__, "__qualname__": original.__qualname__})
+
+
+def _stage_init_weights(self) -> None:
+    """The architecture's own initialization of what this stage holds (a model given on meta).
+
+    transformers' `init_weights` also ties the output head to the embedding, which a stage that
+    holds one end without the other cannot do; mesh3d ties across stages itself (pipeline/tied.py).
+    """
+    self.initialize_weights()
 
 
 def _stage_forward(self, x):
