@@ -1,15 +1,12 @@
 """train.py --hf-model: a Hugging Face model trained with the example's flags, written back as itself.
 
 - `--hf-model qwen2` (the architecture at the debug config's sizes), the README-style command at
-  pp=2 under torchrun, with checkpoints, held-out eval and --export-hf: the loss falls; its step-14
+  (pp, dp, tp) = (2, 1, 2) under torchrun (tensor parallelism from Qwen2's own plan), with checkpoints, held-out eval and --export-hf: the loss falls; its step-14
   checkpoint resumed in one process (pp 2 -> 1) gives steps 15-16 the same losses (1e-4, as
   test_train_checkpoint.py); both exports load in transformers as Qwen2ForCausalLM with equal logits.
 - The issue's Qwen2 case: a Qwen2 checkpoint (q/k/v biases) given to the LLaMA example with
   --init-from-hf is refused, naming the biases; with --hf-model the same directory is imported and
   exported exactly as Qwen2 (logits equal the original's, 1e-5).
-
-TODO(hf tensor parallelism): run the first case at (2, 1, 2) once Hugging Face models take tp > 1
-(another branch); today train.py --hf-model --tp 2 is refused by parallelize, asking for a plan.
 """
 
 from __future__ import annotations
@@ -53,7 +50,8 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_hf_model_by_architecture_trains_resumes_and_exports(tmp_path):
     common = ["--hf-model", "qwen2", "--steps", "16", "--checkpoint-dir", str(tmp_path / "ckpt"), "--eval-every", "8",
               "--eval-batches", "1"]
-    first = _run(*common, "--pp", "2", "--checkpoint-every", "14", "--metrics", str(tmp_path / "a.jsonl"), "--export-hf", str(tmp_path / "a"), torchrun=2)
+    first = _run(*common, "--pp", "2", "--tp", "2", "--checkpoint-every", "14", "--metrics", str(tmp_path / "a.jsonl"),
+                 "--export-hf", str(tmp_path / "a"), torchrun=4)
     assert "model Qwen2 (Hugging Face, qwen2) at --config debug's sizes" in first.stdout
     losses = _losses(tmp_path / "a.jsonl")
     assert losses[0] == pytest.approx(np.log(256), rel=0.05)
