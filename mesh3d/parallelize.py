@@ -134,7 +134,7 @@ def parallelize(
             the same weights under every layout), and the global RNG per stage. None: the
             model's default. Unused for a model given with values.
     """
-    anatomy = anatomy_of(model)  # which way the model came in, checked before any collective
+    anatomy = anatomy_of(model, example_inputs, split_points)  # which way the model came in, before any collective
     layout = _resolve_layout(layout, pp, dp, tp)
     precision = MixedPrecision.resolve(model, param_dtype, reduce_dtype)
     data = DataParallelConfig.resolve(dp_mode, reshard_after_forward, layout.pp, layout.dp, precision)
@@ -149,7 +149,7 @@ def parallelize(
     )
     _check_same_config_everywhere(f"{pipe} {data} {tensor} compile={compile_backend}")
 
-    split = split_model(model, anatomy, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank))
+    split = split_model(model, anatomy, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank), pipe.traced)
     stages = to_device(split.stages, layout.device, materialize=split.from_meta)
     ties = find_ties(model)
     state = StateMap.from_stages(layout, split.meta_model, split.meta_stages, pipe.schedule.stage_rank, ties, stages)
@@ -172,7 +172,7 @@ def parallelize(
         stages, precision.computed(split.meta_stages), pipe.training, pipe.evaluation, peers, pipe.activation_checkpoint,
         before_backward=grad_sync.before_backward if grad_sync is not None else None,
         after_weight_backward=grad_sync.after_weight_backward if grad_sync is not None else None,
-        fake_shape_run=anatomy.fake_shape_run,
+        fake_shape_run=anatomy.fake_shape_run, routes=pipe.routes,
     )
     has_last_stage = pipe.schedule.n_stages - 1 in stages
     loss = GlobalLoss(
