@@ -82,8 +82,10 @@ def parallelize(
             if the model has it) or on CPU (its values are kept). One of three kinds
             (docs/model_protocol.md): the mesh3d protocol (repeated blocks in an nn.ModuleDict
             `layers`), a Hugging Face causal LM as transformers builds it (split as its config's
-            `base_model_pp_plan` says, tensor-parallel by its `base_model_tp_plan`), or an
-            nn.Sequential (its children are the blocks).
+            `base_model_pp_plan` says, tensor-parallel by its `base_model_tp_plan`), an
+            nn.Sequential (its children are the blocks), or any other module torch.export
+            captures, given `example_inputs` (traced: torch's pipeline frontend cuts it, stage
+            boundaries may carry several tensors, skip connections go straight to their stage).
         layout: from `build_mesh`; or give pp=/dp=/tp= and the mesh is built here.
         schedule: the pipeline schedule (docs/pipeline.md#schedules), with its default
             virtual_stages and the microbatch counts it runs:
@@ -127,8 +129,10 @@ def parallelize(
             tied weights, and keeps parameter names.
         split_points: the names of the blocks where stages 1, 2, ... begin (PiPPy's
             SplitPoint.BEGINNING), e.g. ["model.layers.4"]; instead of layers_per_stage.
-        example_inputs: one microbatch's positional inputs, what a traced model is captured with;
-            accepted for every model, unused where mesh3d does not trace.
+        example_inputs: `(one_microbatch,)`, what a traced model is captured with (on meta); the
+            shape `step` will see, as the graph may bake shapes in. Unused for the other kinds.
+            Without `split_points`, a traced model's stages begin between the children of its
+            longest nn.Sequential / nn.ModuleList / nn.ModuleDict.
         seed: seeds the initialization of a model given on meta: `init_weights(seed=seed)` when
             the model's init_weights takes a seed (a model that seeds by parameter name then gets
             the same weights under every layout), and the global RNG per stage. None: the
