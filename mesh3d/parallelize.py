@@ -83,8 +83,10 @@ def parallelize(
             by the module's name) or on CPU (its values are kept). One of three kinds
             (docs/model_protocol.md): the mesh3d protocol (repeated blocks in an nn.ModuleDict
             `layers`), a Hugging Face causal LM as transformers builds it (split as its config's
-            `base_model_pp_plan` says, tensor-parallel by its `base_model_tp_plan`), or an
-            nn.Sequential (its children are the blocks).
+            `base_model_pp_plan` says, tensor-parallel by its `base_model_tp_plan`), an
+            nn.Sequential (its children are the blocks), or any other module torch.export
+            captures, given `example_inputs` (traced: torch's pipeline frontend cuts it, stage
+            boundaries may carry several tensors, skip connections go straight to their stage).
         layout: from `build_mesh`; or give pp=/dp=/tp= and the mesh is built here.
         schedule: the pipeline schedule (docs/pipeline.md#schedules), with its default
             virtual_stages and the microbatch counts it runs:
@@ -128,8 +130,10 @@ def parallelize(
             tied weights, and keeps parameter names.
         split_points: the names of the blocks where stages 1, 2, ... begin (PiPPy's
             SplitPoint.BEGINNING), e.g. ["model.layers.4"]; instead of layers_per_stage.
-        example_inputs: one microbatch's positional inputs, what a traced model is captured with;
-            accepted for every model, unused where mesh3d does not trace.
+        example_inputs: `(one_microbatch,)`, what a traced model is captured with (on meta); the
+            shape `step` will see, as the graph may bake shapes in. Unused for the other kinds.
+            Without `split_points`, a traced model's stages begin between the children of its
+            longest nn.Sequential / nn.ModuleList / nn.ModuleDict.
         seed: seeds the initialization of a model given on meta: `init_weights(seed=seed)` when
             the model's init_weights takes a seed (a model that seeds by parameter name then gets
             the same weights under every layout), and the global RNG per stage; a Hugging Face
@@ -137,7 +141,7 @@ def parallelize(
             weights. None: the model's default (Hugging Face: torch.initial_seed()). Unused for a
             model given with values.
     """
-    anatomy = anatomy_of(model)  # which way the model came in, checked before any collective
+    anatomy = anatomy_of(model, example_inputs, split_points)  # which way the model came in, before any collective
     layout = _resolve_layout(layout, pp, dp, tp)
     precision = MixedPrecision.resolve(model, param_dtype, reduce_dtype)
     data = DataParallelConfig.resolve(dp_mode, reshard_after_forward, layout.pp, layout.dp, precision)
@@ -153,7 +157,7 @@ def parallelize(
     )
     _check_same_config_everywhere(f"{pipe} {data} {tensor} compile={compile_backend}")
 
-    split = split_model(model, anatomy, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank))
+    split = split_model(model, anatomy, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank), pipe.traced)
     stages = to_device(split.stages, layout.device, materialize=split.from_meta)
     ties = find_ties(model)
     state = StateMap.from_stages(layout, split.meta_model, split.meta_stages, pipe.schedule.stage_rank, ties, stages)
@@ -176,7 +180,7 @@ def parallelize(
         stages, precision.computed(split.meta_stages), pipe.training, pipe.evaluation, peers, pipe.activation_checkpoint,
         before_backward=grad_sync.before_backward if grad_sync is not None else None,
         after_weight_backward=grad_sync.after_weight_backward if grad_sync is not None else None,
-        fake_shape_run=anatomy.fake_shape_run,
+        fake_shape_run=anatomy.fake_shape_run, routes=pipe.routes,
     )
     has_last_stage = pipe.schedule.n_stages - 1 in stages
     loss = GlobalLoss(

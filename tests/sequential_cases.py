@@ -1,6 +1,6 @@
-"""Shared pieces of the tests of models that come as they are (nn.Sequential now, traced models
-next): tiny models, their single-process reference, the parallel run, and the bytes a rank must
-send, computed from the shapes alone."""
+"""Shared pieces of the tests of models that come as they are (nn.Sequential, traced models): tiny
+models, their single-process reference, the parallel run, and the bytes a rank must send,
+computed from the shapes alone."""
 
 from __future__ import annotations
 
@@ -47,6 +47,28 @@ def token_model(tied: bool, seed: int = 0) -> nn.Sequential:
     if tied:
         model[-1].weight = model[0].weight
     return model
+
+
+class SkipModel(nn.Module):
+    """Embedding, 8 residual blocks in an nn.ModuleList, a head; a skip connection: tanh of the
+    embedding, computed before the first block, is added to the last block's output. Not an
+    nn.Sequential, not the protocol: a traced model."""
+
+    def __init__(self, tied: bool, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([Residual() for _ in range(N_BLOCKS)])
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        skip = torch.tanh(h)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h + skip)
 
 
 def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -114,14 +136,21 @@ def stage_ranks(schedule: str, pp: int, virtual: int) -> list[int]:
     return [s % pp for s in range(pp * virtual)]
 
 
-def expected_bytes(pp_rank: int, ranks: list[int], microbatches: int, boundary_bytes: int) -> dict:
+def expected_bytes(pp_rank: int, ranks: list[int], microbatches: int, boundary_bytes: int, skip: bool = False) -> dict:
     """{(src, dst): bytes} a rank sends in one step when every boundary carries `boundary_bytes`
-    per microbatch each way and a hand-over on one rank sends nothing."""
+    per microbatch each way and a hand-over on one rank sends nothing. `skip`: the first stage
+    also sends the last one a tensor of `boundary_bytes` (SkipModel), directly, and gets its
+    gradient back the same way; at two stages it travels with the boundary's own tensor."""
+    n = len(ranks)
+    carried = {(s, s + 1): boundary_bytes for s in range(n - 1)}
+    if skip:
+        carried[(0, n - 1)] = carried.get((0, n - 1), 0) + boundary_bytes
     expected = {}
-    for stage, owner in enumerate(ranks):
-        if owner != pp_rank:
+    for (producer, consumer), size in carried.items():
+        if ranks[producer] == ranks[consumer]:
             continue
-        for peer in (stage + 1, stage - 1):
-            if 0 <= peer < len(ranks) and ranks[peer] != pp_rank:
-                expected[(stage, peer)] = microbatches * boundary_bytes
+        if ranks[producer] == pp_rank:
+            expected[(producer, consumer)] = microbatches * size
+        if ranks[consumer] == pp_rank:
+            expected[(consumer, producer)] = microbatches * size
     return expected

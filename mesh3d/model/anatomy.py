@@ -8,19 +8,26 @@ so that the split, tensor and data parallelism, compile and the checkpoints see 
   forward that tolerates missing parts;
 - a Hugging Face causal LM, described by its config's `base_model_pp_plan`
   (model/hugging_face/causal_lm.py);
-- an nn.Sequential: its children are the blocks, each stage runs the ones it keeps.
+- an nn.Sequential: its children are the blocks, each stage runs the ones it keeps;
+- any other model torch.export can capture, from `example_inputs`: traced and split by torch's
+  pipeline frontend (model/traced/), its stages handing on several tensors and skipping stages.
 
-A stage is always a copy of the whole model with what it does not own removed (model/cut.py), so
-every parameter keeps its name in the unsplit model.
+A stage is a copy of the whole model with what it does not own removed (model/cut.py), or, traced,
+a graph over copies of the model's modules it calls: every parameter keeps its name in the
+unsplit model either way.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from mesh3d.model.traced.capture import TracedModel
 
 # (stage copy, is first stage, is last stage, the block indices it keeps) -> the runnable stage
 StageMaker = Callable[[nn.Module, bool, bool, range], nn.Module]
@@ -45,6 +52,7 @@ class Anatomy:
     # model's own init_weights() (model/initialize.py)
     init_stage: Callable[[nn.Module, int], None] | None = None
     fake_shape_run: bool = False  # its forward reads values: learn boundary shapes under FakeTensorMode
+    traced: TracedModel | None = None  # a traced model: stages come from its capture, not from a cut
 
     def container(self, module: nn.Module) -> nn.Module:
         """The blocks' container in `module` (the whole model or a stage cut from it)."""
@@ -68,8 +76,13 @@ class Anatomy:
         return [model.get_submodule(p) for p in self.first], [model.get_submodule(p) for p in self.last]
 
 
-def anatomy_of(model: nn.Module) -> Anatomy:
-    """The anatomy of `model`, whichever way it came in; a ValueError listing the ways otherwise."""
+def anatomy_of(model: nn.Module, example_inputs: tuple | None = None,
+               split_points: Sequence[str] | None = None) -> Anatomy:
+    """The anatomy of `model`, whichever way it came in; a ValueError listing the ways otherwise.
+
+    A model that is none of the protocol, a Hugging Face causal LM or an nn.Sequential is traced
+    when `example_inputs` (one microbatch) are given; `split_points` then also picks its blocks'
+    container."""
     if _is_hugging_face(model):
         from mesh3d.model.hugging_face.causal_lm import hugging_face_anatomy
 
@@ -78,12 +91,16 @@ def anatomy_of(model: nn.Module) -> Anatomy:
         return protocol_anatomy(model)
     if isinstance(model, nn.Sequential):
         return sequential_anatomy(model)
+    if example_inputs is not None:
+        from mesh3d.model.traced.anatomy import traced_anatomy
+
+        return traced_anatomy(model, example_inputs, split_points)
     found = type(getattr(model, "layers", None)).__name__ if getattr(model, "layers", None) is not None else "nothing"
     raise ValueError(
         f"{type(model).__name__} has no nn.ModuleDict attribute 'layers' (found {found}), is not an nn.Sequential "
         "and is not a Hugging Face PreTrainedModel; mesh3d splits a model by the repeated blocks it keeps in "
-        "`self.layers = nn.ModuleDict({'0': block, '1': block, ...})` (see docs/model_protocol.md for the ways to "
-        "bring a model)"
+        "`self.layers = nn.ModuleDict({'0': block, '1': block, ...})`, or traces one torch.export can capture when "
+        "given example_inputs=(one_microbatch,) (see docs/model_protocol.md for the ways to bring a model)"
     )
 
 

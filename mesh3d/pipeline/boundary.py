@@ -14,14 +14,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
-Spec = tuple[torch.Size, torch.dtype]
+from mesh3d.pipeline.routes import MessageSpec, StageRoutes
 
 
 @dataclass(frozen=True)
 class Boundaries:
     """What one microbatch shape produces at every stage boundary."""
 
-    specs: list[Spec]  # shape and dtype of each stage's output (local shard), stage order
+    specs: dict[tuple[int, int], MessageSpec]  # by (producer, consumer) stage: what the message holds
     output: torch.Tensor  # the model's output on meta (a DTensor under tensor parallelism)
 
 
@@ -33,8 +33,9 @@ class BoundaryShapes:
     fake tensor skips, as under tracing); the output is handed on as a plain meta tensor.
     """
 
-    def __init__(self, meta_stages: list[nn.Module], fake: bool = False):
+    def __init__(self, meta_stages: list[nn.Module], fake: bool = False, routes: StageRoutes | None = None):
         self.meta_stages = meta_stages
+        self.routes = routes if routes is not None else StageRoutes.chain(len(meta_stages))
         self.fake = fake
         self._cache: dict[tuple, Boundaries] = {}
 
@@ -53,23 +54,71 @@ class BoundaryShapes:
 
     @torch.no_grad()
     def _run_stages(self, microbatch: torch.Tensor) -> Boundaries:
-        x = torch.empty(microbatch.shape, dtype=microbatch.dtype, device="meta")
-        last = len(self.meta_stages) - 1
-        specs = []
+        routes, last = self.routes, len(self.meta_stages) - 1
+        in_flight: dict[tuple[int, int], list[torch.Tensor]] = {}  # messages not yet consumed, as components
+        specs: dict[tuple[int, int], MessageSpec] = {}
+        out = torch.empty(microbatch.shape, dtype=microbatch.dtype, device="meta")
         for index, stage in enumerate(self.meta_stages):
-            x = stage(x)
-            if not isinstance(x, torch.Tensor):
+            if index == 0:
+                out = stage(out)
+            else:
+                _check_joinable(index, [specs[(p, index)] for p in routes.producers(index)])
+                out = stage(*[t for p in routes.producers(index) for t in in_flight.pop((p, index))])
+            if index == last:
+                if not isinstance(out, torch.Tensor):
+                    raise TypeError(
+                        f"the last pipeline stage ({index}) returned {type(out).__name__}; the model's output, "
+                        "which the loss takes, must be one tensor"
+                    )
+                break
+            outputs = out if isinstance(out, tuple) else (out,)
+            taken = {k for c in routes.consumers(index) for k in routes.takes[(index, c)]}
+            if len(outputs) != len(taken) or not all(isinstance(t, torch.Tensor) for t in outputs):
                 raise TypeError(
-                    f"pipeline stage {index} returned {type(x).__name__}; mesh3d sends exactly one "
-                    "activation tensor between stages, so a stage's forward must return one tensor"
+                    f"pipeline stage {index} returned {_describe(out)}, and its consumers take outputs "
+                    f"{sorted(taken)}; a stage's forward must return one tensor, or the tuple of tensors its "
+                    "routes send on"
                 )
-            if isinstance(x, DTensor) and index < last:
-                raise TypeError(
-                    f"pipeline stage {index} returned a DTensor ({x.placements}); stages hand each other "
-                    "plain local tensors, so the tp plan's last style in a stage must use use_local_output=True"
-                )
-            specs.append((x.to_local().shape if isinstance(x, DTensor) else x.shape, x.dtype))
-        return Boundaries(specs, x)
+            for consumer in routes.consumers(index):
+                components = [outputs[k] for k in routes.takes[(index, consumer)]]
+                specs[(index, consumer)] = _message_spec(index, consumer, components)
+                in_flight[(index, consumer)] = components
+        return Boundaries(specs, out)
+
+
+def _message_spec(producer: int, consumer: int, components: list[torch.Tensor]) -> MessageSpec:
+    for t in components:
+        if isinstance(t, DTensor):
+            raise TypeError(
+                f"pipeline stage {producer} returned a DTensor ({t.placements}); stages hand each other "
+                "plain local tensors, so the tp plan's last style in a stage must use use_local_output=True"
+            )
+    spec = MessageSpec(tuple((t.shape, t.dtype) for t in components))
+    dtypes = {dtype for _, dtype in spec.components}
+    if len(components) > 1 and (len(dtypes) > 1 or not all(d.is_floating_point for d in dtypes)):
+        raise TypeError(
+            f"stage {producer} sends stage {consumer} {len(components)} tensors of dtypes "
+            f"{[str(d) for _, d in spec.components]}; several tensors crossing one stage boundary travel "
+            "together and must share one floating-point dtype (move the split point so that integer tensors "
+            "stay inside a stage)"
+        )
+    return spec
+
+
+def _check_joinable(stage: int, specs: list[MessageSpec]) -> None:
+    """A stage's inputs from several producers are joined into one tensor for its backward."""
+    dtypes = {spec.wire[1] for spec in specs}
+    if len(specs) > 1 and (len(dtypes) > 1 or not all(d.is_floating_point for d in dtypes)):
+        raise TypeError(
+            f"stage {stage} receives messages of dtypes {sorted(map(str, dtypes))} from stages "
+            "that skip to it; they must share one floating-point dtype"
+        )
+
+
+def _describe(out) -> str:
+    if isinstance(out, tuple):
+        return f"a tuple of {len(out)} ({', '.join(type(t).__name__ for t in out)})"
+    return type(out).__name__
 
 
 def _as_meta(fake: torch.Tensor) -> torch.Tensor:

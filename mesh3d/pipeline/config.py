@@ -16,6 +16,8 @@ from mesh3d.pipeline.schedule.catalog import build_schedule, default_microbatche
 from mesh3d.pipeline.schedule.ir import Schedule
 from mesh3d.pipeline.schedule.lower import LoweredSchedule, lower
 from mesh3d.model.anatomy import Anatomy
+from mesh3d.model.traced.capture import TracedSplit
+from mesh3d.pipeline.routes import StageRoutes
 from mesh3d.pipeline.split import split_point_counts, stage_layer_ranges
 
 ACTIVATION_CHECKPOINT_MODES = ("never", "always", "except_last")
@@ -24,12 +26,15 @@ ACTIVATION_CHECKPOINT_MODES = ("never", "always", "except_last")
 @dataclass(frozen=True)
 class PipelineConfig:
     """The schedule lowered for training and for evaluation (forwards only), the layers of every
-    stage, and the activation checkpointing mode."""
+    stage, the activation checkpointing mode, and what flows between the stages (for a traced
+    model, its capture cut at the stages' first blocks)."""
 
     training: LoweredSchedule
     evaluation: LoweredSchedule
     stage_layers: list[range]
     activation_checkpoint: str
+    routes: StageRoutes
+    traced: TracedSplit | None = None
 
     @property
     def schedule(self) -> Schedule:
@@ -55,11 +60,12 @@ class PipelineConfig:
         """Defaults from the catalog (schedule/catalog.py): microbatches = pp; virtual_stages as
         each schedule's `virtual_stages_rule` says. `split_points` (block names where stages begin)
         gives the counts per stage, as `layers_per_stage` would."""
-        n_layers = len(anatomy.block_names(model))
+        blocks = anatomy.block_names(model)
+        n_layers = len(blocks)
         if split_points is not None:
             if layers_per_stage is not None:
                 raise ValueError("parallelize: give split_points or layers_per_stage, not both")
-            layers_per_stage = split_point_counts(anatomy, n_layers, split_points)
+            layers_per_stage = split_point_counts(anatomy, blocks, split_points)
         if microbatches is None:
             microbatches = default_microbatches(pp)
         if virtual_stages is None:
@@ -70,7 +76,12 @@ class PipelineConfig:
                 f"activation_checkpoint={activation_checkpoint!r}; choose one of {list(ACTIVATION_CHECKPOINT_MODES)}"
             )
         ranges = stage_layer_ranges(model, anatomy, pp * virtual_stages, stage_balance, end_weight, layers_per_stage)
-        return cls(lower(built), lower(built.forward_only()), ranges, activation_checkpoint)
+        traced, routes = None, StageRoutes.chain(len(ranges))
+        if anatomy.traced is not None:
+            traced = anatomy.traced.split([anatomy.block_path(blocks[r.start]) for r in ranges[1:]])
+            routes = StageRoutes(len(ranges), traced.skips, traced.takes)
+        return cls(lower(built, routes.skips), lower(built.forward_only(), routes.skips), ranges, activation_checkpoint,
+                   routes, traced)
 
     def __str__(self) -> str:
         s = self.schedule

@@ -89,18 +89,20 @@ class ReceiveBuffers:
 class Mailbox:
     """One step's tensors between stages: in memory on this rank, isend/irecv across ranks.
 
-    Slots are keyed (F or B, stage, microbatch): an activation by its consumer stage when it
-    arrives and by its producer stage when it leaves; a gradient likewise.
+    Slots are keyed (F or B, this end's stage, the other end's stage, microbatch): a stage may
+    receive from several producers (the previous stage and skip connections) and send to several
+    consumers, gradients likewise the other way.
     """
 
-    def __init__(self, peers: PipelinePeers, schedule: Schedule, specs: list[Spec], traffic: Traffic,
+    def __init__(self, peers: PipelinePeers, schedule: Schedule, specs: dict[tuple[int, int], Spec], traffic: Traffic,
                  buffers: ReceiveBuffers | None = None):
         self.peers = peers
         self.schedule = schedule
-        self.specs = specs  # each stage's output shape and dtype (an output's gradient has the same)
+        # by (producer, consumer) stage: the activation message's shape and dtype as sent (its gradient's too)
+        self.specs = specs
         self.traffic = traffic
-        self.inbox: dict[tuple[Kind, int, int], object] = {}  # tensor, or (work, buffer, what) of a posted irecv
-        self.outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}
+        self.inbox: dict[tuple[Kind, int, int, int], object] = {}  # tensor, or (work, buffer, what) of a posted irecv
+        self.outbox: dict[tuple[Kind, int, int, int], torch.Tensor] = {}
         self.sends: list[tuple[dist.Work, torch.Tensor, str]] = []  # work, tensor, what it is (for errors)
         # CPU (gloo, matched by tag): every receive posted at the start, into buffers kept between
         # steps; None elsewhere (a received tensor is then freed with its last use).
@@ -110,15 +112,17 @@ class Mailbox:
         self.posted: dict[Action, torch.Tensor] = {}  # CPU: this step's receives, handed back at close()
 
     def put(self, kind: Kind, producer: int, consumer: int, microbatch: int, tensor: torch.Tensor) -> None:
-        """A result of `producer` for `consumer`: kept here if it runs on this rank, else queued for its SEND."""
+        """A result of `producer` for `consumer` (an activation, or a gradient going back): kept here
+        if `consumer` runs on this rank, else queued for its SEND."""
         if self.schedule.stage_rank(consumer) == self.peers.pp_rank:
-            self.inbox[(kind, consumer, microbatch)] = tensor
+            self.inbox[(kind, consumer, producer, microbatch)] = tensor
         else:
-            self.outbox[(kind, producer, microbatch)] = tensor
+            self.outbox[(kind, producer, consumer, microbatch)] = tensor
 
-    def take(self, kind: Kind, stage: int, microbatch: int) -> torch.Tensor:
-        """The activation (F) or output gradient (B) `stage` consumes, waiting for it if still in flight."""
-        item = self.inbox.pop((kind, stage, microbatch))
+    def take(self, kind: Kind, stage: int, sender: int, microbatch: int) -> torch.Tensor:
+        """The activation (F) or output gradient (B) `stage` consumes from stage `sender`, waiting
+        for it if still in flight."""
+        item = self.inbox.pop((kind, stage, sender, microbatch))
         if isinstance(item, tuple):
             work, buffer, what = item
             with waiting_for(what):  # a peer that never sends: PeerTimeout naming this message
@@ -139,8 +143,8 @@ class Mailbox:
         if action in self.posted:
             return
         forward = action.kind == Kind.RECV_F
-        producer = action.other_stage
-        shape, dtype = self.specs[producer if forward else action.stage]
+        producer = action.other_stage  # of this message (for a gradient: the activation's consumer)
+        shape, dtype = self.specs[(producer, action.stage) if forward else (action.stage, producer)]
         if self.buffers is not None:
             buffer = self.posted[action] = self.buffers.get(action, shape, dtype, self.peers.device)
         else:
@@ -153,15 +157,16 @@ class Mailbox:
         )
         self.traffic.bytes_received += buffer.numel() * buffer.element_size()
         what = (f"P2P recv of the {'activation' if forward else 'output gradient'} of stage {action.stage}, "
-                f"microbatch {action.microbatch}, from global rank {self.peers.global_ranks[action.peer]}")
-        self.inbox[(Kind.F if forward else Kind.B, action.stage, action.microbatch)] = (work, buffer, what)
+                f"microbatch {action.microbatch}, from stage {producer} on global rank "
+                f"{self.peers.global_ranks[action.peer]}")
+        self.inbox[(Kind.F if forward else Kind.B, action.stage, producer, action.microbatch)] = (work, buffer, what)
 
     def send(self, action: Action) -> None:
         """SEND_F / SEND_B: isend what the stage queued, after checking it has the announced shape."""
         forward = action.kind == Kind.SEND_F
-        stage, microbatch = action.stage, action.microbatch
-        tensor = self.outbox.pop((Kind.F if forward else Kind.B, stage, microbatch)).contiguous()
-        shape, dtype = self.specs[stage if forward else stage - 1]
+        stage, microbatch, other = action.stage, action.microbatch, action.other_stage
+        tensor = self.outbox.pop((Kind.F if forward else Kind.B, stage, other, microbatch)).contiguous()
+        shape, dtype = self.specs[(stage, other) if forward else (other, stage)]
         if tensor.shape != shape or tensor.dtype != dtype:
             what = "output" if forward else "input gradient"
             raise RuntimeError(
@@ -173,12 +178,12 @@ class Mailbox:
             tensor,
             dst=self.peers.global_ranks[action.peer],
             group=self.peers.group,
-            tag=message_tag(self.schedule, action.kind, stage, action.other_stage, microbatch),
+            tag=message_tag(self.schedule, action.kind, stage, other, microbatch),
         )
         what = (f"P2P send of the {'output' if forward else 'input gradient'} of stage {stage}, microbatch {microbatch}, "
-                f"to global rank {self.peers.global_ranks[action.peer]}")
+                f"to stage {other} on global rank {self.peers.global_ranks[action.peer]}")
         self.sends.append((work, tensor, what))  # the tensor must live until the send completes
-        self.traffic.count_send(stage, action.other_stage, tensor.numel() * tensor.element_size())
+        self.traffic.count_send(stage, other, tensor.numel() * tensor.element_size())
 
     def close(self) -> None:
         """End of a step that finished: wait for the sends; the receive buffers go back for the

@@ -5,6 +5,11 @@ stage adds the loss the step hands it, already scaled: by 1/m, or by the global 
 keeps what its backward needs; B runs the stage's
 backward with the received output gradient; RECV and SEND go to the step's mailbox (p2p.py),
 which posts receives early and hands tensors between stages of this rank in memory.
+
+A stage may take messages from several producers and send to several consumers (routes.py:
+several tensors per boundary, skip connections straight to their consumer). What a stage received
+is joined into one leaf and what it sends into one output, so each backward (B, or I then W)
+runs from one output to one input as for a chain of stages.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from mesh3d.pipeline.boundary import Boundaries, BoundaryShapes
 from mesh3d.pipeline.schedule.lower import LoweredSchedule
 from mesh3d.pipeline.p2p import Mailbox, PipelinePeers, ReceiveBuffers, Traffic
+from mesh3d.pipeline.routes import MessageSpec, StageRoutes, divide, join, pack, unpack
 from mesh3d.pipeline.schedule.ir import RELEASES, Action, Kind
 from mesh3d.pipeline.backward_halves import PendingWeightGrad, backward_input, backward_weight
 
@@ -64,6 +70,8 @@ class PipelineRuntime:
             reach.
         fake_shape_run: learn the boundary shapes under FakeTensorMode (boundary.py), for stages
             whose forward reads values.
+        routes: which outputs each stage sends to which stage (routes.py); default: one tensor
+            from each stage to the next. The lowered schedules must carry the same skips.
 
     Stages may be tensor-parallel: what crosses a stage boundary is then the local shard of the
     activation (with sequence parallel, 1/tp of it), and the meta stages carry the same plan, so
@@ -81,9 +89,13 @@ class PipelineRuntime:
         before_backward: Callable[[int, bool], None] | None = None,
         after_weight_backward: Callable[[int], None] | None = None,
         fake_shape_run: bool = False,
+        routes: StageRoutes | None = None,
     ):
         self.stages = stages
-        self.boundaries = BoundaryShapes(meta_stages, fake=fake_shape_run)
+        self.routes = routes if routes is not None else StageRoutes.chain(len(meta_stages))
+        if self.routes.skips != training.skips or self.routes.skips != evaluation.skips:
+            raise ValueError(f"the schedules were lowered with skips {training.skips}, the routes have {self.routes.skips}")
+        self.boundaries = BoundaryShapes(meta_stages, fake=fake_shape_run, routes=self.routes)
         self.peers = peers
         self.device = peers.device
         self.activation_checkpoint = activation_checkpoint
@@ -139,8 +151,9 @@ class PipelineRuntime:
         counters = RuntimeCounters()
         if train:
             self.counters = counters  # an evaluation does not replace the last step's figures
-        mailbox = Mailbox(self.peers, self.schedule, boundaries.specs, counters, self.receive_buffers)
-        step = _Step(self, input_chunks, target_chunks, mailbox, loss, train, counters)
+        wire = {pair: spec.wire for pair, spec in boundaries.specs.items()}
+        mailbox = Mailbox(self.peers, self.schedule, wire, counters, self.receive_buffers)
+        step = _Step(self, input_chunks, target_chunks, mailbox, loss, train, counters, boundaries.specs)
         actions = self.train_actions if train else self.eval_actions
         mailbox.post_receives_ahead(actions)
         for index, action in enumerate(actions):
@@ -152,8 +165,10 @@ class _Step:
     """The state of one step: the mailbox, what backwards need, losses."""
 
     def __init__(self, runtime: PipelineRuntime, input_chunks, target_chunks, mailbox: Mailbox, loss: MicrobatchLoss,
-                 train: bool, counters: RuntimeCounters):
+                 train: bool, counters: RuntimeCounters, specs: dict[tuple[int, int], MessageSpec]):
         self.rt = runtime
+        self.routes = runtime.routes
+        self.specs = specs
         self.counters = counters
         self.inputs = input_chunks
         self.targets = target_chunks
@@ -182,12 +197,43 @@ class _Step:
         else:
             self.mailbox.send(action)
 
+    def _received(self, stage: int, mb: int) -> torch.Tensor:
+        """What `stage` takes for microbatch `mb`: the batch's, or its producers' messages joined."""
+        if stage == 0:
+            return self.inputs[mb]
+        return join([self.mailbox.take(Kind.F, stage, p, mb) for p in self.routes.producers(stage)])
+
+    def _call(self, stage: int, x: torch.Tensor):
+        """The stage on its inputs: the components of the joined messages, in the routes' order."""
+        if stage == 0:
+            return self.rt.stages[0](x)
+        producers = self.routes.producers(stage)
+        messages = divide(x, [self.specs[(p, stage)] for p in producers])
+        inputs = [t for p, message in zip(producers, messages) for t in unpack(message, self.specs[(p, stage)])]
+        return self.rt.stages[stage](*inputs)
+
+    def _messages(self, stage: int, out) -> list[torch.Tensor]:
+        """A stage's outputs packed into one message per consumer, in the routes' order."""
+        outputs = out if isinstance(out, tuple) else (out,)
+        return [pack([outputs[k] for k in self.routes.takes[(stage, c)]]) for c in self.routes.consumers(stage)]
+
+    def _send_input_grad(self, stage: int, mb: int, grad: torch.Tensor) -> None:
+        """The gradient of what `stage` received, divided back into its producers' messages."""
+        producers = self.routes.producers(stage)
+        for p, part in zip(producers, divide(grad, [self.specs[(p, stage)] for p in producers])):
+            self.mailbox.put(Kind.B, stage, p, mb, part)
+
+    def _output_grad(self, stage: int, mb: int) -> torch.Tensor | None:
+        """The gradients of what `stage` sent, joined as its output was (None on the last stage)."""
+        if stage == self.rt.n_stages - 1:
+            return None
+        return join([self.mailbox.take(Kind.B, stage, c, mb) for c in self.routes.consumers(stage)])
+
     def forward(self, stage: int, mb: int) -> None:
         rt, last = self.rt, stage == self.rt.n_stages - 1
-        x = self.inputs[mb] if stage == 0 else self.mailbox.take(Kind.F, stage, mb)
+        x = self._received(stage, mb)
         if self.train and stage > 0 and x.is_floating_point():
             x = x.detach().requires_grad_(True)
-        module = rt.stages[stage]
         recompute = self.train and (
             rt.activation_checkpoint == "always" or (rt.activation_checkpoint == "except_last" and mb != rt.microbatches - 1)
         )
@@ -196,43 +242,46 @@ class _Step:
         recompute_at_input_grad = recompute and rt.split_backward
         if recompute_at_input_grad:
             self.rng_states[(stage, mb)] = _rng_state(rt.device)
+        messages = []
         with torch.set_grad_enabled(self.train and not recompute_at_input_grad):
             if recompute and not recompute_at_input_grad:
-                out = checkpoint(module, x, use_reentrant=False)
+                out = checkpoint(self._call, stage, x, use_reentrant=False)
             else:
-                out = module(x)
+                out = self._call(stage, x)
             if last:
                 value, count, out = self.loss(out, self.targets[mb])
                 self.losses.append(value)
                 self.counts.append(count)
+            else:
+                messages = self._messages(stage, out)
+                out = join(messages)
         if self.train:
             self.saved[(stage, mb)] = (x, None if recompute_at_input_grad else out)
             self.counters.live_activations += 1
             self.counters.peak_live_activations = max(self.counters.peak_live_activations, self.counters.live_activations)
-        if not last:
-            self.mailbox.put(Kind.F, stage, stage + 1, mb, out.detach())
+        for consumer, message in zip(self.routes.consumers(stage), messages):
+            self.mailbox.put(Kind.F, stage, consumer, mb, message.detach())
 
     def _recompute(self, stage: int, mb: int, x: torch.Tensor) -> torch.Tensor:
         """The forward again, with the RNG as the first time, now building the graph I and W use."""
         with _restored_rng(self.rng_states.pop((stage, mb)), self.rt.device), torch.enable_grad():
-            out = self.rt.stages[stage](x)
+            out = self._call(stage, x)
             if stage == self.rt.n_stages - 1:
-                out = self.loss(out, self.targets[mb])[2]
-        return out
+                return self.loss(out, self.targets[mb])[2]
+            return join(self._messages(stage, out))
 
     def backward(self, stage: int, mb: int, is_last_backward: bool) -> None:
         rt = self.rt
         x, out = self.saved.pop((stage, mb))
         if rt.before_backward is not None:
             rt.before_backward(stage, is_last_backward)
-        grad = None if stage == rt.n_stages - 1 else self.mailbox.take(Kind.B, stage, mb)
+        grad = self._output_grad(stage, mb)
         if out.requires_grad:  # a stage with everything frozen up to here has nothing to do
             with self.loss.context() if grad is None else contextlib.nullcontext():
                 torch.autograd.backward(out, grad)
         self.counters.live_activations -= 1
         if stage > 0:
-            grad = x.grad if x.grad is not None else torch.zeros_like(x)
-            self.mailbox.put(Kind.B, stage, stage - 1, mb, grad)
+            self._send_input_grad(stage, mb, x.grad if x.grad is not None else torch.zeros_like(x))
 
     def backward_input(self, stage: int, mb: int) -> None:
         """I: the input gradient only, sent on at once. What W needs stays: the gradients I saw
@@ -245,7 +294,7 @@ class _Step:
             rt.before_backward(stage, False)
         if out is None:
             out = self._recompute(stage, mb, x)
-        grad = None if stage == rt.n_stages - 1 else self.mailbox.take(Kind.B, stage, mb)
+        grad = self._output_grad(stage, mb)
         pending = None
         if stage > 0 and out.requires_grad and x.requires_grad:
             with self.loss.context() if grad is None else contextlib.nullcontext():
@@ -254,7 +303,7 @@ class _Step:
             input_grad = torch.zeros_like(x)  # nothing before this stage can change its output
         self.pending_weight_grads[(stage, mb)] = pending if pending is not None else (out, grad)
         if stage > 0:
-            self.mailbox.put(Kind.B, stage, stage - 1, mb, input_grad)
+            self._send_input_grad(stage, mb, input_grad)
 
     def backward_weight(self, stage: int, mb: int, is_last_backward: bool) -> None:
         """W: the weight gradients, from what I kept; frees the activation."""

@@ -12,6 +12,7 @@ from torch import nn
 
 from mesh3d.model.anatomy import Anatomy
 from mesh3d.model.cut import block_parameter_counts, cut_stage, meta_copy
+from mesh3d.model.traced.capture import TracedSplit
 
 
 STAGE_BALANCE = ("layers", "params")
@@ -96,9 +97,11 @@ def stage_layer_ranges(
     return assign_layers(n_layers, n_stages, first_cost=end_weight, last_cost=end_weight, layers_per_stage=layers_per_stage)
 
 
-def split_point_counts(anatomy: Anatomy, n_layers: int, split_points: Sequence[str]) -> list[int]:
-    """Blocks per stage from the names where stages 1.. begin (PiPPy's SplitPoint.BEGINNING)."""
-    names = {anatomy.block_path(str(i)): i for i in range(n_layers)}
+def split_point_counts(anatomy: Anatomy, blocks: list[str], split_points: Sequence[str]) -> list[int]:
+    """Blocks per stage from the names where stages 1.. begin (PiPPy's SplitPoint.BEGINNING);
+    `blocks`: the keys of the model's blocks, in order."""
+    n_layers = len(blocks)
+    names = {anatomy.block_path(key): i for i, key in enumerate(blocks)}
     starts = []
     for point in split_points:
         if point not in names:
@@ -127,11 +130,16 @@ class Split:
     stages: dict[int, nn.Module]  # this rank's stages, on the model's device (meta: not materialized)
 
 
-def split_model(model: nn.Module, anatomy: Anatomy, stage_layers: list[range], local_stages: list[int]) -> Split:
-    """Cut `model` into len(stage_layers) stages; build every stage on meta and `local_stages` from the model."""
+def split_model(model: nn.Module, anatomy: Anatomy, stage_layers: list[range], local_stages: list[int],
+                traced: TracedSplit | None = None) -> Split:
+    """Cut `model` into len(stage_layers) stages; build every stage on meta and `local_stages` from the model.
+    A traced model's stages come from its capture (`traced`, cut at the same blocks)."""
     n_stages = len(stage_layers)
     on_meta = any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
     meta_model = model if on_meta else meta_copy(model)
+    if traced is not None:
+        meta_stages = [traced.stage(meta_model, s) for s in range(n_stages)]
+        return Split(on_meta, meta_model, meta_stages, {s: traced.stage(model, s) for s in local_stages})
     meta_stages = [cut_stage(meta_model, anatomy, s, n_stages, stage_layers[s]) for s in range(n_stages)]
     stages = {s: cut_stage(model, anatomy, s, n_stages, stage_layers[s]) for s in local_stages}
     return Split(on_meta, meta_model, meta_stages, stages)

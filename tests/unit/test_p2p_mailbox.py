@@ -20,11 +20,11 @@ def test_off_cpu_receives_keep_the_lowered_order_and_are_not_held_past_their_use
     schedule = build_schedule("1f1b", 2, 2, 1)
     peers = p2p.PipelinePeers(pp_rank=1, global_ranks=[0, 1], group=None, device=torch.device("meta"))
     spec = (torch.Size([2, 4]), torch.float32)
-    mailbox = p2p.Mailbox(peers, schedule, [spec, spec], p2p.Traffic(), p2p.ReceiveBuffers())
+    mailbox = p2p.Mailbox(peers, schedule, {(0, 1): spec}, p2p.Traffic(), p2p.ReceiveBuffers())
     receive = Action(1, Kind.RECV_F, 0, 0)
     mailbox.post_receives_ahead((receive,))
     assert mailbox.inbox == {}  # not posted ahead
     mailbox.post_recv(receive)
-    received = mailbox.take(Kind.F, 1, 0)
+    received = mailbox.take(Kind.F, 1, 0, 0)
     assert received.shape == spec[0]
     assert mailbox.inbox == {} and mailbox.posted == {} and mailbox.buffers is None

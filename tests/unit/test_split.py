@@ -158,10 +158,10 @@ def test_an_nn_sequential_splits_at_its_children():
 def test_split_points_name_where_stages_begin():
     model = meta_model(tied=False)
     anatomy = anatomy_of(model)
-    assert split_point_counts(anatomy, 8, ["layers.3", "layers.6"]) == [3, 3, 2]
+    assert split_point_counts(anatomy, [str(i) for i in range(8)], ["layers.3", "layers.6"]) == [3, 3, 2]
     with pytest.raises(ValueError, match=r"'layers.9' is not a block of Transformer.*one of \['layers.0'"):
-        split_point_counts(anatomy, 8, ["layers.9"])
+        split_point_counts(anatomy, [str(i) for i in range(8)], ["layers.9"])
     with pytest.raises(ValueError, match="distinct blocks in model order"):
-        split_point_counts(anatomy, 8, ["layers.6", "layers.3"])
+        split_point_counts(anatomy, [str(i) for i in range(8)], ["layers.6", "layers.3"])
     with pytest.raises(ValueError, match="none the first block"):
-        split_point_counts(anatomy, 8, ["layers.0"])
+        split_point_counts(anatomy, [str(i) for i in range(8)], ["layers.0"])
