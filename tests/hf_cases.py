@@ -99,6 +99,11 @@ def pipeline_run(arch: str, layout, data, model=None, **parallelize_kwargs):
     import mesh3d
 
     pm = mesh3d.parallelize(hf_model(arch) if model is None else model, layout, **parallelize_kwargs)
+    return train_steps(pm, layout, data)
+
+
+def train_steps(pm, layout, data):
+    """SGD steps of `pm`, each dp rank on its share of every batch: losses and the full state after."""
     optimizer = torch.optim.SGD(pm.parameters(), lr=LR)
     losses = []
     for inputs, targets in data:

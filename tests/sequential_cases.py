@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import mesh3d
-from pipeline_cases import LR, MAX_NORM, STEPS, relative
+from pipeline_cases import LR, MAX_NORM, STEPS, TOLERANCE, relative
 
 DIM, HIDDEN, VOCAB, SEQ = 16, 32, 48, 6
 N_BLOCKS = 8
@@ -154,3 +154,16 @@ def expected_bytes(pp_rank: int, ranks: list[int], microbatches: int, boundary_b
         if ranks[consumer] == pp_rank:
             expected[(consumer, producer)] = microbatches * size
     return expected
+
+
+def outcome_failures(case: str, outcome: tuple) -> list[str]:
+    """What one rank's case got wrong: its error against one process, an unsharded tp block, its comm_bytes()."""
+    (error, where), sent, want, sharded = outcome
+    failures = []
+    if error > TOLERANCE:
+        failures.append(f"{case}: relative error {error:.2e} at {where}")
+    if not sharded:
+        failures.append(f"{case}: the tp_plan left a block's up projection unsharded")
+    if any(step != want for step in sent):
+        failures.append(f"{case}: comm_bytes() {sent[0]} (and later steps {sent[1:]}), expected {want}")
+    return failures

@@ -79,14 +79,7 @@ def _meta_run(arch, layout, data):
     pm = mesh3d.parallelize(hf_cases.meta_hf_model(arch), layout, schedule="interleaved_1f1b",
                             microbatches=MICROBATCHES, seed=SEED)
     initial = pm.full_state_dict()
-    optimizer = torch.optim.SGD(pm.parameters(), lr=hf_cases.LR)
-    losses = []
-    for inputs, targets in data:
-        share = slice(layout.dp_rank * len(inputs) // layout.dp, (layout.dp_rank + 1) * len(inputs) // layout.dp)
-        losses.append(pm.step(inputs[share], targets[share]).item())
-        optimizer.step()
-        optimizer.zero_grad()
-    return initial, (losses, pm.full_state_dict())
+    return initial, hf_cases.train_steps(pm, layout, data)
 
 
 @functools.cache

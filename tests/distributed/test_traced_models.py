@@ -13,8 +13,7 @@ from torch.distributed.tensor import DTensor
 
 import mesh3d
 from multiprocess import run_on_ranks
-from pipeline_cases import TOLERANCE
-from sequential_cases import (BLOCK_TP_PLAN, DIM, SEQ, SkipModel, data, expected_bytes, parallel, reference,
+from sequential_cases import (BLOCK_TP_PLAN, DIM, SEQ, outcome_failures, SkipModel, data, expected_bytes, parallel, reference,
                               stage_ranks, token_loss, worst)
 
 BATCH = 16
@@ -54,13 +53,7 @@ def test_traced_model_matches_one_process_and_sends_skips_straight_to_their_cons
     references = {i: reference(SkipModel(tied), token_loss, data("tokens", BATCH)) for i, (_, tied, _) in enumerate(CASES)}
     failures = []
     for rank, outcome in enumerate(run_on_ranks(_run, 4, references, timeout=300)):
-        for index, ((error, where), sent, want, sharded) in outcome.items():
+        for index, result in outcome.items():
             sizes, tied, options = CASES[index]
-            case = f"rank {rank} {sizes} tied={tied} {options.get('schedule')}"
-            if error > TOLERANCE:
-                failures.append(f"{case}: relative error {error:.2e} at {where}")
-            if not sharded:
-                failures.append(f"{case}: the tp_plan left a block's up projection unsharded")
-            if any(step != want for step in sent):
-                failures.append(f"{case}: comm_bytes() {sent[0]} (and later steps {sent[1:]}), expected {want}")
+            failures += outcome_failures(f"rank {rank} {sizes} tied={tied} {options.get('schedule')}", result)
     assert not failures, "\n".join(failures)
