@@ -24,6 +24,7 @@ FLOORS = [
     ("parallelize",),
     ("checkpoint",),
     ("train",),
+    ("planner",),  # reads the whole stack (split, schedules, TP plans) to predict it; nothing imports it
 ]
 FLOOR_OF = {room: floor for floor, rooms in enumerate(FLOORS) for room in rooms}
 

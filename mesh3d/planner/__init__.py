@@ -1,0 +1,14 @@
+"""The layout planner: which (pp, dp, tp, schedule, microbatches, checkpointing) to run, before renting GPUs.
+
+    plans = mesh3d.planner.plan("llama3-70b", gpus=256, hardware="h100", seq_len=8192, global_batch=512)
+    best = plans[0]                        # the fastest layout that fits
+    mesh3d.parallelize(model, **best.parallelize_kwargs())
+
+See docs/plan.md for the model's terms and its validation against published runs.
+"""
+
+from mesh3d.planner.hardware import HARDWARE, Hardware
+from mesh3d.planner.memory import MemoryBreakdown
+from mesh3d.planner.ranking import Plan, plan
+
+__all__ = ["HARDWARE", "Hardware", "MemoryBreakdown", "Plan", "plan"]

@@ -1,0 +1,47 @@
+"""Every constant of the planner's model, in one place, with where its value comes from.
+
+The planner counts what it can (FLOPs, bytes, the schedule's order); these are the few figures it
+cannot count, what real runs reach of the hardware's peaks. docs/plan.md shows the predictions
+they give against published runs.
+"""
+
+# Fraction of the dense peak a transformer's matmuls and attention reach in a real step (kernel
+# efficiency, memory-bound ops between them, launch gaps). 0.45: torchtitan's Llama 3.1 8B on 8
+# H100s (FSDP, selective AC, no compile) reaches 5,762 tokens/s/GPU, 35.6 % MFU counted with the
+# model's FLOPs; with the selective recompute and the exposed communication put back, the compute
+# runs at about 0.45 of peak. Calibrated on that one run; docs/plan.md validates it on the others.
+ACHIEVABLE_COMPUTE_FRACTION = 0.45
+
+# torch.compile's gain on the same compute (fusing the elementwise ops between the matmuls):
+# torchtitan reports 6-10 % more tokens/s with compile on Llama 3 8B/70B.
+COMPILE_SPEEDUP = 1.08
+
+# Fraction of the link's bandwidth a collective reaches (NCCL ring all-gather / reduce-scatter on
+# NVLink and on 400 Gb/s InfiniBand reach 70-85 % of the line rate in nccl-tests' bus bandwidth).
+ACHIEVABLE_LINK_FRACTION = 0.75
+
+# Tensor-parallel collectives sit between the matmuls that need their results: mesh3d issues
+# them synchronously (no async TP), so none of their time is hidden.
+TP_HIDDEN_FRACTION = 0.0
+
+# FSDP/DDP traffic overlaps compute (FSDP2 prefetches the next block's all-gather; DDP buckets
+# reduce during the backward); what exceeds the step's compute is exposed, plus this much of it
+# that nothing can hide (the first all-gather, the last reduce-scatter).
+DP_UNHIDDEN_FRACTION = 0.05
+
+# A selective recompute reruns only the cheap ops (norms, activations, rotary): memory-bound, about
+# this fraction of the stage's forward time (the selective-AC measurements in Korthikanti et al.
+# 2022, "Reducing Activation Recomputation in Large Transformer Models": 2-4 % overhead).
+SELECTIVE_RECOMPUTE_FRACTION = 0.05
+
+# AdamW's update touches, per parameter, the fp32 weight, gradient and two moments (read) and
+# the weight and moments (written): 28 bytes, memory-bound.
+ADAMW_BYTES_PER_PARAMETER = 28
+
+# Memory the planner keeps free on a device by default: the CUDA context and NCCL's buffers
+# (about 1-2 GiB) and the caching allocator's fragmentation (PyTorch's memory docs).
+MEMORY_MARGIN_FRACTION = 0.10
+
+# Split backward: the weight-gradient half of a block's backward is about half its time (the
+# input-gradient and weight-gradient matmuls have the same FLOPs).
+WEIGHT_GRAD_SHARE_OF_BACKWARD = 0.5

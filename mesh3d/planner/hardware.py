@@ -1,0 +1,84 @@
+"""The machines the planner plans for: a GPU's peak rate, memory and links, as datasheets state them.
+
+A `Hardware` is one accelerator and the links it has to its peers: within a node (NVLink) and
+between nodes (the node's network, per GPU). The presets quote NVIDIA's datasheets (SXM parts);
+what a real run reaches of these peaks is the planner's business (constants.py), not the
+hardware's. `hardware="this-machine"` measures the machine the planner runs on instead
+(machine_bench.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator and its links. Rates in FLOP/s and bytes/s, one direction, per device."""
+
+    name: str
+    peak_flops: float  # dense bf16 (tensor cores)
+    memory_bytes: int
+    intra_node_bandwidth: float  # to a peer in the node (NVLink), per device
+    inter_node_bandwidth: float  # to a peer in another node (the node's network, per device)
+    memory_bandwidth: float  # HBM, for the optimizer's elementwise update
+    peak_fp32_flops: float | None = None  # for param_dtype=None (fp32 compute); None: peak_flops / 2
+    source: str = ""
+
+    def peak_for(self, fp32: bool) -> float:
+        """The peak the compute dtype runs at."""
+        if not fp32:
+            return self.peak_flops
+        return self.peak_fp32_flops if self.peak_fp32_flops is not None else self.peak_flops / 2
+
+    def __post_init__(self):
+        for name in ("peak_flops", "memory_bytes", "intra_node_bandwidth", "inter_node_bandwidth", "memory_bandwidth"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"Hardware {self.name!r}: {name} must be a positive number, got {value!r}")
+
+
+# NVLink figures are the datasheets' bidirectional totals halved; the network is one NIC per GPU.
+HARDWARE: dict[str, Hardware] = {
+    "h100": Hardware(
+        "h100", peak_flops=989e12, memory_bytes=80 * GIB, intra_node_bandwidth=450 * GB,
+        inter_node_bandwidth=50 * GB, memory_bandwidth=3350 * GB, peak_fp32_flops=494.5e12,
+        source="NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 (1,979 with sparsity), 80 GB HBM3 at "
+               "3.35 TB/s, NVLink 4 900 GB/s; ConnectX-7 400 Gb/s per GPU (DGX H100)",
+    ),
+    "h200": Hardware(
+        "h200", peak_flops=989e12, memory_bytes=141 * GB, intra_node_bandwidth=450 * GB,
+        inter_node_bandwidth=50 * GB, memory_bandwidth=4800 * GB, peak_fp32_flops=494.5e12,
+        source="NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; "
+               "ConnectX-7 400 Gb/s per GPU (DGX H200)",
+    ),
+    "a100-80gb": Hardware(
+        "a100-80gb", peak_flops=312e12, memory_bytes=80 * GIB, intra_node_bandwidth=300 * GB,
+        inter_node_bandwidth=25 * GB, memory_bandwidth=2039 * GB, peak_fp32_flops=156e12,
+        source="NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s dense BF16, 80 GB HBM2e at 2,039 GB/s, NVLink 3 "
+               "600 GB/s; HDR InfiniBand 200 Gb/s per GPU (DGX A100)",
+    ),
+    "b200": Hardware(
+        "b200", peak_flops=2.25e15, memory_bytes=180 * GB, intra_node_bandwidth=900 * GB,
+        inter_node_bandwidth=50 * GB, memory_bandwidth=7700 * GB, peak_fp32_flops=1.125e15,
+        source="NVIDIA DGX B200 datasheet: 72 PFLOP/s FP8 training per 8 GPUs (2.25 PFLOP/s dense BF16 each), "
+               "1,440 GB HBM3e per 8 GPUs at 7.7 TB/s each, NVLink 5 1.8 TB/s; ConnectX-7 400 Gb/s per GPU",
+    ),
+}
+
+
+def resolve_hardware(hardware: str | Hardware) -> Hardware:
+    """A preset by name, "this-machine" (measured now), or a Hardware as given."""
+    if isinstance(hardware, Hardware):
+        return hardware
+    if hardware == "this-machine":
+        from mesh3d.planner.machine_bench import measure_this_machine
+
+        return measure_this_machine()
+    if hardware not in HARDWARE:
+        raise ValueError(f"plan: unknown hardware {hardware!r}; choose one of {sorted(HARDWARE)}, "
+                         "'this-machine', or pass mesh3d.planner.Hardware(...)")
+    return HARDWARE[hardware]

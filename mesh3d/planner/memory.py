@@ -1,0 +1,151 @@
+"""Bytes per rank at one layout: what mesh3d holds there, counted from the model's measured parts.
+
+- parameters, gradients, AdamW state: each parameter of the rank's stages, its tensor-parallel
+  shard (measured, probe.py), then FSDP's dim-0 shard (torch.chunk: the first dp rank holds
+  ceil(rows/dp) rows, the fullest) or DDP's replica; gradients and both AdamW moments as the
+  parameters, in the parameters' dtype; a tied weight once per stage that holds it when data
+  parallelism wraps the stages (each stage is its own root), else once per rank;
+- activations: the rank's own action list walked in order (its order is its time), each forward
+  adding what its mode keeps, each backward (B, or W after I) releasing it;
+- recompute: the most a checkpointed stage's recomputation adds for the length of its backward;
+- communication: FSDP's gathered (unsharded) parameters, DDP's compute-dtype copy, and a
+  receive buffer per boundary message.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mesh3d.pipeline.schedule.ir import Kind, Schedule
+from mesh3d.planner.probe import ModelCosts, PartCosts
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Peak bytes on one rank, by what holds them (`total` is their sum)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    recompute: int
+    communication: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.recompute + self.communication
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """The sizes `rank_memory` needs besides the measured costs."""
+
+    schedule: Schedule
+    stage_layers: list[range]
+    dp: int
+    dp_mode: str
+    microbatch_size: int
+    activation_checkpoint: str
+    param_bytes: int  # element size of the parameters (the model's dtype)
+    compute_bytes: int  # element size of the compute dtype
+    wraps: bool  # data parallelism (or mixed precision) wraps each stage as its own root
+    tied_end: bool  # the first and last ends share a weight
+
+
+def _shard_rows(shape: tuple[int, ...], dp: int, mode: str) -> int:
+    """Elements the fullest dp rank holds of a parameter of this (tensor-parallel-local) shape."""
+    if not shape:
+        return 1
+    rows = shape[0] if mode == "ddp" or dp == 1 else math.ceil(shape[0] / dp)
+    return rows * math.prod(shape[1:])
+
+
+def _stage_parts(costs: ModelCosts, stage: int, place: StagePlacement) -> list[tuple[PartCosts, int]]:
+    n = len(place.stage_layers)
+    parts = [(costs.block, len(place.stage_layers[stage]))]
+    if stage == 0:
+        parts.append((costs.first_end, 1))
+    if stage == n - 1:
+        parts.append((costs.last_end, 1))
+    return parts
+
+
+def stage_parameter_elements(costs: ModelCosts, stage: int, place: StagePlacement, sharded: bool = True) -> int:
+    dp = place.dp if sharded else 1
+    return sum(count * sum(_shard_rows(s, dp, place.dp_mode) for s in part.param_shapes)
+               for part, count in _stage_parts(costs, stage, place))
+
+
+def _tied_elements(costs: ModelCosts, place: StagePlacement, sharded: bool = True) -> int:
+    if not place.tied_end or not costs.first_end.param_shapes:
+        return 0
+    dp = place.dp if sharded else 1
+    return _shard_rows(max(costs.first_end.param_shapes, key=math.prod), dp, place.dp_mode)
+
+
+def rank_parameter_elements(costs: ModelCosts, rank: int, place: StagePlacement, sharded: bool = True) -> int:
+    """Parameter elements pp rank `rank` holds (dp rank 0, the fullest)."""
+    stages = place.schedule.local_stages(rank)
+    total = sum(stage_parameter_elements(costs, s, place, sharded) for s in stages)
+    n = len(place.stage_layers)
+    if 0 in stages and n - 1 in stages and not place.wraps:
+        total -= _tied_elements(costs, place, sharded)  # one Parameter for both stages
+    return total
+
+
+def _kept(costs: ModelCosts, stage: int, place: StagePlacement, mode: str) -> int:
+    """Bytes a forward of `stage` keeps for its backward, per microbatch, under `mode`."""
+    n = len(place.stage_layers)
+    if mode == "always":
+        kept = costs.checkpointed_stage
+        if n == 1:  # the stage takes the tokens and computes the loss
+            return (kept["first"] + kept["last"] - kept["middle"]) * place.microbatch_size
+        kind = "first" if stage == 0 else "last" if stage == n - 1 else "middle"
+        return kept[kind] * place.microbatch_size
+    return sum(count * part.saved[mode] for part, count in _stage_parts(costs, stage, place)) * place.microbatch_size
+
+
+def rank_activations(costs: ModelCosts, rank: int, place: StagePlacement) -> tuple[int, int]:
+    """(peak bytes kept for backward, the most a recomputation adds on top) on pp rank `rank`."""
+    mode, m = place.activation_checkpoint, place.schedule.microbatches
+    held: dict[tuple[int, int], int] = {}
+    live = peak = peak_with_recompute = 0
+    for action in place.schedule.actions[rank]:
+        key = (action.stage, action.microbatch)
+        checkpointed = mode == "always" or (mode == "except_last" and action.microbatch != m - 1)
+        full = _kept(costs, action.stage, place, "selective" if mode == "selective" else "never")
+        if action.kind == Kind.F:
+            held[key] = _kept(costs, action.stage, place, "always") if checkpointed else full
+            live += held[key]
+        elif action.kind == Kind.I and checkpointed:  # a split backward recomputes at I, keeps it for W
+            live += full
+            held[key] += full
+        elif action.kind in (Kind.B, Kind.W):
+            if action.kind == Kind.B and checkpointed:
+                peak_with_recompute = max(peak_with_recompute, live + full)
+            live -= held.pop(key)
+        peak = max(peak, live)
+        peak_with_recompute = max(peak_with_recompute, live)
+    return peak, peak_with_recompute - peak
+
+
+def rank_memory(costs: ModelCosts, rank: int, place: StagePlacement) -> MemoryBreakdown:
+    """The peak bytes of pp rank `rank` (its fullest dp and tp rank) at this placement."""
+    params = rank_parameter_elements(costs, rank, place) * place.param_bytes
+    activations, recompute = rank_activations(costs, rank, place)
+    unsharded = rank_parameter_elements(costs, rank, place, sharded=False)
+    if place.dp_mode == "fsdp" and place.dp > 1:
+        stages = place.schedule.local_stages(rank)
+        if place.schedule.pp > 1:  # parameters stay gathered from the first forward to the last backward
+            gathered = unsharded * place.compute_bytes
+        else:  # gathered a block at a time, the next one prefetched
+            block = sum(math.prod(s) for s in costs.block.param_shapes)
+            gathered = 2 * block * place.compute_bytes * min(1, len(stages))
+        comm = gathered
+    elif place.wraps and place.compute_bytes != place.param_bytes:
+        comm = unsharded * place.compute_bytes  # the compute-dtype copy of every parameter
+    else:
+        comm = 0
+    comm += 2 * costs.message_bytes * place.microbatch_size * len(place.schedule.local_stages(rank))
+    return MemoryBreakdown(params, params, 2 * params, activations, recompute, comm)

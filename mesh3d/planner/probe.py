@@ -1,0 +1,282 @@
+"""What one stage of a model costs, measured on fake tensors: parameters, saved activations, FLOPs,
+tensor-parallel traffic and the message it sends on, per microbatch, as one tp rank holds them.
+
+Nothing is estimated from a formula per architecture: the planner cuts three small stages from the
+model on meta with mesh3d's own cut (first: the first end and one block; middle: one block; last:
+one block, the last end and the loss), applies the model's own tensor-parallel plan with torch's
+DTensor styles over a fake process group of tp ranks (torch's "fake" backend: collectives that move
+nothing), and runs each forward and backward under FakeTensorMode on CPU-device fake tensors, so
+attention takes the fused path that saves its output and log-sum-exp, as on a GPU. What runs is
+counted with torch's own meters:
+
+- saved activations: autograd's saved-tensor hooks (the bytes a rank keeps for the backward), with
+  the stage run plain, under a whole-stage checkpoint (what the runtime does for "always"), and
+  under the selective policy;
+- FLOPs: FlopCounterMode (the local shards' matmuls, recomputation not counted);
+- tensor-parallel traffic: the bytes of every functional collective DTensor issues.
+
+The middle stage is a block; first minus middle and last minus middle are the two ends. A model's
+blocks must be alike (they are in every decoder the planner knows: checked by shape).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
+
+from mesh3d.model.anatomy import Anatomy
+from mesh3d.model.cut import cut_stage
+from mesh3d.model.loss import cross_entropy_loss
+
+ADDITIVE_MODES = ("never", "selective")  # saved bytes add up block by block
+
+
+@dataclass(frozen=True)
+class PartCosts:
+    """One part of a model (a block, or an end), per microbatch, on one tp rank."""
+
+    param_shapes: tuple[tuple[int, ...], ...] = ()  # local (tp-sharded) shapes of its parameters
+    param_names: tuple[str, ...] = ()
+    saved: dict[str, int] = field(default_factory=dict)  # activation_checkpoint mode -> saved bytes
+    flops: float = 0.0  # forward + backward
+    forward_flops: float = 0.0
+    tp_bytes: float = 0.0  # bytes this rank sends through tensor-parallel collectives, forward + backward
+
+    def minus(self, other: PartCosts, names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> PartCosts:
+        return PartCosts(shapes, names, {k: v - other.saved.get(k, 0) for k, v in self.saved.items()},
+                         self.flops - other.flops, self.forward_flops - other.forward_flops,
+                         self.tp_bytes - other.tp_bytes)
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """A block and the two ends, per microbatch of `microbatch_size` x `seq_len`, at `tp`."""
+
+    tp: int
+    microbatch_size: int
+    seq_len: int
+    dtype: torch.dtype  # the compute dtype the activations are in
+    block: PartCosts
+    first_end: PartCosts
+    last_end: PartCosts
+    message_bytes: int  # what a stage sends on (and its gradient coming back), per microbatch
+    # a whole stage under checkpoint keeps its input (and the last, the loss's saved tensors),
+    # whatever its blocks: by stage kind "first", "middle", "last"
+    checkpointed_stage: dict[str, int]
+
+
+class _CollectiveBytes(TorchDispatchMode):
+    """Bytes each rank sends through the functional collectives DTensor issues, by ring algorithm:
+    an all-gather of a local s sends (n-1)s, a reduce-scatter of S sends (n-1)S/n, an all-reduce
+    of S twice that."""
+
+    def __init__(self, ranks: int):
+        super().__init__()
+        self.ranks = ranks
+        self.bytes = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if getattr(func, "namespace", "") in ("_c10d_functional", "c10d_functional") and tensors:
+            size, n = tensors[0].numel() * tensors[0].element_size(), self.ranks
+            if name.startswith("all_gather"):
+                self.bytes += (n - 1) * size
+            elif name.startswith("reduce_scatter"):
+                self.bytes += (n - 1) * size / n
+            elif name.startswith("all_reduce"):
+                self.bytes += 2 * (n - 1) * size / n
+        return func(*args, **(kwargs or {}))
+
+
+class _SavedBytes:
+    """Bytes of the distinct storages autograd keeps: a tensor saved by several ops (a norm's
+    output feeding three projections), or a view of one already kept, costs nothing more."""
+
+    def __init__(self):
+        self.total = 0
+        self.storages: set[int] = set()
+
+    def pack(self, tensor):
+        storage = _local(tensor).untyped_storage()
+        if storage._cdata not in self.storages:
+            self.storages.add(storage._cdata)
+            self.total += storage.nbytes()
+        return tensor
+
+    @staticmethod
+    def unpack(tensor):
+        return tensor
+
+
+@contextlib.contextmanager
+def fake_tp_mesh(tp: int) -> Iterator[object]:
+    """A one-dimensional DeviceMesh of `tp` ranks over torch's fake process group (this process is
+    rank 0 and no message moves); None for tp = 1. Needs no process group to exist already."""
+    if tp == 1:
+        yield None
+        return
+    if dist.is_initialized():
+        raise RuntimeError(
+            f"plan: measuring tp={tp} runs tensor parallelism over a fake process group, which needs a process "
+            "without one; call mesh3d.plan before build_mesh (or in a process of its own), or fix tp=1")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        yield init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_model(
+    model: nn.Module,
+    anatomy: Anatomy,
+    *,
+    tp: int,
+    tp_plan: dict | None,
+    microbatch_size: int,
+    seq_len: int,
+    param_dtype: torch.dtype | None,
+    selective_context: Callable | None = None,
+) -> ModelCosts:
+    """Measure a block and the two ends of `model` (on meta) at `tp`; see the module docstring."""
+    from mesh3d.tensor.apply import apply_tensor_parallel
+
+    n_blocks = len(anatomy.block_names(model))
+    if n_blocks < 3:
+        raise ValueError(f"plan: {anatomy.name} has {n_blocks} blocks; the planner measures a model with at least 3")
+    parts = {"first": (0, range(0, 1)), "middle": (1, range(1, 2)), "last": (2, range(n_blocks - 1, n_blocks))}
+    stages = {kind: cut_stage(model, anatomy, index, 3, layers) for kind, (index, layers) in parts.items()}
+    with fake_tp_mesh(tp) as mesh:
+        if mesh is not None:
+            if not tp_plan:
+                raise ValueError(f"plan: tp={tp} needs a tensor-parallel plan, and {anatomy.name} declares none")
+            apply_tensor_parallel(stages.values(), tp_plan, mesh)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            results, message, checkpointed = _run_chain(stages, tp, microbatch_size, seq_len, param_dtype,
+                                                        selective_context)
+    block = results["middle"]
+    first = results["first"].minus(block, *_end_params(stages["first"], stages["middle"]))
+    last = results["last"].minus(block, *_end_params(stages["last"], stages["middle"]))
+    dtype = param_dtype or torch.float32
+    return ModelCosts(tp, microbatch_size, seq_len, dtype, block, first, last, message, checkpointed)
+
+
+def _end_params(stage: nn.Module, middle: nn.Module) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
+    """A stage's parameters that are not its block's (matched by shape, the block being alike)."""
+    block = sorted(tuple(_local(p).shape) for p in middle.parameters())
+    names, shapes = [], []
+    remaining = list(block)
+    for name, param in stage.named_parameters():
+        shape = tuple(_local(param).shape)
+        if shape in remaining:
+            remaining.remove(shape)
+        else:
+            names.append(name)
+            shapes.append(shape)
+    return tuple(names), tuple(shapes)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _run_chain(stages: dict[str, nn.Module], tp: int, batch: int, seq_len: int, param_dtype: torch.dtype | None,
+               selective_context: Callable | None) -> tuple[dict[str, PartCosts], int, dict[str, int]]:
+    tokens = torch.zeros(batch, seq_len, dtype=torch.long)
+    targets = torch.zeros(batch, seq_len, dtype=torch.long)
+    results: dict[str, PartCosts] = {}
+    x, message, checkpointed = tokens, 0, {}
+    for kind, stage in stages.items():
+        stage = _computed(stage.to_empty(device="cpu"), param_dtype)
+        is_last = kind == "last"
+        saved = {}
+        for mode in ADDITIVE_MODES:
+            if mode == "selective" and selective_context is None:
+                continue
+            saved[mode] = _saved_bytes(stage, x, targets if is_last else None, mode, selective_context)
+        checkpointed[kind] = _saved_bytes(stage, x, targets if is_last else None, "always", None)
+        flops, forward_flops, tp_bytes, out = _flops_and_traffic(stage, x, targets if is_last else None, tp)
+        params = tuple(_local(p).shape for p in stage.parameters())
+        names = tuple(n for n, _ in stage.named_parameters())
+        results[kind] = PartCosts(params, names, saved, flops, forward_flops, tp_bytes)
+        if not is_last:
+            x = _local(out).detach()
+            message = x.numel() * x.element_size()
+    return results, message, checkpointed
+
+
+def _computed(stage: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:
+    """The stage's parameters in the compute dtype, as FSDP's mixed-precision policy gathers them
+    (in place: the stage is the probe's own copy)."""
+    if param_dtype is None:
+        return stage
+    for module in stage.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.is_floating_point():
+                module._parameters[name] = nn.Parameter(param.detach().to(param_dtype), requires_grad=param.requires_grad)
+    return stage
+
+
+def _forward(stage: nn.Module, x: torch.Tensor, targets: torch.Tensor | None, mode: str,
+             selective_context: Callable | None) -> torch.Tensor:
+    """The stage as the runtime runs it (pipeline/runtime.py): the loss outside the checkpoint."""
+    def call(inp):
+        out = stage(inp)
+        return getattr(out, "logits", out)
+
+    if mode == "always":
+        out = checkpoint(call, x, use_reentrant=False)
+    elif mode == "selective":
+        out = checkpoint(call, x, use_reentrant=False, context_fn=selective_context)
+    else:
+        out = call(x)
+    if targets is None:
+        return out
+    value = cross_entropy_loss(_local(out) if isinstance(out, DTensor) else out, targets)
+    return value[0] if isinstance(value, tuple) else value
+
+
+def _input(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().requires_grad_(True) if x.is_floating_point() else x
+
+
+def _saved_bytes(stage, x, targets, mode, selective_context) -> int:
+    meter = _SavedBytes()
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+        _forward(stage, _input(x), targets, mode, selective_context)
+    return meter.total
+
+
+def _flops_and_traffic(stage, x, targets, tp: int) -> tuple[float, float, float, torch.Tensor]:
+    """FLOPs per tp rank: FlopCounterMode counts a DTensor op at its global shape, and every op it
+    counts (matmuls, attention) is one the tensor-parallel plan shards over all tp ranks."""
+    traffic = _CollectiveBytes(tp)
+    counter = FlopCounterMode(display=False)
+    inp = _input(x)
+    with counter, traffic:
+        out = _forward(stage, inp, None, "never", None)
+        loss = _forward_loss(out, targets)
+        forward = counter.get_total_flops()
+        grad_out = None if targets is not None else torch.ones_like(loss)
+        torch.autograd.backward(loss, grad_out)  # .grad of fake parameters: no memory
+    return counter.get_total_flops() / tp, forward / tp, traffic.bytes, out
+
+
+def _forward_loss(out: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+    if targets is None:
+        return out
+    value = cross_entropy_loss(_local(out) if isinstance(out, DTensor) else out, targets)
+    return value[0] if isinstance(value, tuple) else value

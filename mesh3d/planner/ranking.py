@@ -1,0 +1,254 @@
+"""`mesh3d.plan`: every layout of a model on a cluster, the ones that fit, ranked by tokens/s per GPU.
+
+For each candidate (pp, dp, tp, schedule, virtual_stages, microbatches, activation_checkpoint,
+dp_mode) the planner builds the schedule mesh3d would run, predicts the fullest rank's memory
+(memory.py) and the step's time (step_time.py) from costs measured on the model itself
+(probe.py, once per tp degree), drops what does not fit and ranks the rest.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from mesh3d.model.anatomy import anatomy_of
+from mesh3d.pipeline.schedule.catalog import SCHEDULES, build_schedule, check_schedule_config
+from mesh3d.pipeline.config import ACTIVATION_CHECKPOINT_MODES
+from mesh3d.pipeline.split import stage_layer_ranges
+from mesh3d.pipeline.tied import find_ties
+from mesh3d.planner import constants as C
+from mesh3d.planner.hardware import Hardware, resolve_hardware
+from mesh3d.planner.memory import MemoryBreakdown, StagePlacement, rank_memory
+from mesh3d.planner.model_source import max_sequence_length, meta_model
+from mesh3d.planner.probe import ModelCosts, measure_model
+from mesh3d.planner.step_time import Links, StepTime, step_time
+
+FIXABLE = ("pp", "dp", "tp", "schedule", "virtual_stages", "microbatches", "activation_checkpoint", "dp_mode",
+           "param_dtype", "compile")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One layout and what the planner predicts for it."""
+
+    pp: int
+    dp: int
+    tp: int
+    schedule: str
+    virtual_stages: int
+    microbatches: int
+    activation_checkpoint: str
+    dp_mode: str
+    param_dtype: torch.dtype | None
+    compile: bool
+    local_batch: int  # sequences each dp rank's step takes
+    microbatch_size: int
+    memory_per_rank: MemoryBreakdown
+    step_seconds: float
+    tokens_per_second_per_gpu: float
+    mfu: float
+    bubble_fraction: float
+    time: StepTime = field(repr=False)
+
+    def parallelize_kwargs(self) -> dict:
+        """What to hand `mesh3d.parallelize(model, **kwargs)` to run exactly this plan."""
+        return dict(pp=self.pp, dp=self.dp, tp=self.tp, schedule=self.schedule, virtual_stages=self.virtual_stages,
+                    microbatches=self.microbatches, activation_checkpoint=self.activation_checkpoint,
+                    dp_mode=self.dp_mode, param_dtype=self.param_dtype, compile=self.compile)
+
+    def row(self) -> str:
+        dtype = "fp32" if self.param_dtype is None else str(self.param_dtype).removeprefix("torch.")
+        return (f"pp={self.pp} dp={self.dp} tp={self.tp} {self.schedule} v={self.virtual_stages} "
+                f"m={self.microbatches} ac={self.activation_checkpoint} {self.dp_mode} {dtype}"
+                f"{' compile' if self.compile else ''}")
+
+
+def plan(
+    model: nn.Module | str | object,
+    gpus: int,
+    gpus_per_node: int = 8,
+    hardware: str | Hardware = "h100",
+    seq_len: int = 8192,
+    global_batch: int = 256,
+    memory_limit: int | str | None = None,
+    fix: dict | None = None,
+    tp_plan: dict | None = None,
+) -> list[Plan]:
+    """Rank the layouts of `model` on `gpus` devices of `hardware`: the fastest first, only those that fit.
+
+    Args:
+        model: a model on the meta device (mesh3d protocol, Hugging Face, nn.Sequential), a
+            Hugging Face config, or a preset name ("llama3-8b", "llama3-70b", "llama3-405b").
+        gpus, gpus_per_node: the cluster (tensor parallelism stays within a node).
+        hardware: a preset ("h100", "h200", "a100-80gb", "b200"), a `Hardware`, or "this-machine".
+        seq_len, global_batch: tokens per sequence and sequences per step.
+        memory_limit: bytes (or "80GiB") a rank may hold; default the hardware's memory less
+            constants.MEMORY_MARGIN_FRACTION.
+        fix: pin choices by the plan's attribute names, e.g. {"pp": 8, "schedule": "1f1b"}.
+        tp_plan: a tensor-parallel plan, when the model's own declaration is not the one to use.
+
+    Raises ValueError naming what would fit when nothing does.
+    """
+    hw = resolve_hardware(hardware)
+    fix = _check_fix(fix)
+    _check_sizes(gpus, gpus_per_node, seq_len, global_batch)
+    model = meta_model(model)
+    longest = max_sequence_length(model)
+    if longest is not None and seq_len > longest:
+        raise ValueError(f"plan: seq_len={seq_len} is longer than the model takes ({longest}); use seq_len <= {longest}")
+    limit = _memory_limit(memory_limit, hw)
+    anatomy = anatomy_of(model)
+    n_blocks = len(anatomy.block_names(model))
+    plan_tp = tp_plan if tp_plan is not None else anatomy.tp_plan
+    tied = any(len(group) > 1 for group in find_ties(model))
+    param_bytes = next(model.parameters()).element_size()
+    measure = functools.cache(lambda tp, dtype: measure_model(
+        model, anatomy, tp=tp, tp_plan=plan_tp, microbatch_size=1, seq_len=seq_len, param_dtype=dtype,
+        selective_context=_selective_context()))
+    plans, smallest_need = [], None
+    for cand in _candidates(gpus, gpus_per_node, global_batch, n_blocks, anatomy.tensor_parallel_sizes, fix):
+        costs = measure(cand["tp"], cand["param_dtype"])
+        if cand["activation_checkpoint"] == "selective" and "selective" not in costs.block.saved:
+            continue
+        built = build_schedule(cand["schedule"], cand["pp"], cand["microbatches"], cand["virtual_stages"])
+        layers = stage_layer_ranges(model, anatomy, cand["pp"] * cand["virtual_stages"], "layers", 0.0, None)
+        compute_bytes = param_bytes if cand["param_dtype"] is None else torch.empty((), dtype=cand["param_dtype"]).element_size()
+        place = StagePlacement(
+            built, layers, cand["dp"], cand["dp_mode"], cand["microbatch_size"], cand["activation_checkpoint"],
+            param_bytes, compute_bytes, wraps=cand["dp"] > 1 or cand["param_dtype"] is not None, tied_end=tied)
+        memory = max((rank_memory(costs, r, place) for r in range(cand["pp"])), key=lambda m: m.total)
+        if memory.total > limit:
+            smallest_need = memory.total if smallest_need is None else min(smallest_need, memory.total)
+            continue
+        links = Links.of(hw, cand["pp"], cand["dp"], cand["tp"], gpus_per_node)
+        fp32 = cand["param_dtype"] is None or cand["param_dtype"] == torch.float32
+        time = step_time(costs, place, hw, links, compile=cand["compile"], fp32_compute=fp32)
+        tokens = global_batch * seq_len / time.seconds / gpus
+        model_flops = _model_flops_per_token(costs, n_blocks)
+        mfu = model_flops * tokens / hw.peak_for(fp32)
+        plans.append(Plan(cand["pp"], cand["dp"], cand["tp"], cand["schedule"], cand["virtual_stages"],
+                          cand["microbatches"], cand["activation_checkpoint"], cand["dp_mode"], cand["param_dtype"],
+                          cand["compile"], cand["local_batch"], cand["microbatch_size"], memory, time.seconds, tokens,
+                          mfu, time.bubble_fraction, time))
+    if not plans:
+        raise ValueError(_nothing_fits(gpus, limit, smallest_need, fix, global_batch))
+    return sorted(plans, key=lambda p: -p.tokens_per_second_per_gpu)
+
+
+def _model_flops_per_token(costs: ModelCosts, n_blocks: int) -> float:
+    """The whole model's FLOPs per token (forward and backward, no recomputation): MFU's numerator."""
+    per_rank = n_blocks * costs.block.flops + costs.first_end.flops + costs.last_end.flops
+    return per_rank * costs.tp / (costs.microbatch_size * costs.seq_len)
+
+
+def _selective_context():
+    try:
+        from mesh3d.pipeline.selective_checkpoint import selective_checkpoint_context
+    except ImportError:
+        return None
+    return selective_checkpoint_context
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _candidates(gpus, gpus_per_node, global_batch, n_blocks, tp_sizes, fix):
+    """Every layout mesh3d accepts for these sizes, with `fix` applied."""
+    def allowed(name, values):
+        return [fix[name]] if name in fix else values
+
+    tp_choices = [t for t in _divisors(gpus) if t <= gpus_per_node and all(s % t == 0 for s in tp_sizes.values())]
+    for tp in allowed("tp", tp_choices):
+        for pp in allowed("pp", [p for p in _divisors(gpus // tp) if p <= n_blocks] if gpus % tp == 0 else []):
+            if gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            if "dp" in fix and fix["dp"] != dp or global_batch % dp:
+                continue
+            local = global_batch // dp
+            for schedule in allowed("schedule", ["1f1b"] if pp == 1 else list(SCHEDULES)):
+                spec = SCHEDULES[schedule]
+                v_choices = [spec.fixed_virtual_stages] if spec.fixed_virtual_stages else (
+                    [1, 2, 4] if spec.multi_stage else [1])
+                for v in allowed("virtual_stages", [v for v in v_choices if pp * v <= n_blocks]):
+                    for m in allowed("microbatches", [m for m in _divisors(local) if m <= 4 * pp * v or m == pp]):
+                        if local % m:
+                            continue
+                        try:
+                            check_schedule_config(schedule, pp, m, v)
+                        except ValueError:
+                            continue
+                        for ac in allowed("activation_checkpoint", list(ACTIVATION_CHECKPOINT_MODES)):
+                            for mode in allowed("dp_mode", ["fsdp", "ddp"] if dp > 1 else ["fsdp"]):
+                                yield dict(pp=pp, dp=dp, tp=tp, schedule=schedule, virtual_stages=v, microbatches=m,
+                                           activation_checkpoint=ac, dp_mode=mode,
+                                           param_dtype=fix.get("param_dtype", torch.bfloat16),
+                                           compile=fix.get("compile", False), local_batch=local,
+                                           microbatch_size=local // m)
+
+
+def _check_fix(fix: dict | None) -> dict:
+    fix = dict(fix or {})
+    unknown = sorted(set(fix) - set(FIXABLE))
+    if unknown:
+        raise ValueError(f"plan: fix has unknown keys {unknown}; pin any of {list(FIXABLE)}")
+    if "schedule" in fix and fix["schedule"] not in SCHEDULES:
+        raise ValueError(f"plan: fix schedule={fix['schedule']!r}; choose one of {sorted(SCHEDULES)}")
+    if "activation_checkpoint" in fix and fix["activation_checkpoint"] not in ACTIVATION_CHECKPOINT_MODES:
+        raise ValueError(f"plan: fix activation_checkpoint={fix['activation_checkpoint']!r}; "
+                         f"choose one of {list(ACTIVATION_CHECKPOINT_MODES)}")
+    if "dp_mode" in fix and fix["dp_mode"] not in ("fsdp", "ddp"):
+        raise ValueError(f"plan: fix dp_mode={fix['dp_mode']!r}; choose 'fsdp' or 'ddp'")
+    if "param_dtype" in fix and fix["param_dtype"] is not None and not isinstance(fix["param_dtype"], torch.dtype):
+        raise ValueError(f"plan: fix param_dtype={fix['param_dtype']!r}; give a torch dtype (torch.bfloat16) or None")
+    if "compile" in fix and not isinstance(fix["compile"], bool):
+        raise ValueError(f"plan: fix compile={fix['compile']!r}; give True or False")
+    for name in ("pp", "dp", "tp", "virtual_stages", "microbatches"):
+        if name in fix and (isinstance(fix[name], bool) or not isinstance(fix[name], int) or fix[name] < 1):
+            raise ValueError(f"plan: fix {name}={fix[name]!r}; give a positive integer")
+    return fix
+
+
+def _check_sizes(gpus, gpus_per_node, seq_len, global_batch) -> None:
+    for name, value in (("gpus", gpus), ("gpus_per_node", gpus_per_node), ("seq_len", seq_len),
+                        ("global_batch", global_batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"plan: {name} must be a positive integer, got {value!r}")
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise ValueError(f"plan: gpus={gpus} is not a whole number of nodes of {gpus_per_node}; use a multiple of "
+                         f"{gpus_per_node} (e.g. {gpus // gpus_per_node * gpus_per_node} or "
+                         f"{(gpus // gpus_per_node + 1) * gpus_per_node})")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _memory_limit(limit: int | str | None, hardware: Hardware) -> int:
+    if limit is None:
+        return int(hardware.memory_bytes * (1 - C.MEMORY_MARGIN_FRACTION))
+    if isinstance(limit, str):
+        match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", limit)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"plan: memory_limit={limit!r}; write bytes or a size such as '80GiB' or '75GB'")
+        return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
+        raise ValueError(f"plan: memory_limit must be positive bytes or a size such as '80GiB', got {limit!r}")
+    return int(limit)
+
+
+def _nothing_fits(gpus, limit, smallest_need, fix, global_batch) -> str:
+    gib = 2**30
+    if smallest_need is None:
+        return (f"plan: no layout of {gpus} GPUs matches these sizes (global_batch={global_batch}, fix={fix}); "
+                "global_batch must divide over dp, microbatches over each dp rank's batch, tp the model's head counts")
+    need = math.ceil(smallest_need / limit)
+    return (f"plan: no layout fits in {limit / gib:.1f} GiB per GPU on {gpus} GPUs (fix={fix}); the leanest "
+            f"needs {smallest_need / gib:.1f} GiB. Try about {need}x the GPUs ({gpus * need}), a smaller "
+            f"global_batch or seq_len, or a larger memory_limit")

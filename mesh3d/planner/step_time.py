@@ -1,0 +1,94 @@
+"""Seconds per step at one layout: the schedule's own timeline with measured costs put in.
+
+Per stage and microbatch, a forward costs its FLOPs at the achievable rate plus its tensor-parallel
+collectives (not hidden: mesh3d runs them synchronously); a backward costs its FLOPs, its
+collectives and its recomputation. The simulator (pipeline/schedule/timeline.py) plays the
+schedule's real action lists with the slowest stage's costs and the P2P time of a boundary
+message, so the bubble is the schedule's, not a closed form. FSDP/DDP traffic overlaps the
+compute (what exceeds it shows), and the optimizer's update is memory-bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mesh3d.pipeline.schedule.simulate import simulate_schedule
+from mesh3d.planner import constants as C
+from mesh3d.planner.hardware import Hardware
+from mesh3d.planner.memory import StagePlacement, rank_parameter_elements, _stage_parts
+from mesh3d.planner.probe import ModelCosts
+
+
+@dataclass(frozen=True)
+class Links:
+    """Bytes/s each parallel axis's traffic gets (intra- or inter-node, by where its ranks sit)."""
+
+    tp: float
+    dp: float
+    pp: float
+
+    @classmethod
+    def of(cls, hardware: Hardware, pp: int, dp: int, tp: int, gpus_per_node: int) -> Links:
+        """Ranks are laid out tp fastest, then dp, then pp (mesh.py): an axis stays in a node while
+        its span of ranks fits in one."""
+        def link(span: int) -> float:
+            bandwidth = hardware.intra_node_bandwidth if span <= gpus_per_node else hardware.inter_node_bandwidth
+            return bandwidth * C.ACHIEVABLE_LINK_FRACTION
+
+        return cls(link(tp), link(dp * tp), link(pp * dp * tp))
+
+
+@dataclass(frozen=True)
+class StepTime:
+    seconds: float
+    bubble_fraction: float
+    compute_seconds: float  # the pipeline's makespan
+    exposed_dp_seconds: float
+    optimizer_seconds: float
+    tp_seconds: float  # tensor-parallel collectives inside the makespan, per rank
+    p2p_seconds: float  # one boundary message
+
+
+def step_time(costs: ModelCosts, place: StagePlacement, hardware: Hardware, links: Links, *,
+              compile: bool, fp32_compute: bool) -> StepTime:
+    """Predicted seconds of one training step (forward, backward, gradient sync, AdamW)."""
+    rate = hardware.peak_for(fp32_compute) * C.ACHIEVABLE_COMPUTE_FRACTION * (C.COMPILE_SPEEDUP if compile else 1.0)
+    mbs, mode = place.microbatch_size, place.activation_checkpoint
+    forward = backward = tp_time = 0.0
+    for stage in range(len(place.stage_layers)):
+        parts = _stage_parts(costs, stage, place)
+        fwd_flops = sum(c * p.forward_flops for p, c in parts) * mbs
+        bwd_flops = sum(c * (p.flops - p.forward_flops) for p, c in parts) * mbs
+        tp_bytes = sum(c * p.tp_bytes for p, c in parts) * mbs
+        tp_s = tp_bytes / links.tp * (1 - C.TP_HIDDEN_FRACTION) if costs.tp > 1 else 0.0
+        f = fwd_flops / rate + tp_s / 2
+        recompute = {"always": f, "except_last": f, "selective": C.SELECTIVE_RECOMPUTE_FRACTION * fwd_flops / rate}
+        b = bwd_flops / rate + tp_s / 2 + recompute.get(mode, 0.0)
+        if f + b > forward + backward:
+            forward, backward, tp_time = f, b, tp_s
+    splits = place.schedule.splits_backward
+    w = backward * C.WEIGHT_GRAD_SHARE_OF_BACKWARD if splits else 0.0
+    p2p = costs.message_bytes * mbs / links.pp if place.schedule.pp > 1 else 0.0
+    report = simulate_schedule(place.schedule, f_cost=forward, b_cost=backward, w_cost=w, comm_cost=p2p)
+    busy = max(report.busy)
+    dp_s = _dp_seconds(costs, place, links)
+    exposed = max(0.0, dp_s - busy) + C.DP_UNHIDDEN_FRACTION * dp_s
+    params = max(rank_parameter_elements(costs, r, place) for r in range(place.schedule.pp))
+    optimizer = params * C.ADAMW_BYTES_PER_PARAMETER / hardware.memory_bandwidth
+    return StepTime(report.makespan + exposed + optimizer, report.bubble_fraction, report.makespan, exposed,
+                    optimizer, tp_time, p2p)
+
+
+def _dp_seconds(costs: ModelCosts, place: StagePlacement, links: Links) -> float:
+    """FSDP: gather the parameters (once per step with pp > 1, forward and backward with pp = 1)
+    and reduce-scatter the gradients; DDP: all-reduce the gradients. Ring traffic per rank."""
+    dp = place.dp
+    if dp == 1:
+        return 0.0
+    unsharded = max(rank_parameter_elements(costs, r, place, sharded=False) for r in range(place.schedule.pp))
+    share = (dp - 1) / dp
+    grad_bytes = 4  # reduce_dtype fp32
+    if place.dp_mode == "ddp":
+        return 2 * share * unsharded * grad_bytes / links.dp
+    gathers = 1 if place.schedule.pp > 1 else 2
+    return share * unsharded * (gathers * place.compute_bytes + grad_bytes) / links.dp
