@@ -1,0 +1,132 @@
+"""mesh3d.plan: the contract's attributes, `fix`, the ranking, and errors a user can act on.
+
+The LLaMA example's debug config on meta (4 blocks, 128 wide): the probe measures it in well under
+a second, so the whole search over 4 GPUs runs here. Memory against a real run is
+tests/distributed/test_plan_memory.py; step time against published runs test_plan_published.py.
+"""
+
+import math
+
+import pytest
+import torch
+
+import mesh3d
+from examples.llama.config import get_config
+from examples.llama.model import Transformer
+from mesh3d.pipeline.config import ACTIVATION_CHECKPOINT_MODES
+from mesh3d.pipeline.schedule.catalog import SCHEDULES, check_schedule_config
+
+SIZES = dict(gpus=4, gpus_per_node=4, hardware="h100", seq_len=64, global_batch=8)
+
+
+def debug_model(**changes):
+    with torch.device("meta"):
+        return Transformer(get_config("debug", max_seq_len=64, **changes))
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return mesh3d.plan(debug_model(), **SIZES)
+
+
+def test_plans_are_ranked_fastest_first_and_runnable(plans):
+    assert len(plans) > 10
+    speeds = [p.tokens_per_second_per_gpu for p in plans]
+    assert speeds == sorted(speeds, reverse=True)
+    for p in plans:
+        assert p.pp * p.dp * p.tp == 4
+        assert p.local_batch == 8 // p.dp and p.microbatch_size * p.microbatches == p.local_batch
+        check_schedule_config(p.schedule, p.pp, p.microbatches, p.virtual_stages)  # parallelize would accept it
+        assert p.activation_checkpoint in ACTIVATION_CHECKPOINT_MODES and p.dp_mode in ("fsdp", "ddp")
+        assert math.isclose(p.tokens_per_second_per_gpu, 8 * 64 / p.step_seconds / 4)
+        assert 0 < p.mfu < 1 and 0 <= p.bubble_fraction < 1
+
+
+def test_memory_breakdown_adds_up_and_fits(plans):
+    limit = 80 * 2**30 * 0.9
+    for p in plans:
+        m = p.memory_per_rank
+        assert m.total == m.parameters + m.gradients + m.optimizer + m.activations + m.recompute + m.communication
+        assert m.gradients == m.parameters and m.optimizer == 2 * m.parameters  # fp32 grads, AdamW's two moments
+        assert 0 < m.total <= limit
+
+
+def test_parallelize_kwargs_name_parallelize_arguments(plans):
+    import inspect
+
+    accepted = set(inspect.signature(mesh3d.parallelize).parameters)
+    kwargs = plans[0].parallelize_kwargs()
+    assert set(kwargs) <= accepted
+    assert kwargs["schedule"] in SCHEDULES and kwargs["pp"] == plans[0].pp
+
+
+def test_fix_pins_every_choice():
+    fix = {"pp": 2, "dp": 1, "tp": 2, "schedule": "1f1b", "virtual_stages": 1, "microbatches": 4,
+           "activation_checkpoint": "always", "dp_mode": "fsdp", "param_dtype": None, "compile": False}
+    plans = mesh3d.plan(debug_model(), fix=fix, **SIZES)
+    assert len(plans) == 1
+    assert {k: getattr(plans[0], k) for k in fix} == fix
+
+
+def test_more_pipeline_stages_hold_fewer_parameters_per_rank():
+    per_rank = {pp: mesh3d.plan(debug_model(), fix={"pp": pp, "tp": 1, "schedule": "gpipe" if pp > 1 else "1f1b",
+                                                    "microbatches": 4, "activation_checkpoint": "never"},
+                                **{**SIZES, "gpus": pp, "gpus_per_node": pp})[0].memory_per_rank.parameters
+                for pp in (1, 2, 4)}
+    assert per_rank[1] > per_rank[2] > per_rank[4]
+
+
+def test_checkpointing_keeps_less():
+    def kept(mode):
+        fix = {"pp": 2, "dp": 2, "tp": 1, "schedule": "1f1b", "microbatches": 4, "activation_checkpoint": mode,
+               "dp_mode": "fsdp"}
+        return mesh3d.plan(debug_model(), fix=fix, **SIZES)[0].memory_per_rank.activations
+
+    assert kept("always") < kept("except_last") < kept("never")
+
+
+def test_a_custom_hardware_and_a_memory_limit_as_text():
+    slow = mesh3d.Hardware("slow", peak_flops=1e12, memory_bytes=2**30, intra_node_bandwidth=1e9,
+                           inter_node_bandwidth=1e8, memory_bandwidth=1e10)
+    fast = mesh3d.plan(debug_model(), **SIZES)[0]
+    plans = mesh3d.plan(debug_model(), **{**SIZES, "hardware": slow}, memory_limit="512MiB")
+    assert plans[0].tokens_per_second_per_gpu < fast.tokens_per_second_per_gpu
+    assert all(p.memory_per_rank.total <= 512 * 2**20 for p in plans)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"fix": {"pipeline": 2}}, "fix has unknown keys ['pipeline']"),
+    ({"fix": {"schedule": "pipedream"}}, "choose one of"),
+    ({"fix": {"activation_checkpoint": "sometimes"}}, "activation_checkpoint='sometimes'"),
+    ({"gpus": 12, "gpus_per_node": 8}, "not a whole number of nodes of 8; use a multiple of 8 (e.g. 8 or 16)"),
+    ({"seq_len": 128}, "seq_len=128 is longer than the model takes (64)"),
+    ({"memory_limit": "1MiB"}, "the leanest needs"),
+    ({"memory_limit": "lots"}, "memory_limit='lots'"),
+    ({"hardware": "tpu"}, "unknown hardware 'tpu'"),
+    ({"global_batch": 3, "fix": {"dp": 2}}, "global_batch must divide over dp"),
+])
+def test_errors_say_what_to_change(kwargs, message):
+    with pytest.raises(ValueError, match=None) as error:
+        mesh3d.plan(debug_model(), **{**SIZES, **kwargs})
+    assert message in str(error.value)
+
+
+def test_nothing_fits_names_how_many_gpus_would():
+    with pytest.raises(ValueError) as error:
+        mesh3d.plan(debug_model(), **SIZES, memory_limit="4MiB")
+    text = str(error.value)
+    assert "no layout fits in 0.0 GiB per GPU on 4 GPUs" in text and "x the GPUs (" in text
+
+
+def test_a_model_not_on_meta_is_refused():
+    model = Transformer(get_config("debug", max_seq_len=64))
+    with pytest.raises(ValueError, match="on the meta device"):
+        mesh3d.plan(model, **SIZES)
+
+
+def test_a_preset_with_its_layout_pinned():
+    transformers = pytest.importorskip("transformers")  # noqa: F841
+    fix = {"pp": 1, "dp": 8, "tp": 1, "dp_mode": "fsdp", "microbatches": 1, "activation_checkpoint": "never"}
+    best = mesh3d.plan("llama3-8b", gpus=8, seq_len=4096, global_batch=8, fix=fix, memory_limit="1TiB")[0]
+    assert best.memory_per_rank.parameters == pytest.approx(8.03e9 * 4 / 8, rel=0.01)  # fp32, sharded over 8
+    assert 0.2 < best.mfu < 0.6
