@@ -48,6 +48,7 @@ class Case(NamedTuple):
     schedule: str = "interleaved_1f1b"
     microbatches: int | None = None  # None: 2*pp
     activation_checkpoint: str = "never"
+    tie_embeddings: bool = False
 
     @property
     def m(self) -> int:
@@ -85,7 +86,7 @@ def measure(cases: dict[str, Case], batch: int, seq_len: int, steps: int, model_
     results = {}
     for name, case in cases.items():
         layout = mesh3d.build_mesh(pp=case.pp, dp=case.dp, tp=case.tp)
-        model = debug_model(seq_len, **(model_overrides or {}))
+        model = debug_model(seq_len, tie_embeddings=case.tie_embeddings, **(model_overrides or {}))
         pm = mesh3d.parallelize(model, layout, schedule=case.schedule, microbatches=case.m, loss_fn=loss_fn,
                                 dp_mode=case.dp_mode, activation_checkpoint=case.activation_checkpoint)
         optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-3)
@@ -94,10 +95,12 @@ def measure(cases: dict[str, Case], batch: int, seq_len: int, steps: int, model_
         share = batch // case.dp
         for _ in range(steps + 1):
             tokens = torch.randint(0, 256, (batch, seq_len + 1), generator=generator)
-            tokens = tokens[layout.dp_rank * share:(layout.dp_rank + 1) * share]
+            # the rank's own share, as its loader gives it (a view would keep the global batch alive)
+            tokens = tokens[layout.dp_rank * share:(layout.dp_rank + 1) * share].clone()
             start = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-                pm.step(tokens[:, :-1], tokens[:, 1:])
+                # contiguous, as a copy to the device makes them (a view would keep seq_len + 1 ids a row)
+                pm.step(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
             pm.clip_grad_norm_(1.0)
             optimizer.step()
             grads = _local_bytes(p.grad for p in pm.parameters())  # before zero_grad
@@ -116,7 +119,7 @@ def measure(cases: dict[str, Case], batch: int, seq_len: int, steps: int, model_
 def predict(case: Case, world: int, batch: int, seq_len: int, model_overrides: dict | None = None):
     """mesh3d.plan's Plan for `case` (every choice pinned, fp32): .memory_per_rank is its fullest
     rank's MemoryBreakdown, .memory_by_pp_rank each pp rank's."""
-    model = debug_model(seq_len, **(model_overrides or {}))
+    model = debug_model(seq_len, tie_embeddings=case.tie_embeddings, **(model_overrides or {}))
     fix = dict(pp=case.pp, dp=case.dp, tp=case.tp, dp_mode=case.dp_mode, schedule=case.schedule,
                virtual_stages=case.virtual_stages(len(model.layers)), microbatches=case.m,
                activation_checkpoint=case.activation_checkpoint, param_dtype=None, compile=False)

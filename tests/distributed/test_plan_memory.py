@@ -1,7 +1,8 @@
 """The planner's memory against what mesh3d really holds, one real step per layout.
 
 For the LLaMA example's debug config (seq 64, global batch 8, fp32) at (1,1,2), (2,2,1) FSDP and
-DDP, (2,1,2) and (2,2,2), interleaved 1F1B with microbatches = 2*pp, in every activation-checkpoint
+DDP, (2,1,2) and (2,2,2), interleaved 1F1B with microbatches = 2*pp (and tied embeddings at
+(2,2,1) and at (4,1,1) 1F1B), in every activation-checkpoint
 mode: mesh3d.plan (every choice pinned) predicts each pipeline rank's parameter, gradient and AdamW
 bytes (Plan.memory_by_pp_rank: its fullest dp and tp rank), which must equal the max over that
 pipeline rank's ranks of the local shards exactly, and the bytes kept for backward, which must be
@@ -36,13 +37,15 @@ except ImportError:
 
 LAYOUTS = {
     2: [Case(1, 1, 2)],
-    4: [Case(2, 2, 1), Case(2, 2, 1, "ddp"), Case(2, 1, 2)],
+    4: [Case(2, 2, 1), Case(2, 2, 1, "ddp"), Case(2, 1, 2), Case(2, 2, 1, tie_embeddings=True),
+        Case(4, 1, 1, schedule="1f1b", tie_embeddings=True)],
     8: [Case(2, 2, 2)],
 }
 
 
 def _cases(world: int) -> dict[str, Case]:
-    return {f"{c.pp},{c.dp},{c.tp} {c.dp_mode} ac={ac}": c._replace(activation_checkpoint=ac)
+    return {f"{c.pp},{c.dp},{c.tp} {c.dp_mode}{' tied' if c.tie_embeddings else ''} ac={ac}":
+            c._replace(activation_checkpoint=ac)
             for c in LAYOUTS[world] for ac in AC_MODES}
 
 
