@@ -1,12 +1,16 @@
 """Step time and per-rank memory of the LLaMA debug config under several (pp, dp, tp) layouts (gloo, CPU).
 
     python bench/parallel_step.py --world 8 --layouts 8,1,1 1,8,1 1,1,8 2,2,2 --steps 5
+    python bench/parallel_step.py --world 4 --layouts 2,2,1 2,1,2 --activation-checkpoint always --predict
 
-For each layout (FSDP, interleaved 1F1B with microbatches = 2·pp) prints the median step time,
-tokens/s, and, as the max over ranks: the bytes of parameters, gradients and AdamW state this
-rank holds (local shards), the peak bytes autograd saved for backward, and the P2P bytes sent per
-step. A layout written with a trailing ",ddp" runs dp_mode="ddp". On a machine with fewer cores
-than ranks the times measure contention; the memory and traffic figures do not depend on it.
+For each layout (FSDP unless the layout ends in ",ddp"; --schedule, default interleaved 1F1B, with
+--microbatches, default 2*pp) prints the median step time, tokens/s, and, as the max over ranks:
+the bytes of parameters, gradients and AdamW state a rank holds (local shards), the peak bytes
+autograd saved for backward (mesh3d.planner.probe.SavedBytesMeter, the planner's own meter:
+distinct storages, parameters not counted) and the P2P bytes sent per step. With --predict, the
+row below each layout is what mesh3d.plan predicts for the fullest rank of that same layout
+(every choice pinned, fp32 as the run). On a machine with fewer cores than ranks the times measure
+contention; the memory and traffic figures do not depend on it.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
 
@@ -26,46 +31,114 @@ import mesh3d  # noqa: E402
 from examples.llama.config import get_config  # noqa: E402
 from examples.llama.model import Transformer, loss_fn  # noqa: E402
 from mesh3d.distributed.shards import local_tensor  # noqa: E402
+from mesh3d.pipeline.schedule.catalog import default_virtual_stages  # noqa: E402
+from mesh3d.planner.probe import SavedBytesMeter  # noqa: E402
 from multiprocess import run_on_ranks  # noqa: E402
-from pipeline_step import SavedBytes  # noqa: E402
+
+MIB = 2**20
+
+
+class Case(NamedTuple):
+    """One layout as parallelize runs it."""
+
+    pp: int
+    dp: int
+    tp: int
+    dp_mode: str = "fsdp"
+    schedule: str = "interleaved_1f1b"
+    microbatches: int | None = None  # None: 2*pp
+    activation_checkpoint: str = "never"
+    tie_embeddings: bool = False
+
+    @property
+    def m(self) -> int:
+        return self.microbatches or 2 * self.pp
+
+    def virtual_stages(self, n_layers: int) -> int:
+        return default_virtual_stages(self.schedule, self.pp, n_layers)
+
+
+class Measured(NamedTuple):
+    """One rank's figures for one case (bytes; seconds)."""
+
+    step_seconds: float
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int  # peak bytes autograd kept for backward
+    p2p_sent: int
+    pp_rank: int
 
 
 def _local_bytes(tensors) -> int:
     return sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in tensors if t is not None)
 
 
-def _bench(layouts, batch, seq_len, steps):
+def debug_model(seq_len: int, **overrides) -> torch.nn.Module:
+    with torch.device("meta"):
+        return Transformer(get_config("debug", max_seq_len=seq_len, **overrides))
+
+
+def measure(cases: dict[str, Case], batch: int, seq_len: int, steps: int, model_overrides: dict | None = None,
+            ) -> dict[str, Measured]:
+    """On each rank: run `steps` + 1 AdamW steps (the first warms up) of each case; this rank's figures."""
     torch.set_num_threads(1)
     results = {}
-    for name, (pp, dp, tp, dp_mode) in layouts.items():
-        layout = mesh3d.build_mesh(pp=pp, dp=dp, tp=tp)
-        with torch.device("meta"):
-            model = Transformer(get_config("debug", max_seq_len=seq_len))
-        pm = mesh3d.parallelize(model, layout, microbatches=2 * pp, loss_fn=loss_fn, dp_mode=dp_mode)
+    for name, case in cases.items():
+        layout = mesh3d.build_mesh(pp=case.pp, dp=case.dp, tp=case.tp)
+        model = debug_model(seq_len, tie_embeddings=case.tie_embeddings, **(model_overrides or {}))
+        pm = mesh3d.parallelize(model, layout, schedule=case.schedule, microbatches=case.m, loss_fn=loss_fn,
+                                dp_mode=case.dp_mode, activation_checkpoint=case.activation_checkpoint)
         optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-3)
         generator = torch.Generator().manual_seed(0)
-        times, meter = [], SavedBytes()
-        share = batch // dp
-        for _ in range(steps + 1):  # the first step warms up
-            tokens = torch.randint(0, 256, (batch, seq_len + 1), generator=generator)[layout.dp_rank * share:(layout.dp_rank + 1) * share]
+        times, meter = [], SavedBytesMeter()
+        share = batch // case.dp
+        for _ in range(steps + 1):
+            tokens = torch.randint(0, 256, (batch, seq_len + 1), generator=generator)
+            # the rank's own share, as its loader gives it (a view would keep the global batch alive)
+            tokens = tokens[layout.dp_rank * share:(layout.dp_rank + 1) * share].clone()
             start = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-                pm.step(tokens[:, :-1], tokens[:, 1:])
+                # contiguous, as a copy to the device makes them (a view would keep seq_len + 1 ids a row)
+                pm.step(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
             pm.clip_grad_norm_(1.0)
             optimizer.step()
-            state = _local_bytes(p.grad for p in pm.parameters())  # grads, before zero_grad
+            grads = _local_bytes(p.grad for p in pm.parameters())  # before zero_grad
             optimizer.zero_grad()
             times.append(time.perf_counter() - start)
         params = _local_bytes(pm.parameters())
-        adam = _local_bytes(t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
-        results[name] = (statistics.median(times[1:]), params, state, adam, meter.peak, pm.runtime.counters.bytes_sent)
+        adam = _local_bytes(t for s in optimizer.state.values() for t in s.values()
+                            if isinstance(t, torch.Tensor) and t.dim() > 0)
+        step = statistics.median(times[1:]) if steps else times[0]
+        results[name] = Measured(step, params, grads, adam, meter.peak, pm.runtime.counters.bytes_sent,
+                                 layout.pp_rank)
+        del pm, optimizer
     return results
 
 
-def parse_layout(text: str) -> tuple[int, int, int, str]:
+def predict(case: Case, world: int, batch: int, seq_len: int, model_overrides: dict | None = None):
+    """mesh3d.plan's Plan for `case` (every choice pinned, fp32): .memory_per_rank is its fullest
+    rank's MemoryBreakdown, .memory_by_pp_rank each pp rank's."""
+    model = debug_model(seq_len, tie_embeddings=case.tie_embeddings, **(model_overrides or {}))
+    fix = dict(pp=case.pp, dp=case.dp, tp=case.tp, dp_mode=case.dp_mode, schedule=case.schedule,
+               virtual_stages=case.virtual_stages(len(model.layers)), microbatches=case.m,
+               activation_checkpoint=case.activation_checkpoint, param_dtype=None, compile=False)
+    plans = mesh3d.plan(model, gpus=world, gpus_per_node=world, hardware="h100", seq_len=seq_len,
+                        global_batch=batch, fix=fix, memory_limit=2**60)
+    return plans[0]
+
+
+def worst(per_rank: list[dict[str, Measured]], name: str, pp_rank: int | None = None) -> Measured:
+    """The max over ranks (those of pipeline rank `pp_rank`, if given) of each figure."""
+    ranks = [r[name] for r in per_rank if pp_rank is None or r[name].pp_rank == pp_rank]
+    return Measured(*(max(r[k] for r in ranks) for k in range(len(Measured._fields))))
+
+
+def parse_layout(text: str, args) -> Case:
     parts = text.split(",")
     pp, dp, tp = (int(p) for p in parts[:3])
-    return pp, dp, tp, parts[3] if len(parts) > 3 else "fsdp"
+    return Case(pp, dp, tp, parts[3] if len(parts) > 3 else "fsdp", args.schedule, args.microbatches,
+                args.activation_checkpoint)
 
 
 def main() -> None:
@@ -75,22 +148,33 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--schedule", default="interleaved_1f1b")
+    parser.add_argument("--microbatches", type=int, default=None, help="default 2*pp")
+    parser.add_argument("--activation-checkpoint", default="never")
+    parser.add_argument("--predict", action="store_true", help="also print mesh3d.plan's prediction per layout")
     args = parser.parse_args()
-    layouts = {text: parse_layout(text) for text in args.layouts}
-    for text, (pp, dp, tp, _) in layouts.items():
-        if pp * dp * tp != args.world:
-            raise SystemExit(f"layout {text}: pp*dp*tp={pp * dp * tp} is not --world {args.world}")
-    per_rank = run_on_ranks(_bench, args.world, layouts, args.batch, args.seq_len, args.steps, timeout=3600)
+    cases = {text: parse_layout(text, args) for text in args.layouts}
+    for text, case in cases.items():
+        if case.pp * case.dp * case.tp != args.world:
+            raise SystemExit(f"layout {text}: pp*dp*tp={case.pp * case.dp * case.tp} is not --world {args.world}")
+    # before the ranks start: planning at tp > 1 needs a process without a process group
+    predicted = {text: predict(c, args.world, args.batch, args.seq_len) for text, c in cases.items()} if args.predict else {}
+    per_rank = run_on_ranks(measure, args.world, cases, args.batch, args.seq_len, args.steps, timeout=3600)
     tokens = args.batch * args.seq_len
+    m = "2*pp" if args.microbatches is None else args.microbatches
     print(f"debug config, {args.world} ranks, global batch {args.batch} x {args.seq_len} tokens, FSDP unless noted, "
-          "interleaved 1F1B with microbatches = 2*pp, gloo on CPU; memory figures: max over ranks, MiB")
+          f"{args.schedule} with microbatches = {m}, activation_checkpoint={args.activation_checkpoint}, gloo on CPU; "
+          "memory figures: max over ranks, MiB")
     print("layout (pp,dp,tp)  step ms  tokens/s  params  grads  adam  saved-activations  p2p-sent/step")
-    mib = 2**20
-    for name in layouts:
-        step = max(r[name][0] for r in per_rank)
-        params, grads, adam, saved, sent = (max(r[name][k] for r in per_rank) for k in range(1, 6))
-        print(f"{name:>17}  {step * 1000:7.0f}  {tokens / step:8,.0f}  {params / mib:6.2f}  {grads / mib:5.2f}  "
-              f"{adam / mib:5.2f}  {saved / mib:17.1f}  {sent / mib:13.2f}")
+    for name in cases:
+        got = worst(per_rank, name)
+        print(f"{name:>17}  {got.step_seconds * 1000:7.0f}  {tokens / got.step_seconds:8,.0f}  "
+              f"{got.parameters / MIB:6.3f}  {got.gradients / MIB:5.3f}  {got.optimizer / MIB:5.3f}  "
+              f"{got.activations / MIB:17.3f}  {got.p2p_sent / MIB:13.2f}")
+        if name in predicted:
+            p = predicted[name].memory_per_rank
+            print(f"{'predicted':>17}  {'':7}  {'':8}  {p.parameters / MIB:6.3f}  {p.gradients / MIB:5.3f}  "
+                  f"{p.optimizer / MIB:5.3f}  {p.activations / MIB:17.3f}")
 
 
 if __name__ == "__main__":

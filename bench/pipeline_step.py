@@ -4,7 +4,8 @@
 
 Prints, per schedule: median step time, tokens/s, the simulator's bubble fraction, and per rank the
 peak live activations (runtime counter) and the peak bytes of saved activations measured with
-torch's saved-tensor hooks. On a machine with fewer cores than ranks the times measure the CPU
+torch's saved-tensor hooks (mesh3d.planner.probe.SavedBytesMeter, the planner's own meter: distinct
+storages, parameters not counted). On a machine with fewer cores than ranks the times measure the CPU
 contention as much as the schedule; the activation figures do not depend on it.
 """
 
@@ -20,33 +21,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
 
 import mesh3d  # noqa: E402
 from examples.llama.config import get_config  # noqa: E402
 from examples.llama.model import Transformer, loss_fn  # noqa: E402
+from mesh3d.planner.probe import SavedBytesMeter  # noqa: E402
 from multiprocess import run_on_ranks  # noqa: E402
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
-
-
-class SavedBytes:
-    """Bytes of tensors autograd currently keeps for backward, and the peak (a rough activation-memory meter)."""
-
-    def __init__(self):
-        self.now = self.peak = 0
-
-    def pack(self, tensor):
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor  # a DTensor's numel is the global one
-        size = local.numel() * local.element_size()
-        self.now += size
-        self.peak = max(self.peak, self.now)
-        return (tensor, size)
-
-    def unpack(self, packed):
-        tensor, size = packed
-        self.now -= size  # an approximation: each saved tensor is unpacked once, in its backward
-        return tensor
 
 
 def _bench(pp, microbatches, batch, seq_len, steps, activation_checkpoint):
@@ -62,7 +44,7 @@ def _bench(pp, microbatches, batch, seq_len, steps, activation_checkpoint):
         )
         optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-3)
         generator = torch.Generator().manual_seed(0)
-        times, meter = [], SavedBytes()
+        times, meter = [], SavedBytesMeter()
         for _ in range(steps + 1):  # the first step warms up
             tokens = torch.randint(0, 256, (batch, seq_len + 1), generator=generator)
             start = time.perf_counter()

@@ -6,7 +6,10 @@
   parameters, in the parameters' dtype; a tied weight once per stage that holds it when data
   parallelism wraps the stages (each stage is its own root), else once per rank;
 - activations: the rank's own action list walked in order (its order is its time), each forward
-  adding what its mode keeps, each backward (B, or W after I) releasing it;
+  adding what its mode keeps, each backward (B, or W after I) releasing it; parameters a forward
+  saves are not activations (the probe's meter skips them: they are held once, as parameters or
+  FSDP's gathered copy, not once per microbatch in flight); the first stage's token ids are the
+  whole local batch's while any of its microbatches is held (the microbatches are views of it);
 - recompute: the most a checkpointed stage's recomputation adds for the length of its backward;
 - communication: FSDP's gathered (unsharded) parameters, DDP's compute-dtype copy, and a
   receive buffer per boundary message.
@@ -107,24 +110,34 @@ def _kept(costs: ModelCosts, stage: int, place: StagePlacement, mode: str) -> in
 
 
 def rank_activations(costs: ModelCosts, rank: int, place: StagePlacement) -> tuple[int, int]:
-    """(peak bytes kept for backward, the most a recomputation adds on top) on pp rank `rank`."""
+    """(peak bytes kept for backward, the most a recomputation adds on top) on pp rank `rank`.
+
+    The first stage's microbatches are views of the step's input (the runtime chunks it), so the
+    token ids a first-stage forward keeps hold the whole local batch's: counted once, from the
+    first such forward to the last backward, instead of once per microbatch."""
     mode, m = place.activation_checkpoint, place.schedule.microbatches
+    ids = costs.checkpointed_stage["first"] * place.microbatch_size  # one microbatch's token ids
     held: dict[tuple[int, int], int] = {}
     live = peak = peak_with_recompute = 0
     for action in place.schedule.actions[rank]:
         key = (action.stage, action.microbatch)
         checkpointed = mode == "always" or (mode == "except_last" and action.microbatch != m - 1)
         full = _kept(costs, action.stage, place, "selective" if mode == "selective" else "never")
+        first_stage_before = any(stage == 0 for stage, _ in held)
         if action.kind == Kind.F:
             held[key] = _kept(costs, action.stage, place, "always") if checkpointed else full
+            if action.stage == 0:
+                held[key] -= ids
             live += held[key]
         elif action.kind == Kind.I and checkpointed:  # a split backward recomputes at I, keeps it for W
-            live += full
-            held[key] += full
+            live += full - (ids if action.stage == 0 else 0)
+            held[key] += full - (ids if action.stage == 0 else 0)
         elif action.kind in (Kind.B, Kind.W):
             if action.kind == Kind.B and checkpointed:
-                peak_with_recompute = max(peak_with_recompute, live + full)
+                peak_with_recompute = max(peak_with_recompute, live + full - (ids if action.stage == 0 else 0))
             live -= held.pop(key)
+        first_stage_now = any(stage == 0 for stage, _ in held)
+        live += (first_stage_now - first_stage_before) * ids * m
         peak = max(peak, live)
         peak_with_recompute = max(peak_with_recompute, live)
     return peak, peak_with_recompute - peak

@@ -99,24 +99,63 @@ class _CollectiveBytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class _SavedBytes:
-    """Bytes of the distinct storages autograd keeps: a tensor saved by several ops (a norm's
-    output feeding three projections), or a view of one already kept, costs nothing more."""
+class _Saved:
+    """What the pack hook hands autograd: the tensor, and a release to the meter when autograd drops
+    it (after the backward that used it, or with a graph that never runs backward)."""
+
+    __slots__ = ("tensor", "meter", "key")
+
+    def __init__(self, tensor: torch.Tensor, meter: SavedBytesMeter, key: int | None):
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self):
+        if self.key is not None:
+            self.meter._release(self.key)
+
+
+class SavedBytesMeter:
+    """Bytes autograd keeps for backward: live now (`now`) and at most (`peak`), as distinct storages.
+
+    Use as `torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack)`. A storage counts
+    once however many ops save it (a norm's output feeding three projections, a view of a tensor
+    already kept), at its `nbytes()` (what stays allocated), and stops counting when autograd drops
+    its last saved reference: a saved tensor is held until its node's backward has run (with a split
+    backward, until the weight half), not merely until it is unpacked, so the release is the handle's
+    end. Parameters (and views of them) are not counted: a rank holds them anyway, and they are
+    counted as parameters (or FSDP's gathered copy) once, not once per microbatch.
+    """
 
     def __init__(self):
-        self.total = 0
-        self.storages: set[int] = set()
+        self.now = self.peak = 0
+        self._refs: dict[int, list[int]] = {}  # storage id -> [saved references alive, nbytes]
 
-    def pack(self, tensor):
+    def pack(self, tensor: torch.Tensor) -> _Saved:
+        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
+            return _Saved(tensor, self, None)
         storage = _local(tensor).untyped_storage()
-        if storage._cdata not in self.storages:
-            self.storages.add(storage._cdata)
-            self.total += storage.nbytes()
-        return tensor
+        key = storage._cdata  # unique while alive, and the handle keeps it alive
+        ref = self._refs.get(key)
+        if ref is None:
+            self._refs[key] = [1, storage.nbytes()]
+            self.now += storage.nbytes()
+            self.peak = max(self.peak, self.now)
+        else:
+            ref[0] += 1
+        return _Saved(tensor, self, key)
 
     @staticmethod
-    def unpack(tensor):
-        return tensor
+    def unpack(saved: _Saved) -> torch.Tensor:
+        return saved.tensor
+
+    def reset_peak(self) -> None:
+        self.peak = self.now
+
+    def _release(self, key: int) -> None:
+        ref = self._refs[key]
+        ref[0] -= 1
+        if ref[0] == 0:
+            del self._refs[key]
+            self.now -= ref[1]
 
 
 @contextlib.contextmanager
@@ -254,10 +293,10 @@ def _input(x: torch.Tensor) -> torch.Tensor:
 
 
 def _saved_bytes(stage, x, targets, mode, selective_context) -> int:
-    meter = _SavedBytes()
+    meter = SavedBytesMeter()
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
         _forward(stage, _input(x), targets, mode, selective_context)
-    return meter.total
+    return meter.peak
 
 
 def _flops_and_traffic(stage, x, targets, tp: int) -> tuple[float, float, float, torch.Tensor]:

@@ -54,6 +54,8 @@ class Plan:
     mfu: float
     bubble_fraction: float
     time: StepTime = field(repr=False)
+    # every pp rank's peak (its fullest dp and tp rank), by pp rank; memory_per_rank is the largest
+    memory_by_pp_rank: tuple[MemoryBreakdown, ...] = field(default=(), repr=False)
 
     def parallelize_kwargs(self) -> dict:
         """What to hand `mesh3d.parallelize(model, **kwargs)` to run exactly this plan."""
@@ -121,7 +123,8 @@ def plan(
         place = StagePlacement(
             built, layers, cand["dp"], cand["dp_mode"], cand["microbatch_size"], cand["activation_checkpoint"],
             param_bytes, compute_bytes, wraps=cand["dp"] > 1 or cand["param_dtype"] is not None, tied_end=tied)
-        memory = max((rank_memory(costs, r, place) for r in range(cand["pp"])), key=lambda m: m.total)
+        by_rank = tuple(rank_memory(costs, r, place) for r in range(cand["pp"]))
+        memory = max(by_rank, key=lambda m: m.total)
         if memory.total > limit:
             smallest_need = memory.total if smallest_need is None else min(smallest_need, memory.total)
             continue
@@ -134,7 +137,7 @@ def plan(
         plans.append(Plan(cand["pp"], cand["dp"], cand["tp"], cand["schedule"], cand["virtual_stages"],
                           cand["microbatches"], cand["activation_checkpoint"], cand["dp_mode"], cand["param_dtype"],
                           cand["compile"], cand["local_batch"], cand["microbatch_size"], memory, time.seconds, tokens,
-                          mfu, time.bubble_fraction, time))
+                          mfu, time.bubble_fraction, time, by_rank))
     if not plans:
         raise ValueError(_nothing_fits(gpus, limit, smallest_need, fix, global_batch))
     return sorted(plans, key=lambda p: -p.tokens_per_second_per_gpu)
