@@ -32,6 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
+from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from mesh3d.model.anatomy import Anatomy
@@ -299,11 +300,30 @@ def _saved_bytes(stage, x, targets, mode, selective_context) -> int:
     return meter.peak
 
 
+# The fake tensors live on CPU, where SDPA takes the CPU flash kernel: FlopCounterMode registers the
+# CUDA attention kernels only, so without this the attention's FLOPs would not be counted at all.
+# Torch's formulas count the whole score matrix, causal or not (the probe's call carries a mask,
+# not is_causal, so it cannot tell): the convention of torchtitan's and PaLM's MFU.
+def _cpu_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+                                  **kwargs) -> int:
+    return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+_CPU_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
+}
+
+
 def _flops_and_traffic(stage, x, targets, tp: int) -> tuple[float, float, float, torch.Tensor]:
     """FLOPs per tp rank: FlopCounterMode counts a DTensor op at its global shape, and every op it
     counts (matmuls, attention) is one the tensor-parallel plan shards over all tp ranks."""
     traffic = _CollectiveBytes(tp)
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION_FLOPS)
     inp = _input(x)
     with counter, traffic:
         out = _forward(stage, inp, None, "never", None)

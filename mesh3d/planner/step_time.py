@@ -3,7 +3,7 @@
 Per stage and microbatch, a forward costs its FLOPs at the achievable rate plus its tensor-parallel
 collectives (not hidden: mesh3d runs them synchronously); a backward costs its FLOPs, its
 collectives and its recomputation. The simulator (pipeline/schedule/timeline.py) plays the
-schedule's real action lists with the slowest stage's costs and the P2P time of a boundary
+schedule's real action lists with each stage's own costs and the P2P time of a boundary
 message, so the bubble is the schedule's, not a closed form. FSDP/DDP traffic overlaps the
 compute (what exceeds it shows), and the optimizer's update is memory-bound.
 """
@@ -45,7 +45,7 @@ class StepTime:
     compute_seconds: float  # the pipeline's makespan
     exposed_dp_seconds: float
     optimizer_seconds: float
-    tp_seconds: float  # tensor-parallel collectives inside the makespan, per rank
+    tp_seconds: float  # tensor-parallel collectives of the heaviest stage's microbatch
     p2p_seconds: float  # one boundary message
     # The slowest stage's costs the timeline was played with, so the timeline can be replayed
     # (drawn) for one plan without keeping every candidate's events.
@@ -59,7 +59,8 @@ def step_time(costs: ModelCosts, place: StagePlacement, hardware: Hardware, link
     """Predicted seconds of one training step (forward, backward, gradient sync, AdamW)."""
     rate = hardware.peak_for(fp32_compute) * C.ACHIEVABLE_COMPUTE_FRACTION * (C.COMPILE_SPEEDUP if compile else 1.0)
     mbs, mode = place.microbatch_size, place.activation_checkpoint
-    forward = backward = tp_time = 0.0
+    forward, backward = [], []
+    tp_time = 0.0
     for stage in range(len(place.stage_layers)):
         parts = _stage_parts(costs, stage, place)
         fwd_flops = sum(c * p.forward_flops for p, c in parts) * mbs
@@ -68,11 +69,13 @@ def step_time(costs: ModelCosts, place: StagePlacement, hardware: Hardware, link
         tp_s = tp_bytes / links.tp * (1 - C.TP_HIDDEN_FRACTION) if costs.tp > 1 else 0.0
         f = fwd_flops / rate + tp_s / 2
         recompute = {"always": f, "except_last": f, "selective": C.SELECTIVE_RECOMPUTE_FRACTION * fwd_flops / rate}
-        b = bwd_flops / rate + tp_s / 2 + recompute.get(mode, 0.0)
-        if f + b > forward + backward:
-            forward, backward, tp_time = f, b, tp_s
+        forward.append(f)
+        backward.append(bwd_flops / rate + tp_s / 2 + recompute.get(mode, 0.0))
+        tp_time = max(tp_time, tp_s)
+    # Each stage plays at its own costs: the ends (embedding, output layer and loss) are heavier
+    # than a stage of blocks alone, and under interleaving only two of a rank's stages carry them.
     splits = place.schedule.splits_backward
-    w = backward * C.WEIGHT_GRAD_SHARE_OF_BACKWARD if splits else 0.0
+    w = [b * C.WEIGHT_GRAD_SHARE_OF_BACKWARD if splits else 0.0 for b in backward]
     p2p = costs.message_bytes * mbs / links.pp if place.schedule.pp > 1 else 0.0
     report = simulate_schedule(place.schedule, f_cost=forward, b_cost=backward, w_cost=w, comm_cost=p2p)
     busy = max(report.busy)

@@ -6,6 +6,8 @@ whose communication could not finish, and times its compute with `timeline()`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dataclasses import dataclass
 
 from mesh3d.pipeline.schedule.lower import lower
@@ -50,9 +52,10 @@ def peak_live_activations(actions: tuple[Action, ...] | list[Action]) -> int:
 
 
 def simulate_schedule(
-    schedule: Schedule, *, f_cost: float = 1.0, b_cost: float = 2.0, w_cost: float = 0.0, comm_cost: float = 0.0
+    schedule: Schedule, *, f_cost: float | Sequence[float] = 1.0, b_cost: float | Sequence[float] = 2.0,
+    w_cost: float | Sequence[float] = 0.0, comm_cost: float = 0.0,
 ) -> SimulationReport:
-    """Simulate a schedule object (see `simulate` for the by-name form)."""
+    """Simulate a schedule object (see `simulate` for the by-name form); a cost may be one per stage."""
     events = timeline(schedule, f_cost, b_cost, comm_cost, w_cost)
     makespan = max(e.end for e in events)
     busy = [0.0] * schedule.pp

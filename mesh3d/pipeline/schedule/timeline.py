@@ -97,20 +97,26 @@ def replay(
 
 
 def timeline(
-    schedule: Schedule, f_cost: float = 1.0, b_cost: float = 2.0, comm_cost: float = 0.0, w_cost: float = 0.0
+    schedule: Schedule, f_cost: float | Sequence[float] = 1.0, b_cost: float | Sequence[float] = 2.0,
+    comm_cost: float = 0.0, w_cost: float | Sequence[float] = 0.0,
 ) -> list[TimedAction]:
     """Start and end of every compute action: each rank runs its list in order, as soon as inputs exist.
 
     b_cost is a stage's whole backward; w_cost its weight-gradient part, so I costs b_cost - w_cost
-    and W costs w_cost (0 by default: a split backward then times like a whole one).
+    and W costs w_cost (0 by default: a split backward then times like a whole one). Each cost is
+    one number for every stage, or one per stage (stages differ: the ends carry the embedding and
+    the output layer).
     """
     _check_complete(schedule)
-    if f_cost <= 0 or b_cost <= 0 or comm_cost < 0 or not 0 <= w_cost < b_cost:
-        raise ValueError(
-            f"costs must be positive with 0 <= w_cost < b_cost and comm_cost >= 0, got f={f_cost}, b={b_cost}, "
-            f"w={w_cost}, comm={comm_cost}"
-        )
-    cost = {Kind.F: f_cost, Kind.B: b_cost, Kind.I: b_cost - w_cost, Kind.W: w_cost}
+    n = schedule.n_stages
+    per_stage = [_per_stage(c, n, name) for c, name in ((f_cost, "f_cost"), (b_cost, "b_cost"), (w_cost, "w_cost"))]
+    for f, b, w in zip(*per_stage):
+        if f <= 0 or b <= 0 or comm_cost < 0 or not 0 <= w < b:
+            raise ValueError(
+                f"costs must be positive with 0 <= w_cost < b_cost and comm_cost >= 0, got f={f}, b={b}, "
+                f"w={w}, comm={comm_cost}"
+            )
+    costs = [{Kind.F: f, Kind.B: b, Kind.I: b - w, Kind.W: w} for f, b, w in zip(*per_stage)]
     finished: dict[Action, float] = {}
     free_at = [0.0] * schedule.pp
     timed: list[TimedAction] = []
@@ -121,7 +127,7 @@ def timeline(
             return False
         arrivals = [finished[d] + (comm_cost if schedule.stage_rank(d.stage) != rank else 0.0) for d in deps]
         start = max([free_at[rank], *arrivals])
-        finished[action] = free_at[rank] = start + cost[action.kind]
+        finished[action] = free_at[rank] = start + costs[action.stage][action.kind]
         timed.append(TimedAction(rank, action, start, free_at[rank]))
         return True
 
@@ -133,3 +139,12 @@ def timeline(
         )
         raise ScheduleError(f"schedule {schedule.name!r} cannot finish: {waits}")
     return timed
+
+
+def _per_stage(cost: float | Sequence[float], n_stages: int, name: str) -> list[float]:
+    if isinstance(cost, (int, float)):
+        return [float(cost)] * n_stages
+    cost = [float(c) for c in cost]
+    if len(cost) != n_stages:
+        raise ValueError(f"{name} gives {len(cost)} per-stage costs for a schedule of {n_stages} stages")
+    return cost
