@@ -143,10 +143,12 @@ def rank_activations(costs: ModelCosts, rank: int, place: StagePlacement) -> tup
     return peak, peak_with_recompute - peak
 
 
-def rank_memory(costs: ModelCosts, rank: int, place: StagePlacement) -> MemoryBreakdown:
-    """The peak bytes of pp rank `rank` (its fullest dp and tp rank) at this placement."""
+def rank_memory(costs: ModelCosts, rank: int, place: StagePlacement,
+                kept: tuple[int, int] | None = None) -> MemoryBreakdown:
+    """The peak bytes of pp rank `rank` (its fullest dp and tp rank) at this placement; `kept`:
+    its `rank_activations`, when already walked (they do not depend on dp)."""
     params = rank_parameter_elements(costs, rank, place) * place.param_bytes
-    activations, recompute = rank_activations(costs, rank, place)
+    activations, recompute = kept if kept is not None else rank_activations(costs, rank, place)
     unsharded = rank_parameter_elements(costs, rank, place, sharded=False)
     if place.dp_mode == "fsdp" and place.dp > 1:
         stages = place.schedule.local_stages(rank)

@@ -23,7 +23,7 @@ from mesh3d.pipeline.split import stage_layer_ranges
 from mesh3d.pipeline.tied import find_ties
 from mesh3d.planner import constants as C
 from mesh3d.planner.hardware import Hardware, resolve_hardware
-from mesh3d.planner.memory import MemoryBreakdown, StagePlacement, rank_memory
+from mesh3d.planner.memory import MemoryBreakdown, StagePlacement, rank_activations, rank_memory
 from mesh3d.planner.model_source import max_sequence_length, meta_model
 from mesh3d.planner.probe import ModelCosts, measure_model
 from mesh3d.planner.step_time import Links, StepTime, step_time
@@ -112,18 +112,26 @@ def plan(
     measure = functools.cache(lambda tp, dtype: measure_model(
         model, anatomy, tp=tp, tp_plan=plan_tp, microbatch_size=1, seq_len=seq_len, param_dtype=dtype,
         selective_context=_selective_context()))
+    # Many candidates share a schedule, a split and a walk of the action lists: each is built once.
+    schedule_of = functools.cache(build_schedule)
+    layers_of = functools.cache(lambda n_stages: stage_layer_ranges(model, anatomy, n_stages, "layers", 0.0, None))
+    walks: dict[tuple, tuple[tuple[int, int], ...]] = {}
     plans, smallest_need = [], None
     for cand in _candidates(gpus, gpus_per_node, global_batch, n_blocks, anatomy.tensor_parallel_sizes, fix):
         costs = measure(cand["tp"], cand["param_dtype"])
         if cand["activation_checkpoint"] == "selective" and "selective" not in costs.block.saved:
             continue
-        built = build_schedule(cand["schedule"], cand["pp"], cand["microbatches"], cand["virtual_stages"])
-        layers = stage_layer_ranges(model, anatomy, cand["pp"] * cand["virtual_stages"], "layers", 0.0, None)
+        built = schedule_of(cand["schedule"], cand["pp"], cand["microbatches"], cand["virtual_stages"])
+        layers = layers_of(cand["pp"] * cand["virtual_stages"])
         compute_bytes = param_bytes if cand["param_dtype"] is None else torch.empty((), dtype=cand["param_dtype"]).element_size()
         place = StagePlacement(
             built, layers, cand["dp"], cand["dp_mode"], cand["microbatch_size"], cand["activation_checkpoint"],
             param_bytes, compute_bytes, wraps=cand["dp"] > 1 or cand["param_dtype"] is not None, tied_end=tied)
-        by_rank = tuple(rank_memory(costs, r, place) for r in range(cand["pp"]))
+        walk = (cand["tp"], cand["param_dtype"], cand["schedule"], cand["pp"], cand["microbatches"],
+                cand["virtual_stages"], cand["activation_checkpoint"])
+        if walk not in walks:
+            walks[walk] = tuple(rank_activations(costs, r, place) for r in range(cand["pp"]))
+        by_rank = tuple(rank_memory(costs, r, place, walks[walk][r]) for r in range(cand["pp"]))
         memory = max(by_rank, key=lambda m: m.total)
         if memory.total > limit:
             smallest_need = memory.total if smallest_need is None else min(smallest_need, memory.total)
