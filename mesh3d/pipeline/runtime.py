@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from mesh3d.pipeline.boundary import Boundaries, BoundaryShapes
 from mesh3d.pipeline.schedule.lower import LoweredSchedule
@@ -30,6 +30,7 @@ from mesh3d.pipeline.p2p import Mailbox, PipelinePeers, ReceiveBuffers, Traffic
 from mesh3d.pipeline.routes import MessageSpec, StageRoutes, divide, join, pack, unpack
 from mesh3d.pipeline.schedule.ir import RELEASES, Action, Kind
 from mesh3d.pipeline.backward_halves import PendingWeightGrad, backward_input, backward_weight
+from mesh3d.pipeline.selective_checkpoint import selective_contexts
 
 
 class MicrobatchLoss(Protocol):
@@ -62,7 +63,9 @@ class PipelineRuntime:
             `peers.pp_rank`'s).
         evaluation: the same schedule's forwards only, lowered (pipeline/config.py lowers both).
         peers: this rank's pp group.
-        activation_checkpoint: "never", "always" or "except_last" (the last microbatch is kept).
+        activation_checkpoint: "never", "always", "except_last" (the last microbatch is kept) or
+            "selective" (every microbatch keeps its matmul and attention outputs and recomputes
+            the rest: selective_checkpoint.py).
         before_backward: called as before_backward(stage, is_last_backward_of_stage) before every
             backward; data parallelism uses it to reduce gradients once, on the last one.
         after_weight_backward: called as after_weight_backward(stage) after a W that started
@@ -179,6 +182,7 @@ class _Step:
         # from I, for its W: a PendingWeightGrad, or (output, output gradient) for a whole backward
         self.pending_weight_grads: dict[tuple[int, int], PendingWeightGrad | tuple] = {}
         self.rng_states: dict[tuple[int, int], tuple] = {}  # forwards to recompute at I
+        self.selective_caches: dict[tuple[int, int], AbstractContextManager] = {}  # their cached results ("selective")
         self.losses: list[torch.Tensor] = []
         self.counts: list[torch.Tensor] = []
 
@@ -234,18 +238,26 @@ class _Step:
         x = self._received(stage, mb)
         if self.train and stage > 0 and x.is_floating_point():
             x = x.detach().requires_grad_(True)
+        mode = rt.activation_checkpoint
         recompute = self.train and (
-            rt.activation_checkpoint == "always" or (rt.activation_checkpoint == "except_last" and mb != rt.microbatches - 1)
+            mode in ("always", "selective") or (mode == "except_last" and mb != rt.microbatches - 1)
         )
         if recompute:
             self.counters.recomputed_forwards += 1
         recompute_at_input_grad = recompute and rt.split_backward
         if recompute_at_input_grad:
             self.rng_states[(stage, mb)] = _rng_state(rt.device)
+        # The forward runs with grad enabled, as its recompute will, whenever selective
+        # checkpointing caches results: a composite op may pick its kernels by requires_grad, and
+        # the cache is read back by op and position (selective_checkpoint.py).
+        grad_at_forward = self.train and (not recompute_at_input_grad or mode == "selective")
         messages = []
-        with torch.set_grad_enabled(self.train and not recompute_at_input_grad):
-            if recompute and not recompute_at_input_grad:
-                out = checkpoint(self._call, stage, x, use_reentrant=False)
+        with torch.set_grad_enabled(grad_at_forward):
+            if recompute and recompute_at_input_grad and mode == "selective":
+                out = self._forward_caching_for_input_grad(stage, mb, x)
+            elif recompute and not recompute_at_input_grad:
+                context_fn = selective_contexts if mode == "selective" else noop_context_fn
+                out = checkpoint(self._call, stage, x, use_reentrant=False, context_fn=context_fn)
             else:
                 out = self._call(stage, x)
             if last:
@@ -262,10 +274,29 @@ class _Step:
         for consumer, message in zip(self.routes.consumers(stage), messages):
             self.mailbox.put(Kind.F, stage, consumer, mb, message.detach())
 
+    def _forward_caching_for_input_grad(self, stage: int, mb: int, x: torch.Tensor):
+        """A split backward's forward under "selective": the policy's results are cached for the
+        recompute at I, and the graph built here is dropped (the caller keeps no output with grad).
+
+        Why not keep this graph, as a whole backward does: I and W are two passes over one graph,
+        and torch's checkpoint recomputes (and selective checkpointing hands out its cache) once
+        per pass; the second pass would find the cache spent. So, as for "always", the forward is
+        recomputed once, at I, into a graph both halves use, here with the cached matmul and
+        attention outputs. torch's checkpoint runs this forward (its hooks keep nothing but the
+        cache); its own recompute never runs.
+        """
+        caching, cached = selective_contexts()
+        self.selective_caches[(stage, mb)] = cached
+        return checkpoint(self._call, stage, x, use_reentrant=False,
+                          context_fn=lambda: (caching, contextlib.nullcontext()))
+
     def _recompute(self, stage: int, mb: int, x: torch.Tensor) -> torch.Tensor:
-        """The forward again, with the RNG as the first time, now building the graph I and W use."""
+        """The forward again, with the RNG as the first time, now building the graph I and W use
+        (under "selective", with the forward's cached results)."""
+        cached = self.selective_caches.pop((stage, mb), None)
         with _restored_rng(self.rng_states.pop((stage, mb)), self.rt.device), torch.enable_grad():
-            out = self._call(stage, x)
+            with cached if cached is not None else contextlib.nullcontext():
+                out = self._call(stage, x)
             if stage == self.rt.n_stages - 1:
                 return self.loss(out, self.targets[mb])[2]
             return join(self._messages(stage, out))
