@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, noop_context_fn
+from torch.utils.checkpoint import checkpoint
 
 from mesh3d.pipeline.boundary import Boundaries, BoundaryShapes
 from mesh3d.pipeline.schedule.lower import LoweredSchedule
@@ -181,7 +181,7 @@ class _Step:
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # from I, for its W: a PendingWeightGrad, or (output, output gradient) for a whole backward
         self.pending_weight_grads: dict[tuple[int, int], PendingWeightGrad | tuple] = {}
-        self.rng_states: dict[tuple[int, int], tuple] = {}  # forwards to recompute at I
+        self.rng_states: dict[tuple[int, int], tuple] = {}  # forwards to recompute before their backward
         self.selective_caches: dict[tuple[int, int], AbstractContextManager] = {}  # their cached results ("selective")
         self.losses: list[torch.Tensor] = []
         self.counts: list[torch.Tensor] = []
@@ -244,20 +244,22 @@ class _Step:
         )
         if recompute:
             self.counters.recomputed_forwards += 1
-        recompute_at_input_grad = recompute and rt.split_backward
-        if recompute_at_input_grad:
+        # Where the forward is recomputed: by torch's checkpoint inside B's backward pass, or by
+        # this runtime just before the backward (B or I), as a plain forward building the graph
+        # the backward then walks: for a split backward (I and W share that graph), and always
+        # under "selective" (see _forward_caching).
+        recompute_before_backward = recompute and (rt.split_backward or mode == "selective")
+        if recompute_before_backward:
             self.rng_states[(stage, mb)] = _rng_state(rt.device)
-        # The forward runs with grad enabled, as its recompute will, whenever selective
-        # checkpointing caches results: a composite op may pick its kernels by requires_grad, and
-        # the cache is read back by op and position (selective_checkpoint.py).
-        grad_at_forward = self.train and (not recompute_at_input_grad or mode == "selective")
+        # Under "selective" the forward runs with grad enabled, as its recompute will: a composite
+        # op may pick its kernels by requires_grad, and the cache is read back by op and position.
+        grad_at_forward = self.train and (not recompute_before_backward or mode == "selective")
         messages = []
         with torch.set_grad_enabled(grad_at_forward):
-            if recompute and recompute_at_input_grad and mode == "selective":
-                out = self._forward_caching_for_input_grad(stage, mb, x)
-            elif recompute and not recompute_at_input_grad:
-                context_fn = selective_contexts if mode == "selective" else noop_context_fn
-                out = checkpoint(self._call, stage, x, use_reentrant=False, context_fn=context_fn)
+            if recompute and mode == "selective":
+                out = self._forward_caching(stage, mb, x)
+            elif recompute and not recompute_before_backward:
+                out = checkpoint(self._call, stage, x, use_reentrant=False)
             else:
                 out = self._call(stage, x)
             if last:
@@ -268,22 +270,25 @@ class _Step:
                 messages = self._messages(stage, out)
                 out = join(messages)
         if self.train:
-            self.saved[(stage, mb)] = (x, None if recompute_at_input_grad else out)
+            self.saved[(stage, mb)] = (x, None if recompute_before_backward else out)
             self.counters.live_activations += 1
             self.counters.peak_live_activations = max(self.counters.peak_live_activations, self.counters.live_activations)
         for consumer, message in zip(self.routes.consumers(stage), messages):
             self.mailbox.put(Kind.F, stage, consumer, mb, message.detach())
 
-    def _forward_caching_for_input_grad(self, stage: int, mb: int, x: torch.Tensor):
-        """A split backward's forward under "selective": the policy's results are cached for the
-        recompute at I, and the graph built here is dropped (the caller keeps no output with grad).
+    def _forward_caching(self, stage: int, mb: int, x: torch.Tensor):
+        """The forward under "selective": the policy's results (selective_checkpoint.py) are
+        cached for the recompute before the backward, and the graph built here is dropped (the
+        caller keeps no output with grad; torch's checkpoint runs this forward so that its hooks
+        keep nothing but the cache, and its own recompute never runs).
 
-        Why not keep this graph, as a whole backward does: I and W are two passes over one graph,
-        and torch's checkpoint recomputes (and selective checkpointing hands out its cache) once
-        per pass; the second pass would find the cache spent. So, as for "always", the forward is
-        recomputed once, at I, into a graph both halves use, here with the cached matmul and
-        attention outputs. torch's checkpoint runs this forward (its hooks keep nothing but the
-        cache); its own recompute never runs.
+        Why not keep this graph and let torch recompute inside the backward, as for "always":
+        - the cache is read back by op and position, so the recompute must dispatch the forward's
+          ops again. Inside a backward pass FSDP's hooks take other paths (a module's pre-forward
+          is skipped once its pre-backward has run) and dispatch other ops (profiler ranges), which
+          torch's selective checkpointing refuses. Before the backward they run as in the forward.
+        - a split backward's I and W are two passes over one graph; torch recomputes per pass and
+          hands its selective cache out once, so W would find it spent.
         """
         caching, cached = selective_contexts()
         self.selective_caches[(stage, mb)] = cached
@@ -291,8 +296,8 @@ class _Step:
                           context_fn=lambda: (caching, contextlib.nullcontext()))
 
     def _recompute(self, stage: int, mb: int, x: torch.Tensor) -> torch.Tensor:
-        """The forward again, with the RNG as the first time, now building the graph I and W use
-        (under "selective", with the forward's cached results)."""
+        """The forward again, with the RNG as the first time, now building the graph the backward
+        walks (B's, or I's and W's; under "selective", with the forward's cached results)."""
         cached = self.selective_caches.pop((stage, mb), None)
         with _restored_rng(self.rng_states.pop((stage, mb)), self.rt.device), torch.enable_grad():
             with cached if cached is not None else contextlib.nullcontext():
@@ -306,6 +311,8 @@ class _Step:
         x, out = self.saved.pop((stage, mb))
         if rt.before_backward is not None:
             rt.before_backward(stage, is_last_backward)
+        if out is None:
+            out = self._recompute(stage, mb, x)
         grad = self._output_grad(stage, mb)
         if out.requires_grad:  # a stage with everything frozen up to here has nothing to do
             with self.loss.context() if grad is None else contextlib.nullcontext():
