@@ -23,6 +23,8 @@ def _losses(layout, compile, steps=3, **options):
     from torch._dynamo.utils import counters
 
     counters.clear()
+    if compile:
+        torch._dynamo.reset()  # build this run's graphs: a run with an earlier run's backend would reuse its graphs
     options.setdefault("activation_checkpoint", "always")
     pm = mesh3d.parallelize(meta_model(True, args=tp_args(True, n_layers=2)), layout, compile=compile, **options)
     optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-3)
