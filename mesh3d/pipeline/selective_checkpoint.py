@@ -24,6 +24,8 @@ _aten = torch.ops.aten
 # The expensive ops whose outputs are kept. A linear layer reaches the dispatcher as mm (no bias)
 # or addmm (bias), a batched matmul as bmm; aten.linear is listed for backends that keep it whole.
 # Attention is one fused op per backend (the CPU one included); _scaled_mm is the float8 matmul.
+# Only these overloads: an out= variant (inductor calls its matmuls so, into buffers it owns) is
+# recomputed, as a cached result could not be written into the caller's buffer.
 SAVED_OPS: frozenset = frozenset({
     _aten.mm.default,
     _aten.addmm.default,
