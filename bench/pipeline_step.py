@@ -5,7 +5,8 @@
 Prints, per schedule: median step time, tokens/s, the simulator's bubble fraction, and per rank the
 peak live activations (runtime counter) and the peak bytes of saved activations measured with
 torch's saved-tensor hooks (mesh3d.planner.probe.SavedBytesMeter, the planner's own meter: distinct
-storages, parameters not counted). On a machine with fewer cores than ranks the times measure the CPU
+storages, parameters not counted; it does not see what "selective" checkpointing caches: torch keeps
+that outside autograd's saved tensors). On a machine with fewer cores than ranks the times measure the CPU
 contention as much as the schedule; the activation figures do not depend on it.
 """
 
@@ -23,6 +24,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import torch  # noqa: E402
 
 import mesh3d  # noqa: E402
+from mesh3d.pipeline.config import ACTIVATION_CHECKPOINT_MODES  # noqa: E402
 from examples.llama.config import get_config  # noqa: E402
 from examples.llama.model import Transformer, loss_fn  # noqa: E402
 from mesh3d.planner.probe import SavedBytesMeter  # noqa: E402
@@ -64,7 +66,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--activation-checkpoint", default="never", choices=["never", "always", "except_last"])
+    parser.add_argument("--activation-checkpoint", default="never", choices=list(ACTIVATION_CHECKPOINT_MODES))
     args = parser.parse_args()
     per_rank = run_on_ranks(_bench, args.pp, args.pp, args.microbatches, args.batch, args.seq_len, args.steps, args.activation_checkpoint, timeout=1800)
     tokens = args.batch * args.seq_len

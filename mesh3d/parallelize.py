@@ -104,8 +104,10 @@ def parallelize(
             loss_sum over the sum of every count, all microbatches and dp ranks: exact with masked
             targets; the count must depend on the target only). Default: next-token cross-entropy
             as such a pair, positions whose target is -100 not counted (docs/numerics.md).
-        activation_checkpoint: "never" (default), "always", or "except_last" (the last microbatch of
-            each step keeps its activations instead of recomputing them).
+        activation_checkpoint: "never" (default), "always", "except_last" (the last microbatch of
+            each step keeps its activations instead of recomputing them), or "selective" (every
+            microbatch keeps its matmul and attention outputs and recomputes the cheap ops between
+            them: pipeline/selective_checkpoint.py).
         layers_per_stage: explicit layer counts, one per stage (pp * virtual_stages, in stage order).
         stage_balance: "layers" (each layer costs 1) or "params" (each layer costs its parameter
             count), used when layers_per_stage is not given.

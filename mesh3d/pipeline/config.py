@@ -20,7 +20,7 @@ from mesh3d.model.traced.capture import TracedSplit
 from mesh3d.pipeline.routes import StageRoutes
 from mesh3d.pipeline.split import split_point_counts, stage_layer_ranges
 
-ACTIVATION_CHECKPOINT_MODES = ("never", "always", "except_last")
+ACTIVATION_CHECKPOINT_MODES = ("never", "always", "except_last", "selective")
 
 
 @dataclass(frozen=True)

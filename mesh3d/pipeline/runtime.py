@@ -30,6 +30,7 @@ from mesh3d.pipeline.p2p import Mailbox, PipelinePeers, ReceiveBuffers, Traffic
 from mesh3d.pipeline.routes import MessageSpec, StageRoutes, divide, join, pack, unpack
 from mesh3d.pipeline.schedule.ir import RELEASES, Action, Kind
 from mesh3d.pipeline.backward_halves import PendingWeightGrad, backward_input, backward_weight
+from mesh3d.pipeline.selective_checkpoint import selective_contexts
 
 
 class MicrobatchLoss(Protocol):
@@ -62,7 +63,9 @@ class PipelineRuntime:
             `peers.pp_rank`'s).
         evaluation: the same schedule's forwards only, lowered (pipeline/config.py lowers both).
         peers: this rank's pp group.
-        activation_checkpoint: "never", "always" or "except_last" (the last microbatch is kept).
+        activation_checkpoint: "never", "always", "except_last" (the last microbatch is kept) or
+            "selective" (every microbatch keeps its matmul and attention outputs and recomputes
+            the rest: selective_checkpoint.py).
         before_backward: called as before_backward(stage, is_last_backward_of_stage) before every
             backward; data parallelism uses it to reduce gradients once, on the last one.
         after_weight_backward: called as after_weight_backward(stage) after a W that started
@@ -178,7 +181,8 @@ class _Step:
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # from I, for its W: a PendingWeightGrad, or (output, output gradient) for a whole backward
         self.pending_weight_grads: dict[tuple[int, int], PendingWeightGrad | tuple] = {}
-        self.rng_states: dict[tuple[int, int], tuple] = {}  # forwards to recompute at I
+        self.rng_states: dict[tuple[int, int], tuple] = {}  # forwards to recompute before their backward
+        self.selective_caches: dict[tuple[int, int], AbstractContextManager] = {}  # their cached results ("selective")
         self.losses: list[torch.Tensor] = []
         self.counts: list[torch.Tensor] = []
 
@@ -234,17 +238,27 @@ class _Step:
         x = self._received(stage, mb)
         if self.train and stage > 0 and x.is_floating_point():
             x = x.detach().requires_grad_(True)
+        mode = rt.activation_checkpoint
         recompute = self.train and (
-            rt.activation_checkpoint == "always" or (rt.activation_checkpoint == "except_last" and mb != rt.microbatches - 1)
+            mode in ("always", "selective") or (mode == "except_last" and mb != rt.microbatches - 1)
         )
         if recompute:
             self.counters.recomputed_forwards += 1
-        recompute_at_input_grad = recompute and rt.split_backward
-        if recompute_at_input_grad:
+        # Where the forward is recomputed: by torch's checkpoint inside B's backward pass, or by
+        # this runtime just before the backward (B or I), as a plain forward building the graph
+        # the backward then walks: for a split backward (I and W share that graph), and always
+        # under "selective" (see _forward_caching).
+        recompute_before_backward = recompute and (rt.split_backward or mode == "selective")
+        if recompute_before_backward:
             self.rng_states[(stage, mb)] = _rng_state(rt.device)
+        # Under "selective" the forward runs with grad enabled, as its recompute will: a composite
+        # op may pick its kernels by requires_grad, and the cache is read back by op and position.
+        grad_at_forward = self.train and (not recompute_before_backward or mode == "selective")
         messages = []
-        with torch.set_grad_enabled(self.train and not recompute_at_input_grad):
-            if recompute and not recompute_at_input_grad:
+        with torch.set_grad_enabled(grad_at_forward):
+            if recompute and mode == "selective":
+                out = self._forward_caching(stage, mb, x)
+            elif recompute and not recompute_before_backward:
                 out = checkpoint(self._call, stage, x, use_reentrant=False)
             else:
                 out = self._call(stage, x)
@@ -256,16 +270,38 @@ class _Step:
                 messages = self._messages(stage, out)
                 out = join(messages)
         if self.train:
-            self.saved[(stage, mb)] = (x, None if recompute_at_input_grad else out)
+            self.saved[(stage, mb)] = (x, None if recompute_before_backward else out)
             self.counters.live_activations += 1
             self.counters.peak_live_activations = max(self.counters.peak_live_activations, self.counters.live_activations)
         for consumer, message in zip(self.routes.consumers(stage), messages):
             self.mailbox.put(Kind.F, stage, consumer, mb, message.detach())
 
+    def _forward_caching(self, stage: int, mb: int, x: torch.Tensor):
+        """The forward under "selective": the policy's results (selective_checkpoint.py) are
+        cached for the recompute before the backward, and the graph built here is dropped (the
+        caller keeps no output with grad; torch's checkpoint runs this forward so that its hooks
+        keep nothing but the cache, and its own recompute never runs).
+
+        Why not keep this graph and let torch recompute inside the backward, as for "always":
+        - the cache is read back by op and position, so the recompute must dispatch the forward's
+          ops again. Inside a backward pass FSDP's hooks take other paths (a module's pre-forward
+          is skipped once its pre-backward has run) and dispatch other ops (profiler ranges), which
+          torch's selective checkpointing refuses. Before the backward they run as in the forward.
+        - a split backward's I and W are two passes over one graph; torch recomputes per pass and
+          hands its selective cache out once, so W would find it spent.
+        """
+        caching, cached = selective_contexts()
+        self.selective_caches[(stage, mb)] = cached
+        return checkpoint(self._call, stage, x, use_reentrant=False,
+                          context_fn=lambda: (caching, contextlib.nullcontext()))
+
     def _recompute(self, stage: int, mb: int, x: torch.Tensor) -> torch.Tensor:
-        """The forward again, with the RNG as the first time, now building the graph I and W use."""
+        """The forward again, with the RNG as the first time, now building the graph the backward
+        walks (B's, or I's and W's; under "selective", with the forward's cached results)."""
+        cached = self.selective_caches.pop((stage, mb), None)
         with _restored_rng(self.rng_states.pop((stage, mb)), self.rt.device), torch.enable_grad():
-            out = self._call(stage, x)
+            with cached if cached is not None else contextlib.nullcontext():
+                out = self._call(stage, x)
             if stage == self.rt.n_stages - 1:
                 return self.loss(out, self.targets[mb])[2]
             return join(self._messages(stage, out))
@@ -275,6 +311,8 @@ class _Step:
         x, out = self.saved.pop((stage, mb))
         if rt.before_backward is not None:
             rt.before_backward(stage, is_last_backward)
+        if out is None:
+            out = self._recompute(stage, mb, x)
         grad = self._output_grad(stage, mb)
         if out.requires_grad:  # a stage with everything frozen up to here has nothing to do
             with self.loss.context() if grad is None else contextlib.nullcontext():

@@ -1,7 +1,9 @@
 """compile=True (torch.compile per block, inductor) with activation checkpointing "always", tied
 weights, tensor parallelism and FSDP: the first losses equal eager's (fp32, rel <= 1e-5), and
 parameter names stay the unsplit model's. At (2,1,1) also the zero-bubble schedule ZB-H1, and at
-(2,2,2) DDP with bf16 and "except_last", compiled with the quick aot_eager backend.
+(2,2,2) DDP with bf16 and "except_last", compiled with the quick aot_eager backend; and
+"selective" checkpointing around compiled blocks (aot_eager) under ZB-H1 against eager "always",
+and with DDP and bf16 against eager "never".
 
 Compiling costs tens of seconds per rank on a CPU, so the models are tiny (2 blocks) and the
 cases few: (2,1,1) and (2,2,2).
@@ -21,6 +23,8 @@ def _losses(layout, compile, steps=3, **options):
     from torch._dynamo.utils import counters
 
     counters.clear()
+    if compile:
+        torch._dynamo.reset()  # build this run's graphs: a run with an earlier run's backend would reuse its graphs
     options.setdefault("activation_checkpoint", "always")
     pm = mesh3d.parallelize(meta_model(True, args=tp_args(True, n_layers=2)), layout, compile=compile, **options)
     optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-3)
@@ -32,7 +36,8 @@ def _losses(layout, compile, steps=3, **options):
         optimizer.step()
         optimizer.zero_grad()
     graphs = counters["stats"]["unique_graphs"]  # what torch.compile built (0 when eager)
-    return losses, sorted(name for name, _ in pm.named_parameters()), pm.runtime.counters.recomputed_forwards, graphs
+    names = sorted(name for name, _ in pm.named_parameters())
+    return losses, names, pm.runtime.counters.recomputed_forwards, graphs, options["activation_checkpoint"]
 
 
 def _eager_and_compiled(sizes):
@@ -43,11 +48,19 @@ def _eager_and_compiled(sizes):
     if sizes == (2, 1, 1):
         # A split-backward schedule (I, then W over the kept graph), which torch refuses with compiled blocks.
         zb = {"schedule": "zero_bubble", "microbatches": 4}
-        pairs["aot_eager zero_bubble"] = (_losses(layout, False, **zb), _losses(layout, "aot_eager", **zb))
+        eager_zb = _losses(layout, False, **zb)
+        pairs["aot_eager zero_bubble"] = (eager_zb, _losses(layout, "aot_eager", **zb))
+        # Selective checkpointing around compiled blocks: its cache is filled at F and read at I.
+        pairs["aot_eager zero_bubble selective"] = (
+            eager_zb, _losses(layout, "aot_eager", activation_checkpoint="selective", **zb))
     if sizes == (2, 2, 2):
         # DDP and bf16 too, with the quick backend (same kernels as eager, so equal losses).
         ddp_bf16 = {"dp_mode": "ddp", "param_dtype": torch.bfloat16, "activation_checkpoint": "except_last"}
         pairs["aot_eager ddp bf16"] = (_losses(layout, False, **ddp_bf16), _losses(layout, "aot_eager", **ddp_bf16))
+        ddp_bf16.pop("activation_checkpoint")
+        pairs["aot_eager ddp bf16 selective"] = (
+            _losses(layout, False, activation_checkpoint="never", **ddp_bf16),
+            _losses(layout, "aot_eager", activation_checkpoint="selective", **ddp_bf16))
     return pairs
 
 
@@ -56,10 +69,11 @@ def test_compiled_blocks_equal_eager(sizes):
     world = sizes[0] * sizes[1] * sizes[2]
     for rank, pairs in enumerate(run_on_ranks(_eager_and_compiled, world, sizes, timeout=400)):
         for case, (eager, compiled) in pairs.items():
-            (eager_losses, eager_names, eager_recomputed, eager_graphs), (losses, names, recomputed, graphs) = eager, compiled
+            (eager_losses, eager_names, eager_recomputed, eager_graphs, eager_ac), (losses, names, recomputed, graphs, _) = eager, compiled
             where = f"rank {rank} {case}"
             assert eager_graphs == 0 and graphs >= 1, f"{where}: {graphs} graphs compiled (eager: {eager_graphs})"
             errors = [relative(a, b) for a, b in zip(losses, eager_losses)]
             assert max(errors) <= TOLERANCE, f"{where}: compiled {losses} vs eager {eager_losses}"
             assert names == eager_names, f"{where}: parameter names changed: {set(names) ^ set(eager_names)}"
-            assert recomputed == eager_recomputed > 0, f"{where}: activation checkpointing did not recompute"
+            assert recomputed > 0, f"{where}: activation checkpointing did not recompute"
+            assert eager_recomputed == (0 if eager_ac == "never" else recomputed), f"{where}: {eager_recomputed} eager recomputes"

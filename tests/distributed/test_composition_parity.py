@@ -2,8 +2,8 @@
 
 Every (pp, dp, tp) whose product is 1, 2, 4 or 8, tied and untied, FSDP over dp, interleaved 1F1B
 (the default schedule); DDP on every layout with dp > 1; 1F1B, GPipe, the zero-bubble schedules,
-other microbatch counts, activation checkpointing, reshard_after_forward=True and loss parallel
-on a subset. Each data-parallel
+other microbatch counts, activation checkpointing (selective too), reshard_after_forward=True and
+loss parallel on a subset. Each data-parallel
 rank steps on its share of the global batch; the reference is one process on the whole batch.
 One process-group launch per world size (two for 8) runs all its cases.
 """
@@ -37,6 +37,10 @@ EXTRA = {
         # W starts inside the graph, past FSDP's hooks: resharded parameters and loss parallel there.
         ((2, 2, 1), True, {"schedule": "zbv", "microbatches": 4, "reshard_after_forward": True}),
         ((2, 1, 2), False, {"schedule": "zero_bubble", "loss_parallel": True, "microbatches": 4}),
+        # Selective checkpointing with TP's sequence-parallel plan, and with DDP under a split backward.
+        ((2, 1, 2), True, {"activation_checkpoint": "selective"}),
+        ((2, 2, 1), False, {"schedule": "zero_bubble", "dp_mode": "ddp", "microbatches": 4,
+                            "activation_checkpoint": "selective"}),
     ],
     8: [
         ((2, 2, 2), True, {"schedule": "1f1b", "microbatches": 4}),
@@ -53,6 +57,9 @@ EXTRA = {
         ((4, 1, 2), True, {"schedule": "zbv", "activation_checkpoint": "always"}),
         ((4, 1, 2), False, {"schedule": "zero_bubble", "microbatches": 8}),
         ((2, 4, 1), True, {"schedule": "zbv", "dp_mode": "ddp"}),
+        # Selective checkpointing with FSDP (resharded: parameters gathered again for the recompute) and TP.
+        ((2, 2, 2), True, {"schedule": "zbv", "reshard_after_forward": True, "activation_checkpoint": "selective"}),
+        ((2, 2, 2), False, {"schedule": "1f1b", "microbatches": 4, "activation_checkpoint": "selective"}),
     ],
 }
 

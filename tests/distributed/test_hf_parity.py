@@ -5,9 +5,10 @@ architectures of hf_cases (Llama: llama3 rope scaling, GQA, tied; Qwen2: biases,
 norms, head_dim not hidden/heads; Mistral: untied), each under its own schedule, two steps with
 masked targets: every step's loss and every parameter after the SGD steps equal
 hf_cases.reference_run (fp32, rel 1e-5), and the names of pm.full_state_dict() are the model's own.
-Riding along, cheaply: activation checkpointing, compile="aot_eager", DDP, bf16 (close), evaluate,
-the bad-batch check, refusals on every rank, and a model given on meta (initialized alike under two
-layouts, then trained exactly as transformers trains those values).
+Riding along, cheaply: activation checkpointing (selective too: with FSDP, with TP, and compiled
+under ZBV), compile="aot_eager", DDP, bf16 (close), evaluate, the bad-batch check, refusals on
+every rank, and a model given on meta (initialized alike under two layouts, then trained exactly as
+transformers trains those values).
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ MICROBATCHES = 4
 SEED = 7
 RUNS = {  # layout -> {architecture: parallelize arguments}
     (2, 1, 1): {"llama": dict(schedule="1f1b"), "qwen2": dict(schedule="gpipe", activation_checkpoint="always"),
-                "qwen3": dict(schedule="zero_bubble"), "mistral": dict(schedule="zbv", compile="aot_eager")},
-    (2, 2, 1): {"llama": dict(schedule="interleaved_1f1b"), "qwen2": dict(schedule="1f1b", dp_mode="ddp"),
+                "qwen3": dict(schedule="zero_bubble"),
+                "mistral": dict(schedule="zbv", compile="aot_eager", activation_checkpoint="selective")},
+    (2, 2, 1): {"llama": dict(schedule="interleaved_1f1b", activation_checkpoint="selective"),
+                "qwen2": dict(schedule="1f1b", dp_mode="ddp"),
                 "qwen3": dict(schedule="gpipe"), "mistral": dict(schedule="zero_bubble")},
-    (2, 1, 2): {"llama": dict(schedule="1f1b"), "qwen2": dict(schedule="zbv"),
+    (2, 1, 2): {"llama": dict(schedule="1f1b", activation_checkpoint="selective"), "qwen2": dict(schedule="zbv"),
                 "qwen3": dict(schedule="interleaved_1f1b"), "mistral": dict(schedule="gpipe")},
     (2, 2, 2): {arch: dict(schedule="interleaved_1f1b") for arch in hf_cases.ARCHITECTURES},
 }

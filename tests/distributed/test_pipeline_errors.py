@@ -49,7 +49,7 @@ EXPECTED = {
     "more stages than layers": "cannot split 6 layers into 8 pipeline stages (pp x virtual_stages)",
     "no layers": "NoLayers has no nn.ModuleDict attribute 'layers' (found nothing)",
     "virtual stages with one-stage schedule": "schedule '1f1b' runs one stage per rank, but virtual_stages=2; use virtual_stages=1",
-    "bad checkpoint mode": "activation_checkpoint='sometimes'; choose one of ['never', 'always', 'except_last']",
+    "bad checkpoint mode": "activation_checkpoint='sometimes'; choose one of ['never', 'always', 'except_last', 'selective']",
     "bad layers_per_stage": "layers_per_stage=[4, 4] must list 4 positive counts",
     "different configs on ranks": "ranks were given different pipeline configurations",
     "batch does not split": "a batch of 6 samples does not split into microbatches=4 equal microbatches",

@@ -1,10 +1,11 @@
 """Pipelined training equals one process: losses, clipped grad norms and parameters after 3 AdamW steps.
 
 For pp in {2, 4}: every schedule (interleaved with 2 stages per rank), microbatches pp, 2*pp and
-pp+1, tied and untied, every activation-checkpoint mode; the zero-bubble schedules (ZB-H1,
-interleaved zero bubble with 2 stages per rank, ZBV) with the activation-checkpoint modes spread
-over their cases. ZBV puts both ends of a tie on rank 0, so no tie group is built. One process-group launch per pp runs all
-its cases; the single-process references are computed once, here, and shipped to the ranks.
+pp+1, tied and untied, the activation-checkpoint modes never, always and except_last; the
+zero-bubble schedules (ZB-H1, interleaved zero bubble with 2 stages per rank, ZBV) with those modes
+spread over their cases; and "selective" once per schedule. ZBV puts both ends of a tie on rank 0,
+so no tie group is built. One process-group launch per pp runs all its cases; the single-process
+references are computed once, here, and shipped to the ranks.
 Each rank also checks its runtime's peak live activations against the simulator's.
 """
 
@@ -28,7 +29,9 @@ def cases(pp):
     every = list(itertools.product(SCHEDULES, counts, (False, True), AC_MODES))
     spread = [(s, m, tied, AC_MODES[i % 3])
               for i, (s, m, tied) in enumerate(itertools.product(ZERO_BUBBLE, counts, (False, True)))]
-    return every + spread
+    # "selective" once per schedule (split backward included: its cache is read at I), ties alternating.
+    selective = [(s, counts[i % 3], i % 2 == 1, "selective") for i, s in enumerate(SCHEDULES + ZERO_BUBBLE)]
+    return every + spread + selective
 
 
 def _run_cases(pp, references):
@@ -66,7 +69,8 @@ def test_pipeline_matches_single_process(pp):
             if schedule == "zbv" and tie_groups:
                 failures.append(f"{case}: zbv holds both tie ends on rank 0, yet a tie group was built")
             stage_forwards = v * m
-            want_recomputed = {"never": 0, "always": stage_forwards, "except_last": stage_forwards - v}[ac]
+            want_recomputed = {"never": 0, "always": stage_forwards, "except_last": stage_forwards - v,
+                               "selective": stage_forwards}[ac]
             if recomputed != want_recomputed:
                 failures.append(f"{case}: {recomputed} checkpointed forwards, expected {want_recomputed}")
     assert not failures, "\n".join(failures)
