@@ -199,12 +199,13 @@ def why(best: Plan, runner_up: Plan | None) -> str:
 
 
 def replay(best: Plan, scale: float = 1.0) -> SimulationReport:
-    """The best plan's pipeline timeline, played again with the slowest stage's costs the planner used
+    """The best plan's pipeline timeline, played again with the costs per stage the planner used
     (times `scale`: 1.0 gives seconds, and a makespan equal to the plan's `time.compute_seconds`)."""
     t = best.time
     schedule = build_schedule(best.schedule, best.pp, best.microbatches, best.virtual_stages)
-    return simulate_schedule(schedule, f_cost=t.forward_seconds * scale, b_cost=t.backward_seconds * scale,
-                             w_cost=t.weight_grad_seconds * scale, comm_cost=t.p2p_seconds * scale)
+    return simulate_schedule(schedule, f_cost=[f * scale for f in t.forward_seconds],
+                             b_cost=[b * scale for b in t.backward_seconds],
+                             w_cost=[w * scale for w in t.weight_grad_seconds], comm_cost=t.p2p_seconds * scale)
 
 
 def draw_plan(best: Plan, path: str) -> SimulationReport:

@@ -100,6 +100,10 @@ def rank_parameter_elements(costs: ModelCosts, rank: int, place: StagePlacement,
 def _kept(costs: ModelCosts, stage: int, place: StagePlacement, mode: str) -> int:
     """Bytes a forward of `stage` keeps for its backward, per microbatch, under `mode`."""
     n = len(place.stage_layers)
+    if mode == "selective":  # the stage's input (token ids: those of the first stage) and the cache
+        taken = costs.checkpointed_stage["first"] if stage == 0 else costs.message_bytes
+        return (taken + sum(count * part.saved["selective"] for part, count in _stage_parts(costs, stage, place))) \
+            * place.microbatch_size
     if mode == "always":
         kept = costs.checkpointed_stage
         if n == 1:  # the stage takes the tokens and computes the loss
@@ -118,25 +122,31 @@ def rank_activations(costs: ModelCosts, rank: int, place: StagePlacement) -> tup
     mode, m = place.activation_checkpoint, place.schedule.microbatches
     ids = costs.checkpointed_stage["first"] * place.microbatch_size  # one microbatch's token ids
     held: dict[tuple[int, int], int] = {}
-    live = peak = peak_with_recompute = 0
+    live = peak = peak_with_recompute = first_held = 0
+    kept_as = "selective" if mode == "selective" else "always"
+    kept = {s: (_kept(costs, s, place, "never"), _kept(costs, s, place, kept_as))
+            for s in place.schedule.local_stages(rank)}
     for action in place.schedule.actions[rank]:
         key = (action.stage, action.microbatch)
-        checkpointed = mode == "always" or (mode == "except_last" and action.microbatch != m - 1)
-        full = _kept(costs, action.stage, place, "selective" if mode == "selective" else "never")
-        first_stage_before = any(stage == 0 for stage, _ in held)
+        checkpointed = mode in ("always", "selective") or (mode == "except_last" and action.microbatch != m - 1)
+        full, checkpoint_kept = kept[action.stage]  # full: what a recompute rebuilds for the backward
+        first_stage_before = first_held > 0
         if action.kind == Kind.F:
-            held[key] = _kept(costs, action.stage, place, "always") if checkpointed else full
+            held[key] = checkpoint_kept if checkpointed else full
             if action.stage == 0:
                 held[key] -= ids
+                first_held += 1
             live += held[key]
         elif action.kind == Kind.I and checkpointed:  # a split backward recomputes at I, keeps it for W
+            # ("selective" recomputes before B too: its transient is counted at B like "always"'s)
             live += full - (ids if action.stage == 0 else 0)
             held[key] += full - (ids if action.stage == 0 else 0)
         elif action.kind in (Kind.B, Kind.W):
             if action.kind == Kind.B and checkpointed:
                 peak_with_recompute = max(peak_with_recompute, live + full - (ids if action.stage == 0 else 0))
             live -= held.pop(key)
-        first_stage_now = any(stage == 0 for stage, _ in held)
+            first_held -= action.stage == 0
+        first_stage_now = first_held > 0
         live += (first_stage_now - first_stage_before) * ids * m
         peak = max(peak, live)
         peak_with_recompute = max(peak_with_recompute, live)

@@ -10,8 +10,9 @@ attention takes the fused path that saves its output and log-sum-exp, as on a GP
 counted with torch's own meters:
 
 - saved activations: autograd's saved-tensor hooks (the bytes a rank keeps for the backward), with
-  the stage run plain, under a whole-stage checkpoint (what the runtime does for "always"), and
-  under the selective policy;
+  the stage run plain and under a whole-stage checkpoint (what the runtime does for "always");
+- what "selective" caches: the results of the policy's ops (pipeline/selective_checkpoint.py),
+  counted by a dispatch mode as they are computed;
 - FLOPs: FlopCounterMode (the local shards' matmuls, recomputation not counted);
 - tensor-parallel traffic: the bytes of every functional collective DTensor issues.
 
@@ -22,7 +23,7 @@ blocks must be alike (they are in every decoder the planner knows: checked by sh
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +40,7 @@ from mesh3d.model.anatomy import Anatomy
 from mesh3d.model.cut import cut_stage
 from mesh3d.model.loss import cross_entropy_loss
 
-ADDITIVE_MODES = ("never", "selective")  # saved bytes add up block by block
+from mesh3d.pipeline.selective_checkpoint import SAVED_OPS
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,6 @@ def measure_model(
     microbatch_size: int,
     seq_len: int,
     param_dtype: torch.dtype | None,
-    selective_context: Callable | None = None,
 ) -> ModelCosts:
     """Measure a block and the two ends of `model` (on meta) at `tp`; see the module docstring."""
     from mesh3d.tensor.apply import apply_tensor_parallel
@@ -205,8 +205,7 @@ def measure_model(
                 raise ValueError(f"plan: tp={tp} needs a tensor-parallel plan, and {anatomy.name} declares none")
             apply_tensor_parallel(stages.values(), tp_plan, mesh)
         with FakeTensorMode(allow_non_fake_inputs=True):
-            results, message, checkpointed = _run_chain(stages, tp, microbatch_size, seq_len, param_dtype,
-                                                        selective_context)
+            results, message, checkpointed = _run_chain(stages, tp, microbatch_size, seq_len, param_dtype)
     block = results["middle"]
     first = results["first"].minus(block, *_end_params(stages["first"], stages["middle"]))
     last = results["last"].minus(block, *_end_params(stages["last"], stages["middle"]))
@@ -233,8 +232,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _run_chain(stages: dict[str, nn.Module], tp: int, batch: int, seq_len: int, param_dtype: torch.dtype | None,
-               selective_context: Callable | None) -> tuple[dict[str, PartCosts], int, dict[str, int]]:
+def _run_chain(stages: dict[str, nn.Module], tp: int, batch: int, seq_len: int,
+               param_dtype: torch.dtype | None) -> tuple[dict[str, PartCosts], int, dict[str, int]]:
     tokens = torch.zeros(batch, seq_len, dtype=torch.long)
     targets = torch.zeros(batch, seq_len, dtype=torch.long)
     results: dict[str, PartCosts] = {}
@@ -242,12 +241,9 @@ def _run_chain(stages: dict[str, nn.Module], tp: int, batch: int, seq_len: int, 
     for kind, stage in stages.items():
         stage = _computed(stage.to_empty(device="cpu"), param_dtype)
         is_last = kind == "last"
-        saved = {}
-        for mode in ADDITIVE_MODES:
-            if mode == "selective" and selective_context is None:
-                continue
-            saved[mode] = _saved_bytes(stage, x, targets if is_last else None, mode, selective_context)
-        checkpointed[kind] = _saved_bytes(stage, x, targets if is_last else None, "always", None)
+        saved = {"never": _saved_bytes(stage, x, targets if is_last else None, "never"),
+                 "selective": _selective_cache_bytes(stage, x)}
+        checkpointed[kind] = _saved_bytes(stage, x, targets if is_last else None, "always")
         flops, forward_flops, tp_bytes, out = _flops_and_traffic(stage, x, targets if is_last else None, tp)
         params = tuple(_local(p).shape for p in stage.parameters())
         names = tuple(n for n, _ in stage.named_parameters())
@@ -270,8 +266,7 @@ def _computed(stage: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:
     return stage
 
 
-def _forward(stage: nn.Module, x: torch.Tensor, targets: torch.Tensor | None, mode: str,
-             selective_context: Callable | None) -> torch.Tensor:
+def _forward(stage: nn.Module, x: torch.Tensor, targets: torch.Tensor | None, mode: str) -> torch.Tensor:
     """The stage as the runtime runs it (pipeline/runtime.py): the loss outside the checkpoint."""
     def call(inp):
         out = stage(inp)
@@ -279,8 +274,6 @@ def _forward(stage: nn.Module, x: torch.Tensor, targets: torch.Tensor | None, mo
 
     if mode == "always":
         out = checkpoint(call, x, use_reentrant=False)
-    elif mode == "selective":
-        out = checkpoint(call, x, use_reentrant=False, context_fn=selective_context)
     else:
         out = call(x)
     if targets is None:
@@ -293,10 +286,39 @@ def _input(x: torch.Tensor) -> torch.Tensor:
     return x.detach().requires_grad_(True) if x.is_floating_point() else x
 
 
-def _saved_bytes(stage, x, targets, mode, selective_context) -> int:
+class _ResultsOf(TorchDispatchMode):
+    """Bytes of the distinct storages the given ops return (not parameters): what the runtime's
+    "selective" checkpointing caches (pipeline/selective_checkpoint.py's SAVED_OPS)."""
+
+    def __init__(self, ops):
+        super().__init__()
+        self.ops, self.total, self.storages = ops, 0, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.ops:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+                    storage = t.untyped_storage()
+                    if storage._cdata not in self.storages:
+                        self.storages.add(storage._cdata)
+                        self.total += storage.nbytes()
+        return out
+
+
+def _selective_cache_bytes(stage, x) -> int:
+    """What "selective" keeps of a stage's forward besides its input: the results of its matmuls
+    and attention (the loss's graph is not kept; the forward is recomputed before the backward)."""
+    counter = _ResultsOf(SAVED_OPS)
+    with torch.enable_grad(), counter:
+        _forward(stage, _input(x), None, "never")
+    return counter.total
+
+
+def _saved_bytes(stage, x, targets, mode) -> int:
     meter = SavedBytesMeter()
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-        _forward(stage, _input(x), targets, mode, selective_context)
+        _forward(stage, _input(x), targets, mode)
     return meter.peak
 
 
@@ -326,7 +348,7 @@ def _flops_and_traffic(stage, x, targets, tp: int) -> tuple[float, float, float,
     counter = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION_FLOPS)
     inp = _input(x)
     with counter, traffic:
-        out = _forward(stage, inp, None, "never", None)
+        out = _forward(stage, inp, None, "never")
         loss = _forward_loss(out, targets)
         forward = counter.get_total_flops()
         grad_out = None if targets is not None else torch.ones_like(loss)

@@ -110,8 +110,7 @@ def plan(
     tied = any(len(group) > 1 for group in find_ties(model))
     param_bytes = next(model.parameters()).element_size()
     measure = functools.cache(lambda tp, dtype: measure_model(
-        model, anatomy, tp=tp, tp_plan=plan_tp, microbatch_size=1, seq_len=seq_len, param_dtype=dtype,
-        selective_context=_selective_context()))
+        model, anatomy, tp=tp, tp_plan=plan_tp, microbatch_size=1, seq_len=seq_len, param_dtype=dtype))
     # Many candidates share a schedule, a split and a walk of the action lists: each is built once.
     schedule_of = functools.cache(build_schedule)
     layers_of = functools.cache(lambda n_stages: stage_layer_ranges(model, anatomy, n_stages, "layers", 0.0, None))
@@ -119,8 +118,6 @@ def plan(
     plans, smallest_need = [], None
     for cand in _candidates(gpus, gpus_per_node, global_batch, n_blocks, anatomy.tensor_parallel_sizes, fix):
         costs = measure(cand["tp"], cand["param_dtype"])
-        if cand["activation_checkpoint"] == "selective" and "selective" not in costs.block.saved:
-            continue
         built = schedule_of(cand["schedule"], cand["pp"], cand["microbatches"], cand["virtual_stages"])
         layers = layers_of(cand["pp"] * cand["virtual_stages"])
         compute_bytes = param_bytes if cand["param_dtype"] is None else torch.empty((), dtype=cand["param_dtype"]).element_size()
@@ -155,14 +152,6 @@ def _model_flops_per_token(costs: ModelCosts, n_blocks: int) -> float:
     """The whole model's FLOPs per token (forward and backward, no recomputation): MFU's numerator."""
     per_rank = n_blocks * costs.block.flops + costs.first_end.flops + costs.last_end.flops
     return per_rank * costs.tp / (costs.microbatch_size * costs.seq_len)
-
-
-def _selective_context():
-    try:
-        from mesh3d.pipeline.selective_checkpoint import selective_checkpoint_context
-    except ImportError:
-        return None
-    return selective_checkpoint_context
 
 
 def _divisors(n: int) -> list[int]:

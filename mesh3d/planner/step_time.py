@@ -47,11 +47,11 @@ class StepTime:
     optimizer_seconds: float
     tp_seconds: float  # tensor-parallel collectives of the heaviest stage's microbatch
     p2p_seconds: float  # one boundary message
-    # The slowest stage's costs the timeline was played with, so the timeline can be replayed
-    # (drawn) for one plan without keeping every candidate's events.
-    forward_seconds: float = 0.0
-    backward_seconds: float = 0.0  # the whole backward, recomputation included
-    weight_grad_seconds: float = 0.0  # the W part of a split backward (zero-bubble schedules)
+    # The costs per stage the timeline was played with, so the timeline can be replayed (drawn)
+    # for one plan without keeping every candidate's events.
+    forward_seconds: tuple[float, ...] = ()
+    backward_seconds: tuple[float, ...] = ()  # the whole backward, recomputation included
+    weight_grad_seconds: tuple[float, ...] = ()  # the W part of a split backward (zero-bubble schedules)
 
 
 def step_time(costs: ModelCosts, place: StagePlacement, hardware: Hardware, links: Links, *,
@@ -84,7 +84,8 @@ def step_time(costs: ModelCosts, place: StagePlacement, hardware: Hardware, link
     params = max(rank_parameter_elements(costs, r, place) for r in range(place.schedule.pp))
     optimizer = params * C.ADAMW_BYTES_PER_PARAMETER / hardware.memory_bandwidth
     return StepTime(report.makespan + exposed + optimizer, report.bubble_fraction, report.makespan, exposed,
-                    optimizer, tp_time, p2p, forward_seconds=forward, backward_seconds=backward, weight_grad_seconds=w)
+                    optimizer, tp_time, p2p, forward_seconds=tuple(forward), backward_seconds=tuple(backward),
+                    weight_grad_seconds=tuple(w))
 
 
 def _dp_seconds(costs: ModelCosts, place: StagePlacement, links: Links) -> float:

@@ -13,7 +13,6 @@ Sources (quoted in docs/plan.md):
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
@@ -61,8 +60,8 @@ def predict(model, gpus, hardware, seq_len, global_batch, **layout):
 
 # (name, published tokens/s/GPU, model, gpus, hardware, seq_len, global_batch, layout)
 RUNS = [
-    # torchtitan Table 1 runs selective (op) AC; mesh3d's selective mode is not on main yet, so the
-    # prediction pins "always" (it recomputes more: a lower bound on the selective run's speed).
+    # torchtitan Table 1 runs selective (op) AC; pinned here "always" (it recomputes more: a lower bound
+    # on the selective run's speed), and "selective" in its own test below.
     ("torchtitan llama3.1-8b 8xH100 FSDP8", 5762, "llama3-8b", 8, TORCHTITAN_H100, 8192, 16,
      dict(pp=1, dp=8, tp=1, schedule="1f1b", microbatches=1, activation_checkpoint="always")),
     ("torchtitan llama3.1-70b 256xH100 FSDP32xTP8", 597.3, "llama3-70b", 256, TORCHTITAN_H100, 8192, 512,
@@ -107,14 +106,19 @@ def test_tokens_per_second_within_20_percent(name, published, model, gpus, hardw
     assert abs(error) <= 0.20, f"{name}: predicted {plan.tokens_per_second_per_gpu:.1f}, published {published} ({error:+.1%})"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mesh3d.pipeline.selective_checkpoint") is None,
-                    reason="torchtitan's 82.4 GiB is with selective (op) AC, a checkpoint per block; mesh3d's "
-                           "'always' checkpoints the whole stage (at pp=1 its recompute holds every block's "
-                           "activations), so the memory compares only once mesh3d's selective mode exists")
-def test_torchtitan_8b_memory_and_speed_with_selective_checkpointing():
+def test_torchtitan_8b_speed_with_selective_checkpointing():
     plan = predict("llama3-8b", 8, TORCHTITAN_H100, 8192, 16, pp=1, dp=8, tp=1, schedule="1f1b", microbatches=1,
                    activation_checkpoint="selective")
     assert abs(plan.tokens_per_second_per_gpu / 5762 - 1) <= 0.20, plan.tokens_per_second_per_gpu
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "torchtitan's 82.4 GiB checkpoints per block (its recompute holds one block's activations); mesh3d "
+    "checkpoints a whole stage, so at pp=1 the recompute before the backward holds every block's: the "
+    "planner predicts what mesh3d does (about 187 GiB). Passes once mesh3d checkpoints per block."))
+def test_torchtitan_8b_memory_with_selective_checkpointing():
+    plan = predict("llama3-8b", 8, TORCHTITAN_H100, 8192, 16, pp=1, dp=8, tp=1, schedule="1f1b", microbatches=1,
+                   activation_checkpoint="selective")
     assert abs(plan.memory_per_rank.total / GIB / 82.4 - 1) <= 0.20, plan.memory_per_rank
 
 
