@@ -27,6 +27,9 @@ class Hardware:
     memory_bandwidth: float  # HBM, for the optimizer's elementwise update
     peak_fp32_flops: float | None = None  # for param_dtype=None (fp32 compute); None: peak_flops / 2
     source: str = ""
+    # What a step's matmuls reach of the peak; None: constants.ACHIEVABLE_COMPUTE_FRACTION (a
+    # datasheet peak). A measured machine ("this-machine") states 1: its peak is a rate reached.
+    achievable_fraction: float | None = None
 
     def peak_for(self, fp32: bool) -> float:
         """The peak the compute dtype runs at."""

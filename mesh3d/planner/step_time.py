@@ -57,7 +57,8 @@ class StepTime:
 def step_time(costs: ModelCosts, place: StagePlacement, hardware: Hardware, links: Links, *,
               compile: bool, fp32_compute: bool) -> StepTime:
     """Predicted seconds of one training step (forward, backward, gradient sync, AdamW)."""
-    rate = hardware.peak_for(fp32_compute) * C.ACHIEVABLE_COMPUTE_FRACTION * (C.COMPILE_SPEEDUP if compile else 1.0)
+    achieved = C.ACHIEVABLE_COMPUTE_FRACTION if hardware.achievable_fraction is None else hardware.achievable_fraction
+    rate = hardware.peak_for(fp32_compute) * achieved * (C.COMPILE_SPEEDUP if compile else 1.0)
     mbs, mode = place.microbatch_size, place.activation_checkpoint
     forward, backward = [], []
     tp_time = 0.0

@@ -130,3 +130,13 @@ def test_a_preset_with_its_layout_pinned():
     best = mesh3d.plan("llama3-8b", gpus=8, seq_len=4096, global_batch=8, fix=fix, memory_limit="1TiB")[0]
     assert best.memory_per_rank.parameters == pytest.approx(8.03e9 * 4 / 8, rel=0.01)  # fp32, sharded over 8
     assert 0.2 < best.mfu < 0.6
+
+
+def test_this_machine_is_measured_once_and_plans():
+    from mesh3d.planner.machine_bench import measure_this_machine
+
+    machine = measure_this_machine()
+    assert machine is measure_this_machine()  # measured once per process
+    assert machine.achievable_fraction == 1.0 and machine.peak_flops > 1e8 and machine.intra_node_bandwidth > 1e6
+    plans = mesh3d.plan(debug_model(), **{**SIZES, "hardware": "this-machine"}, fix={"tp": 1, "param_dtype": None})
+    assert plans and all(p.param_dtype is None for p in plans)
