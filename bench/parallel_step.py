@@ -16,6 +16,7 @@ contention; the memory and traffic figures do not depend on it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -32,6 +33,7 @@ from examples.llama.config import get_config  # noqa: E402
 from examples.llama.model import Transformer, loss_fn  # noqa: E402
 from mesh3d.distributed.shards import local_tensor  # noqa: E402
 from mesh3d.pipeline.schedule.catalog import default_virtual_stages  # noqa: E402
+from mesh3d.pipeline import runtime as pipeline_runtime  # noqa: E402
 from mesh3d.planner.probe import SavedBytesMeter  # noqa: E402
 from multiprocess import run_on_ranks  # noqa: E402
 
@@ -65,7 +67,7 @@ class Measured(NamedTuple):
     parameters: int
     gradients: int
     optimizer: int
-    activations: int  # peak bytes autograd kept for backward
+    activations: int  # peak bytes kept for backward (kept_between_actions under "selective")
     p2p_sent: int
     pp_rank: int
 
@@ -77,6 +79,54 @@ def _local_bytes(tensors) -> int:
 def debug_model(seq_len: int, **overrides) -> torch.nn.Module:
     with torch.device("meta"):
         return Transformer(get_config("debug", max_seq_len=seq_len, **overrides))
+
+
+def _held_outside_autograd(step, meter: SavedBytesMeter) -> int:
+    """Bytes a "selective" step keeps for its backwards that autograd's hooks do not see: the
+    results cached by torch's selective checkpointing (each cache's `.storage`: {op: {index: a tree
+    of _VersionWrapper, or a sentinel}}) and the stage inputs `saved` for a recompute (saved[key] =
+    (x, None)); as distinct storages, those the meter already counts left out."""
+    storages: dict[int, int] = {}
+
+    def add(t) -> None:
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+            storage = local_tensor(t).untyped_storage()
+            if storage._cdata not in meter._refs:
+                storages[storage._cdata] = storage.nbytes()
+
+    for cache in step.selective_caches.values():
+        for results in cache.storage.values():
+            for entry in results.values():
+                for leaf in torch.utils._pytree.tree_leaves(entry):
+                    add(getattr(leaf, "val", None))  # sentinels (_RECOMPUTE, _CONSUMED) hold nothing
+    for x, out in step.saved.values():
+        if out is None:  # to be recomputed: the input is what stays (token ids: the whole batch's storage)
+            add(x)
+    return sum(storages.values())
+
+
+@contextlib.contextmanager
+def kept_between_actions(meter: SavedBytesMeter):
+    """The peak, over the moments between a training step's actions, of what the rank keeps for its
+    backwards: the meter's live bytes plus what `_held_outside_autograd` finds in the interpreter.
+
+    Under "selective" the forward's graph is dropped (autograd's hooks see nothing of it) and the
+    stage is rebuilt inside its backward action; the meter's own peak is that rebuild, while what
+    stays from a forward to its backward is the input and the cache. Yields a one-element list that
+    holds the peak; wraps the interpreter's `_Step.execute` for the duration (this process only)."""
+    execute = pipeline_runtime._Step.execute
+    peak = [0]
+
+    def sampled(step, action, is_last_backward):
+        execute(step, action, is_last_backward)
+        if step.train:
+            peak[0] = max(peak[0], meter.now + _held_outside_autograd(step, meter))
+
+    pipeline_runtime._Step.execute = sampled
+    try:
+        yield peak
+    finally:
+        pipeline_runtime._Step.execute = execute
 
 
 def measure(cases: dict[str, Case], batch: int, seq_len: int, steps: int, model_overrides: dict | None = None,
@@ -91,16 +141,18 @@ def measure(cases: dict[str, Case], batch: int, seq_len: int, steps: int, model_
                                 dp_mode=case.dp_mode, activation_checkpoint=case.activation_checkpoint)
         optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-3)
         generator = torch.Generator().manual_seed(0)
-        times, meter = [], SavedBytesMeter()
+        times, meter, kept_peak = [], SavedBytesMeter(), 0
         share = batch // case.dp
         for _ in range(steps + 1):
             tokens = torch.randint(0, 256, (batch, seq_len + 1), generator=generator)
             # the rank's own share, as its loader gives it (a view would keep the global batch alive)
             tokens = tokens[layout.dp_rank * share:(layout.dp_rank + 1) * share].clone()
             start = time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack), \
+                    kept_between_actions(meter) as kept:
                 # contiguous, as a copy to the device makes them (a view would keep seq_len + 1 ids a row)
                 pm.step(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+            kept_peak = max(kept_peak, kept[0])
             pm.clip_grad_norm_(1.0)
             optimizer.step()
             grads = _local_bytes(p.grad for p in pm.parameters())  # before zero_grad
@@ -110,7 +162,8 @@ def measure(cases: dict[str, Case], batch: int, seq_len: int, steps: int, model_
         adam = _local_bytes(t for s in optimizer.state.values() for t in s.values()
                             if isinstance(t, torch.Tensor) and t.dim() > 0)
         step = statistics.median(times[1:]) if steps else times[0]
-        results[name] = Measured(step, params, grads, adam, meter.peak, pm.runtime.counters.bytes_sent,
+        activations = kept_peak if case.activation_checkpoint == "selective" else meter.peak
+        results[name] = Measured(step, params, grads, adam, activations, pm.runtime.counters.bytes_sent,
                                  layout.pp_rank)
         del pm, optimizer
     return results

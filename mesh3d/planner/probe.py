@@ -133,7 +133,7 @@ class SavedBytesMeter:
 
     def pack(self, tensor: torch.Tensor) -> _Saved:
         if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
-            return _Saved(tensor, self, None)
+            return _Saved(tensor.detach(), self, None)
         storage = _local(tensor).untyped_storage()
         key = storage._cdata  # unique while alive, and the handle keeps it alive
         ref = self._refs.get(key)
@@ -143,7 +143,11 @@ class SavedBytesMeter:
             self.peak = max(self.peak, self.now)
         else:
             ref[0] += 1
-        return _Saved(tensor, self, key)
+        # Detached: an op that saves its own output (a softmax) would otherwise close a cycle, the
+        # output -> its node -> this handle -> the output, that no collector sees (it runs through
+        # C++), and a graph dropped without a backward (a "selective" forward's) would stay alive.
+        # Autograd gives an unpacked tensor its node back itself.
+        return _Saved(tensor.detach(), self, key)
 
     @staticmethod
     def unpack(saved: _Saved) -> torch.Tensor:
@@ -288,20 +292,25 @@ def _input(x: torch.Tensor) -> torch.Tensor:
 
 class _ResultsOf(TorchDispatchMode):
     """Bytes of the distinct storages the given ops return (not parameters): what the runtime's
-    "selective" checkpointing caches (pipeline/selective_checkpoint.py's SAVED_OPS)."""
+    "selective" checkpointing caches (pipeline/selective_checkpoint.py's SAVED_OPS).
+
+    The storages are held, as the cache holds them: a storage's id is unique only while it lives,
+    and a result the forward drops at once (a projection reshaped and rotated) would otherwise hand
+    its id to a later result, which would then go uncounted. A DTensor result (the mode sees the op
+    before DTensor splits it into local ops) counts as the local tensor the rank holds."""
 
     def __init__(self, ops):
         super().__init__()
-        self.ops, self.total, self.storages = ops, 0, set()
+        self.ops, self.total, self.storages = ops, 0, {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in self.ops:
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
-                    storage = t.untyped_storage()
+                    storage = _local(t).untyped_storage()
                     if storage._cdata not in self.storages:
-                        self.storages.add(storage._cdata)
+                        self.storages[storage._cdata] = storage
                         self.total += storage.nbytes()
         return out
 
