@@ -41,6 +41,7 @@ class BlockCheckpointSwitch:
 
     def __init__(self):
         self.mode: str | None = OFF
+        self.checkpointed = 0  # block forwards run under a checkpoint so far (the runtime's counter reads it)
 
     @contextlib.contextmanager
     def on(self, mode: str | None) -> Iterator[None]:
@@ -61,6 +62,7 @@ def checkpoint_blocks(blocks: list[nn.Module], switch: BlockCheckpointSwitch) ->
 def _checkpointed_call(switch: BlockCheckpointSwitch, forward: Callable, *args, **kwargs):
     if switch.mode is OFF:
         return forward(*args, **kwargs)
+    switch.checkpointed += 1
     if switch.mode == SELECTIVE:
         return checkpoint(forward, *args, use_reentrant=False, context_fn=selective_contexts, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)

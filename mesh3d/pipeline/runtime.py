@@ -53,6 +53,7 @@ class RuntimeCounters(Traffic):
     live_activations: int = 0  # stage-microbatch forwards held for their backward, right now
     peak_live_activations: int = 0
     recomputed_forwards: int = 0  # stage-microbatch forwards run under activation checkpointing
+    checkpointed_blocks: int = 0  # of their block forwards, those checkpointed (and recomputed) one by one
 
 
 class PipelineRuntime:
@@ -85,7 +86,8 @@ class PipelineRuntime:
       its own (block_checkpoint.py), inside the block's FSDP/DDP unit; the stage's ends
       (embedding, head, loss) keep their activations. A block keeps its inputs ("selective": and
       its matmul and attention results), and torch recomputes it inside B's backward, one block
-      at a time. A stage without blocks is checkpointed whole, the same way.
+      at a time. A stage without blocks is checkpointed whole: recomputed by torch inside B
+      ("always", "except_last"), or, under "selective", as under a split backward (below).
     - split-backward schedules (zero_bubble, zbv): the whole stage, recomputed by this runtime
       just before I as a plain forward whose graph serves I and W ("selective": with the cached
       results). torch's checkpoint recomputes once per backward pass, and I and W are two passes
@@ -285,8 +287,10 @@ class _Step:
         messages = []
         with torch.set_grad_enabled(grad_at_forward):
             if per_block:
+                before = rt.block_switch.checkpointed
                 with rt.block_switch.on(SELECTIVE if mode == "selective" else FULL):
                     out = self._call(stage, x)
+                self.counters.checkpointed_blocks += rt.block_switch.checkpointed - before
             elif recompute and mode == "selective":
                 out = self._forward_caching(stage, mb, x)
             elif recompute and not recompute_before_backward:
@@ -309,16 +313,18 @@ class _Step:
 
     def _forward_caching(self, stage: int, mb: int, x: torch.Tensor):
         """The forward under "selective" of a whole stage (a split backward's, or a stage without
-        blocks; blocks otherwise checkpoint themselves, block_checkpoint.py): the policy's results (selective_checkpoint.py) are
-        cached for the recompute before the backward, and the graph built here is dropped (the
-        caller keeps no output with grad; torch's checkpoint runs this forward so that its hooks
-        keep nothing but the cache, and its own recompute never runs).
+        blocks; blocks otherwise checkpoint themselves, block_checkpoint.py): the policy's results
+        (selective_checkpoint.py) are cached for the recompute before the backward, and the graph
+        built here is dropped (the caller keeps no output with grad; torch's checkpoint runs this
+        forward so that its hooks keep nothing but the cache, and its own recompute never runs).
 
         Why not keep this graph and let torch recompute the whole stage inside the backward:
         - the cache is read back by op and position, so the recompute must dispatch the forward's
-          ops again. Inside a backward pass FSDP's hooks (in a stage, not in a block) take other paths (a module's pre-forward
-          is skipped once its pre-backward has run) and dispatch other ops (profiler ranges), which
-          torch's selective checkpointing refuses. Before the backward they run as in the forward.
+          ops again. Inside a backward pass the hooks of the stage's FSDP units take other paths
+          (a module's pre-forward is skipped once its pre-backward has run) and dispatch other ops
+          (profiler ranges), which torch's selective checkpointing refuses (a block's checkpoint
+          sits inside its FSDP unit, and sees none of them). Before the backward they run as in
+          the forward.
         - a split backward's I and W are two passes over one graph; torch recomputes per pass and
           hands its selective cache out once, so W would find it spent.
         """
