@@ -8,7 +8,7 @@ that was alive at once: what the forward keeps for its backward plus the transie
 backward and its recomputes, gradients included. autograd's saved-tensor hooks
 (mesh3d.planner.probe.SavedBytesMeter) cannot see that: a checkpoint's own hooks take every save
 inside the checkpointed region, and its recompute holds tensors outside any hook. The LLaMA debug
-config (8 blocks, dim 128) on one rank, gpipe with one microbatch.
+config (dim 128, 8 blocks unless --layers) on one rank, gpipe with one microbatch.
 """
 
 from __future__ import annotations
@@ -63,13 +63,13 @@ class LiveBytes(TorchDispatchMode):
         self.now -= nbytes
 
 
-def peaks(modes: list[str], batch: int, seq_len: int) -> dict[str, int]:
+def peaks(modes: list[str], batch: int, seq_len: int, n_layers: int = 8) -> dict[str, int]:
     """On one rank: the peak live bytes of one step (after a warm-up step) under each mode."""
     torch.set_num_threads(1)
     results = {}
     for mode in modes:
         with torch.device("meta"):
-            model = Transformer(get_config("debug", max_seq_len=seq_len))
+            model = Transformer(get_config("debug", max_seq_len=seq_len, n_layers=n_layers))
         pm = mesh3d.parallelize(model, mesh3d.build_mesh(pp=1, dp=1, tp=1), schedule="gpipe", microbatches=1,
                                 loss_fn=loss_fn, activation_checkpoint=mode)
         tokens = torch.randint(0, 256, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
@@ -87,9 +87,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--modes", nargs="+", default=["never", "always", "selective"])
     args = parser.parse_args()
-    result = run_on_ranks(peaks, 1, args.modes, args.batch, args.seq_len, timeout=600)[0]
+    result = run_on_ranks(peaks, 1, args.modes, args.batch, args.seq_len, args.layers, timeout=600)[0]
     for mode, peak in result.items():
         print(f"{mode:<12} peak live bytes in a step: {peak / MIB:8.2f} MiB")
 
