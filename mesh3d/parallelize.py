@@ -107,7 +107,8 @@ def parallelize(
         activation_checkpoint: "never" (default), "always", "except_last" (the last microbatch of
             each step keeps its activations instead of recomputing them), or "selective" (every
             microbatch keeps its matmul and attention outputs and recomputes the cheap ops between
-            them: pipeline/selective_checkpoint.py).
+            them: pipeline/selective_checkpoint.py). Each block is checkpointed on its own (the
+            ends are not), or, under a split-backward schedule, each stage whole (docs/pipeline.md).
         layers_per_stage: explicit layer counts, one per stage (pp * virtual_stages, in stage order).
         stage_balance: "layers" (each layer costs 1) or "params" (each layer costs its parameter
             count), used when layers_per_stage is not given.
@@ -182,7 +183,7 @@ def parallelize(
         stages, precision.computed(split.meta_stages), pipe.training, pipe.evaluation, peers, pipe.activation_checkpoint,
         before_backward=grad_sync.before_backward if grad_sync is not None else None,
         after_weight_backward=grad_sync.after_weight_backward if grad_sync is not None else None,
-        fake_shape_run=anatomy.fake_shape_run, routes=pipe.routes,
+        fake_shape_run=anatomy.fake_shape_run, routes=pipe.routes, blocks=anatomy.blocks,
     )
     has_last_stage = pipe.schedule.n_stages - 1 in stages
     loss = GlobalLoss(

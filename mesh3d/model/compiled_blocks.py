@@ -3,9 +3,10 @@
 Each block's `forward` is replaced by its compiled version, so parameter names stay those of the
 unsplit model (no `_orig_mod.` prefix in the state map, checkpoints or exports), and everything
 that wraps a block from outside runs eagerly around the compiled region: FSDP2/DDP's hooks (the
-block is wrapped after compiling), activation checkpointing (the runtime checkpoints a whole stage
-and replays the compiled blocks), the pipeline's split backward. Tensor-parallel hooks of the
-block's own submodules are inside it and are traced with it. Identical blocks share one compiled
+block is wrapped after compiling), activation checkpointing (the runtime checkpoints each compiled
+block, or a whole stage under a split backward, and replays the compiled blocks), the pipeline's
+split backward. Tensor-parallel hooks of the block's own submodules are inside it and are traced
+with it. Identical blocks share one compiled
 graph: parameters are graph inputs, not constants.
 """
 

@@ -2,7 +2,8 @@
 
 Per step it splits the batch into microbatches, and for each action: F runs a stage (the last
 stage adds the loss the step hands it, already scaled: by 1/m, or by the global count) and
-keeps what its backward needs; B runs the stage's
+keeps what its backward needs (under activation checkpointing: per block, or the whole stage
+under a split backward; see PipelineRuntime); B runs the stage's
 backward with the received output gradient; RECV and SEND go to the step's mailbox (p2p.py),
 which posts receives early and hands tensors between stages of this rank in memory.
 
@@ -30,6 +31,7 @@ from mesh3d.pipeline.p2p import Mailbox, PipelinePeers, ReceiveBuffers, Traffic
 from mesh3d.pipeline.routes import MessageSpec, StageRoutes, divide, join, pack, unpack
 from mesh3d.pipeline.schedule.ir import RELEASES, Action, Kind
 from mesh3d.pipeline.backward_halves import PendingWeightGrad, backward_input, backward_weight
+from mesh3d.pipeline.block_checkpoint import FULL, SELECTIVE, BlockCheckpointSwitch, checkpoint_blocks
 from mesh3d.pipeline.selective_checkpoint import selective_contexts
 
 
@@ -50,7 +52,8 @@ class RuntimeCounters(Traffic):
 
     live_activations: int = 0  # stage-microbatch forwards held for their backward, right now
     peak_live_activations: int = 0
-    recomputed_forwards: int = 0  # forwards run under activation checkpointing
+    recomputed_forwards: int = 0  # stage-microbatch forwards run under activation checkpointing
+    checkpointed_blocks: int = 0  # of their block forwards, those checkpointed (and recomputed) one by one
 
 
 class PipelineRuntime:
@@ -75,6 +78,21 @@ class PipelineRuntime:
             whose forward reads values.
         routes: which outputs each stage sends to which stage (routes.py); default: one tensor
             from each stage to the next. The lowered schedules must carry the same skips.
+        blocks: a stage's repeated blocks (the anatomy's `blocks`), checkpointed one by one
+            (below); None: every stage is checkpointed whole.
+
+    What activation checkpointing checkpoints:
+    - schedules with a whole backward (gpipe, 1f1b, interleaved_1f1b): each block of a stage on
+      its own (block_checkpoint.py), inside the block's FSDP/DDP unit; the stage's ends
+      (embedding, head, loss) keep their activations. A block keeps its inputs ("selective": and
+      its matmul and attention results), and torch recomputes it inside B's backward, one block
+      at a time. A stage without blocks is checkpointed whole: recomputed by torch inside B
+      ("always", "except_last"), or, under "selective", as under a split backward (below).
+    - split-backward schedules (zero_bubble, zbv): the whole stage, recomputed by this runtime
+      just before I as a plain forward whose graph serves I and W ("selective": with the cached
+      results). torch's checkpoint recomputes once per backward pass, and I and W are two passes
+      over one graph: per block, W would recompute every block again (and find a selective cache
+      already spent).
 
     Stages may be tensor-parallel: what crosses a stage boundary is then the local shard of the
     activation (with sequence parallel, 1/tp of it), and the meta stages carry the same plan, so
@@ -93,6 +111,7 @@ class PipelineRuntime:
         after_weight_backward: Callable[[int], None] | None = None,
         fake_shape_run: bool = False,
         routes: StageRoutes | None = None,
+        blocks: Callable[[nn.Module], list[nn.Module]] | None = None,
     ):
         self.stages = stages
         self.routes = routes if routes is not None else StageRoutes.chain(len(meta_stages))
@@ -119,6 +138,15 @@ class PipelineRuntime:
         # Split backward (I then W): activation checkpointing recomputes the forward once, at I,
         # and the graph it builds serves both halves (torch's checkpoint would recompute per pass).
         self.split_backward = self.schedule.splits_backward
+        # The stages whose blocks checkpoint themselves, each while the switch is on (forward).
+        self.block_switch = BlockCheckpointSwitch()
+        self.per_block_stages: set[int] = set()
+        if activation_checkpoint != "never" and blocks is not None and not self.split_backward:
+            for index, stage_module in stages.items():
+                stage_blocks = blocks(stage_module)
+                if stage_blocks:
+                    checkpoint_blocks(stage_blocks, self.block_switch)
+                    self.per_block_stages.add(index)
 
     def check(self, inputs: torch.Tensor) -> Boundaries:
         """Everything about the stages that can fail before the first message, on every rank;
@@ -244,11 +272,13 @@ class _Step:
         )
         if recompute:
             self.counters.recomputed_forwards += 1
-        # Where the forward is recomputed: by torch's checkpoint inside B's backward pass, or by
-        # this runtime just before the backward (B or I), as a plain forward building the graph
-        # the backward then walks: for a split backward (I and W share that graph), and always
-        # under "selective" (see _forward_caching).
-        recompute_before_backward = recompute and (rt.split_backward or mode == "selective")
+        # Where the forward is recomputed: by torch's checkpoint inside B's backward pass (per
+        # block, or the whole stage when it has no blocks), or by this runtime just before the
+        # backward, as a plain forward building the graph the backward then walks: for a split
+        # backward (I and W share that graph), and under "selective" for a stage without blocks
+        # (see _forward_caching).
+        per_block = recompute and stage in rt.per_block_stages
+        recompute_before_backward = recompute and not per_block and (rt.split_backward or mode == "selective")
         if recompute_before_backward:
             self.rng_states[(stage, mb)] = _rng_state(rt.device)
         # Under "selective" the forward runs with grad enabled, as its recompute will: a composite
@@ -256,7 +286,12 @@ class _Step:
         grad_at_forward = self.train and (not recompute_before_backward or mode == "selective")
         messages = []
         with torch.set_grad_enabled(grad_at_forward):
-            if recompute and mode == "selective":
+            if per_block:
+                before = rt.block_switch.checkpointed
+                with rt.block_switch.on(SELECTIVE if mode == "selective" else FULL):
+                    out = self._call(stage, x)
+                self.counters.checkpointed_blocks += rt.block_switch.checkpointed - before
+            elif recompute and mode == "selective":
                 out = self._forward_caching(stage, mb, x)
             elif recompute and not recompute_before_backward:
                 out = checkpoint(self._call, stage, x, use_reentrant=False)
@@ -277,16 +312,19 @@ class _Step:
             self.mailbox.put(Kind.F, stage, consumer, mb, message.detach())
 
     def _forward_caching(self, stage: int, mb: int, x: torch.Tensor):
-        """The forward under "selective": the policy's results (selective_checkpoint.py) are
-        cached for the recompute before the backward, and the graph built here is dropped (the
-        caller keeps no output with grad; torch's checkpoint runs this forward so that its hooks
-        keep nothing but the cache, and its own recompute never runs).
+        """The forward under "selective" of a whole stage (a split backward's, or a stage without
+        blocks; blocks otherwise checkpoint themselves, block_checkpoint.py): the policy's results
+        (selective_checkpoint.py) are cached for the recompute before the backward, and the graph
+        built here is dropped (the caller keeps no output with grad; torch's checkpoint runs this
+        forward so that its hooks keep nothing but the cache, and its own recompute never runs).
 
-        Why not keep this graph and let torch recompute inside the backward, as for "always":
+        Why not keep this graph and let torch recompute the whole stage inside the backward:
         - the cache is read back by op and position, so the recompute must dispatch the forward's
-          ops again. Inside a backward pass FSDP's hooks take other paths (a module's pre-forward
-          is skipped once its pre-backward has run) and dispatch other ops (profiler ranges), which
-          torch's selective checkpointing refuses. Before the backward they run as in the forward.
+          ops again. Inside a backward pass the hooks of the stage's FSDP units take other paths
+          (a module's pre-forward is skipped once its pre-backward has run) and dispatch other ops
+          (profiler ranges), which torch's selective checkpointing refuses (a block's checkpoint
+          sits inside its FSDP unit, and sees none of them). Before the backward they run as in
+          the forward.
         - a split backward's I and W are two passes over one graph; torch recomputes per pass and
           hands its selective cache out once, so W would find it spent.
         """

@@ -6,7 +6,9 @@ zero-bubble schedules (ZB-H1, interleaved zero bubble with 2 stages per rank, ZB
 spread over their cases; and "selective" once per schedule. ZBV puts both ends of a tie on rank 0,
 so no tie group is built. One process-group launch per pp runs all its cases; the single-process
 references are computed once, here, and shipped to the ranks.
-Each rank also checks its runtime's peak live activations against the simulator's.
+Each rank also checks its runtime's peak live activations against the simulator's, and how many
+forwards it checkpointed: under the schedules with one backward, every block of every checkpointed
+stage forward on its own; under a split backward, whole stages.
 """
 
 import itertools
@@ -43,7 +45,8 @@ def _run_cases(pp, references):
         error, where = worst_error(result, references[(tied, m)])
         pm = result[-1]
         simulated = simulate(schedule, pp, m, v).peak_activations[layout.pp_rank]
-        recomputed = pm.runtime.counters.recomputed_forwards
+        recomputed = (pm.runtime.counters.recomputed_forwards, pm.runtime.counters.checkpointed_blocks,
+                      sum(len(stage.layers) for stage in pm.runtime.stages.values()))
         tie_groups = sum(tie.group is not None for tie in pm.tied.ties)
         outcome[((schedule, v), m, tied, ac)] = (error, where, pm.peak_live_activations, simulated, recomputed, tie_groups)
     return outcome
@@ -71,6 +74,11 @@ def test_pipeline_matches_single_process(pp):
             stage_forwards = v * m
             want_recomputed = {"never": 0, "always": stage_forwards, "except_last": stage_forwards - v,
                                "selective": stage_forwards}[ac]
+            recomputed, checkpointed_blocks, local_blocks = recomputed
             if recomputed != want_recomputed:
                 failures.append(f"{case}: {recomputed} checkpointed forwards, expected {want_recomputed}")
+            # Per block under a whole backward; a split backward checkpoints whole stages.
+            want_blocks = 0 if (schedule, v) in ZERO_BUBBLE else local_blocks * want_recomputed // v
+            if checkpointed_blocks != want_blocks:
+                failures.append(f"{case}: {checkpointed_blocks} blocks checkpointed one by one, expected {want_blocks}")
     assert not failures, "\n".join(failures)

@@ -6,7 +6,8 @@ At pp = 4 the skip goes from stage 0 straight to stage 3 (or 7): the stages betw
 for it. At pp = 2 it travels with the boundary's own activation, two tensors in one message.
 Tied and untied heads, (2, 2, 1) with FSDP and (2, 1, 2) with a `tp_plan=`, schedules from every
 family. The losses of 3 AdamW steps and every parameter after them equal the same model trained in
-one process (fp32, relative 1e-5). One 4-rank launch runs every case.
+one process (fp32, relative 1e-5); under activation checkpointing with one backward, the blocks a
+traced stage calls are checkpointed one by one. One 4-rank launch runs every case.
 """
 
 from torch.distributed.tensor import DTensor
@@ -31,7 +32,7 @@ CASES = [
 
 
 def _run(references):
-    layouts, outcome = {}, {}
+    layouts, outcome, checkpointed = {}, {}, {}
     for index, (sizes, tied, options) in enumerate(CASES):
         if sizes not in layouts:
             layouts[sizes] = mesh3d.build_mesh(pp=sizes[0], dp=sizes[1], tp=sizes[2])
@@ -46,14 +47,20 @@ def _run(references):
                               skip=True)
         sharded = layout.tp == 1 or all(isinstance(p, DTensor) for n, p in pm.named_parameters() if ".up." in n)
         outcome[index] = (worst((losses, state), references[index]), sent, want, sharded)
-    return outcome
+        if options.get("activation_checkpoint") and not pm.schedule.splits_backward:
+            # a traced stage's graph calls each block as a module: its patched forward checkpoints it
+            checkpointed[index] = (bool(pm.runtime.per_block_stages), pm.runtime.counters.checkpointed_blocks)
+    return outcome, checkpointed
 
 
 def test_traced_model_matches_one_process_and_sends_skips_straight_to_their_consumer():
     references = {i: reference(SkipModel(tied), token_loss, data("tokens", BATCH)) for i, (_, tied, _) in enumerate(CASES)}
     failures = []
-    for rank, outcome in enumerate(run_on_ranks(_run, 4, references, timeout=300)):
+    for rank, (outcome, checkpointed) in enumerate(run_on_ranks(_run, 4, references, timeout=300)):
         for index, result in outcome.items():
             sizes, tied, options = CASES[index]
             failures += outcome_failures(f"rank {rank} {sizes} tied={tied} {options.get('schedule')}", result)
+        for index, (has_blocks, blocks) in checkpointed.items():
+            if has_blocks and blocks == 0:
+                failures.append(f"rank {rank} case {index}: its stages have blocks, none was checkpointed")
     assert not failures, "\n".join(failures)
