@@ -20,6 +20,7 @@ import contextlib
 import statistics
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import NamedTuple
 
@@ -33,7 +34,7 @@ from examples.llama.config import get_config  # noqa: E402
 from examples.llama.model import Transformer, loss_fn  # noqa: E402
 from mesh3d.distributed.shards import local_tensor  # noqa: E402
 from mesh3d.pipeline.schedule.catalog import default_virtual_stages  # noqa: E402
-from mesh3d.pipeline import runtime as pipeline_runtime  # noqa: E402
+from mesh3d.pipeline import block_checkpoint, runtime as pipeline_runtime  # noqa: E402
 from mesh3d.planner.probe import SavedBytesMeter  # noqa: E402
 from multiprocess import run_on_ranks  # noqa: E402
 
@@ -81,7 +82,7 @@ def debug_model(seq_len: int, **overrides) -> torch.nn.Module:
         return Transformer(get_config("debug", max_seq_len=seq_len, **overrides))
 
 
-def _held_outside_autograd(step, meter: SavedBytesMeter) -> int:
+def _held_outside_autograd(step, meter: SavedBytesMeter, block_caches=()) -> int:
     """Bytes a "selective" step keeps for its backwards that autograd's hooks do not see: the
     results cached by torch's selective checkpointing (each cache's `.storage`: {op: {index: a tree
     of _VersionWrapper, or a sentinel}}) and the stage inputs `saved` for a recompute (saved[key] =
@@ -94,7 +95,7 @@ def _held_outside_autograd(step, meter: SavedBytesMeter) -> int:
             if storage._cdata not in meter._refs:
                 storages[storage._cdata] = storage.nbytes()
 
-    for cache in step.selective_caches.values():
+    for cache in [*step.selective_caches.values(), *block_caches]:
         for results in cache.storage.values():
             for entry in results.values():
                 for leaf in torch.utils._pytree.tree_leaves(entry):
@@ -115,18 +116,27 @@ def kept_between_actions(meter: SavedBytesMeter):
     stays from a forward to its backward is the input and the cache. Yields a one-element list that
     holds the peak; wraps the interpreter's `_Step.execute` for the duration (this process only)."""
     execute = pipeline_runtime._Step.execute
+    contexts = block_checkpoint.selective_contexts
+    block_caches = weakref.WeakSet()  # the caches of blocks checkpointed one by one, while torch holds them
     peak = [0]
 
     def sampled(step, action, is_last_backward):
         execute(step, action, is_last_backward)
         if step.train:
-            peak[0] = max(peak[0], meter.now + _held_outside_autograd(step, meter))
+            peak[0] = max(peak[0], meter.now + _held_outside_autograd(step, meter, list(block_caches)))
+
+    def recorded_contexts():
+        caching, cached = contexts()
+        block_caches.add(cached)
+        return caching, cached
 
     pipeline_runtime._Step.execute = sampled
+    block_checkpoint.selective_contexts = recorded_contexts
     try:
         yield peak
     finally:
         pipeline_runtime._Step.execute = execute
+        block_checkpoint.selective_contexts = contexts
 
 
 def measure(cases: dict[str, Case], batch: int, seq_len: int, steps: int, model_overrides: dict | None = None,

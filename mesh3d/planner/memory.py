@@ -10,7 +10,9 @@
   saves are not activations (the probe's meter skips them: they are held once, as parameters or
   FSDP's gathered copy, not once per microbatch in flight); the first stage's token ids are the
   whole local batch's while any of its microbatches is held (the microbatches are views of it);
-- recompute: the most a checkpointed stage's recomputation adds for the length of its backward;
+- recompute: the most a recomputation adds during a backward: one block's activations where the
+  runtime checkpoints block by block (schedules with one backward), the whole stage's where it
+  recomputes a stage at once (a split backward's I, held until W);
 - communication: FSDP's gathered (unsharded) parameters, DDP's compute-dtype copy, and a
   receive buffer per boundary message.
 """
@@ -97,9 +99,28 @@ def rank_parameter_elements(costs: ModelCosts, rank: int, place: StagePlacement,
     return total
 
 
-def _kept(costs: ModelCosts, stage: int, place: StagePlacement, mode: str) -> int:
-    """Bytes a forward of `stage` keeps for its backward, per microbatch, under `mode`."""
+def _per_block(place: StagePlacement, stage: int) -> bool:
+    """Whether the runtime checkpoints this stage block by block (pipeline/block_checkpoint.py):
+    schedules with one backward, a stage that has blocks. A split backward (I, then W over one
+    graph) recomputes the whole stage at I instead."""
+    return not place.schedule.splits_backward and len(place.stage_layers[stage]) > 0
+
+
+def _ends(costs: ModelCosts, stage: int, place: StagePlacement) -> int:
+    """Bytes the stage's ends (embedding; final norm, head and loss) keep: never checkpointed."""
     n = len(place.stage_layers)
+    return (costs.first_end.saved["never"] if stage == 0 else 0) + (costs.last_end.saved["never"] if stage == n - 1 else 0)
+
+
+def _kept(costs: ModelCosts, stage: int, place: StagePlacement, mode: str) -> int:
+    """Bytes a forward of `stage` keeps for its backward, per microbatch, under `mode`.
+
+    Per block ("always"): each block's input (what a checkpoint of one block keeps, measured as
+    the middle stage's), and the ends' whole; "selective" adds each block's cached results."""
+    n = len(place.stage_layers)
+    if mode in ("always", "selective") and _per_block(place, stage):
+        per_block = costs.checkpointed_stage["middle"] + (costs.block.saved["selective"] if mode == "selective" else 0)
+        return (len(place.stage_layers[stage]) * per_block + _ends(costs, stage, place)) * place.microbatch_size
     if mode == "selective":  # the stage's input (token ids: those of the first stage) and the cache
         taken = costs.checkpointed_stage["first"] if stage == 0 else costs.message_bytes
         return (taken + sum(count * part.saved["selective"] for part, count in _stage_parts(costs, stage, place))) \
@@ -130,6 +151,10 @@ def rank_activations(costs: ModelCosts, rank: int, place: StagePlacement) -> tup
         key = (action.stage, action.microbatch)
         checkpointed = mode in ("always", "selective") or (mode == "except_last" and action.microbatch != m - 1)
         full, checkpoint_kept = kept[action.stage]  # full: what a recompute rebuilds for the backward
+        # what a recompute in B adds on top: one block at a time, or the whole stage
+        per_block = _per_block(place, action.stage)
+        rebuilt = costs.block.saved["never"] * place.microbatch_size if per_block else \
+            full - (ids if action.stage == 0 else 0)
         first_stage_before = first_held > 0
         if action.kind == Kind.F:
             held[key] = checkpoint_kept if checkpointed else full
@@ -143,7 +168,7 @@ def rank_activations(costs: ModelCosts, rank: int, place: StagePlacement) -> tup
             held[key] += full - (ids if action.stage == 0 else 0)
         elif action.kind in (Kind.B, Kind.W):
             if action.kind == Kind.B and checkpointed:
-                peak_with_recompute = max(peak_with_recompute, live + full - (ids if action.stage == 0 else 0))
+                peak_with_recompute = max(peak_with_recompute, live + rebuilt)
             live -= held.pop(key)
             first_held -= action.stage == 0
         first_stage_now = first_held > 0
