@@ -23,8 +23,9 @@ blocks must be alike (they are in every decoder the planner knows: checked by sh
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -53,11 +54,16 @@ class PartCosts:
     flops: float = 0.0  # forward + backward
     forward_flops: float = 0.0
     tp_bytes: float = 0.0  # bytes this rank sends through tensor-parallel collectives, forward + backward
+    tp_collectives: int = 0  # how many tensor-parallel collectives it issues, forward + backward
+    # Seconds one microbatch takes on this machine (forward; backward), when the hardware times the
+    # model's own parts (`Hardware.times_the_model`, "this-machine"); 0 when it is not timed.
+    forward_seconds: float = 0.0
+    backward_seconds: float = 0.0
 
     def minus(self, other: PartCosts, names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> PartCosts:
         return PartCosts(shapes, names, {k: v - other.saved.get(k, 0) for k, v in self.saved.items()},
                          self.flops - other.flops, self.forward_flops - other.forward_flops,
-                         self.tp_bytes - other.tp_bytes)
+                         self.tp_bytes - other.tp_bytes, self.tp_collectives - other.tp_collectives)
 
 
 @dataclass(frozen=True)
@@ -86,12 +92,14 @@ class _CollectiveBytes(TorchDispatchMode):
         super().__init__()
         self.ranks = ranks
         self.bytes = 0.0
+        self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if getattr(func, "namespace", "") in ("_c10d_functional", "c10d_functional") and tensors:
             size, n = tensors[0].numel() * tensors[0].element_size(), self.ranks
+            self.count += name.startswith(("all_gather", "reduce_scatter", "all_reduce"))
             if name.startswith("all_gather"):
                 self.bytes += (n - 1) * size
             elif name.startswith("reduce_scatter"):
@@ -248,10 +256,10 @@ def _run_chain(stages: dict[str, nn.Module], tp: int, batch: int, seq_len: int,
         saved = {"never": _saved_bytes(stage, x, targets if is_last else None, "never"),
                  "selective": _selective_cache_bytes(stage, x)}
         checkpointed[kind] = _saved_bytes(stage, x, targets if is_last else None, "always")
-        flops, forward_flops, tp_bytes, out = _flops_and_traffic(stage, x, targets if is_last else None, tp)
+        flops, forward_flops, traffic, out = _flops_and_traffic(stage, x, targets if is_last else None, tp)
         params = tuple(_local(p).shape for p in stage.parameters())
         names = tuple(n for n, _ in stage.named_parameters())
-        results[kind] = PartCosts(params, names, saved, flops, forward_flops, tp_bytes)
+        results[kind] = PartCosts(params, names, saved, flops, forward_flops, traffic.bytes, traffic.count)
         if not is_last:
             x = _local(out).detach()
             message = x.numel() * x.element_size()
@@ -350,7 +358,7 @@ _CPU_ATTENTION_FLOPS = {
 }
 
 
-def _flops_and_traffic(stage, x, targets, tp: int) -> tuple[float, float, float, torch.Tensor]:
+def _flops_and_traffic(stage, x, targets, tp: int) -> tuple[float, float, _CollectiveBytes, torch.Tensor]:
     """FLOPs per tp rank: FlopCounterMode counts a DTensor op at its global shape, and every op it
     counts (matmuls, attention) is one the tensor-parallel plan shards over all tp ranks."""
     traffic = _CollectiveBytes(tp)
@@ -362,7 +370,7 @@ def _flops_and_traffic(stage, x, targets, tp: int) -> tuple[float, float, float,
         forward = counter.get_total_flops()
         grad_out = None if targets is not None else torch.ones_like(loss)
         torch.autograd.backward(loss, grad_out)  # .grad of fake parameters: no memory
-    return counter.get_total_flops() / tp, forward / tp, traffic.bytes, out
+    return counter.get_total_flops() / tp, forward / tp, traffic, out
 
 
 def _forward_loss(out: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
@@ -370,3 +378,88 @@ def _forward_loss(out: torch.Tensor, targets: torch.Tensor | None) -> torch.Tens
         return out
     value = cross_entropy_loss(_local(out) if isinstance(out, DTensor) else out, targets)
     return value[0] if isinstance(value, tuple) else value
+
+
+# Timed runs per part: the best of these after one warm-up (the quiet machine's time).
+TIMING_REPEATS = 5
+CACHE_FLUSH_BYTES = 64 * 2**20  # more than a server CPU's last-level cache per core complex
+
+
+def time_model(
+    model: nn.Module,
+    anatomy: Anatomy,
+    costs: ModelCosts,
+    *,
+    tp_plan: dict | None,
+    microbatch_size: int,
+    param_dtype: torch.dtype | None,
+) -> ModelCosts:
+    """`costs` with the seconds a microbatch of `microbatch_size` takes on this machine, per part.
+
+    For a machine whose rate no datasheet states (a CPU, `Hardware.times_the_model`): the same three
+    stages as `measure_model`, materialized on CPU with the model's own initialization, run forward
+    and backward on one thread (as a CPU rank runs) with real tensors. Everything a block does is
+    in that time: the matmuls at their real shapes, the norms, attention and elementwise ops
+    between them, and with tp > 1 DTensor's dispatch over the fake process group (whose
+    collectives move nothing; the planner adds their latency and bytes itself)."""
+    from mesh3d.model.initialize import initialize
+    from mesh3d.tensor.apply import apply_tensor_parallel
+
+    n_blocks = len(anatomy.block_names(model))
+    parts = {"first": (0, range(0, 1)), "middle": (1, range(1, 2)), "last": (2, range(n_blocks - 1, n_blocks))}
+    stages = {kind: cut_stage(model, anatomy, index, 3, layers) for kind, (index, layers) in parts.items()}
+    for index, stage in enumerate(stages.values()):
+        stage.to_empty(device="cpu")
+        initialize(stage, index, torch.device("cpu"), 0, anatomy.init_stage)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with fake_tp_mesh(costs.tp) as mesh:
+            if mesh is not None:
+                apply_tensor_parallel(stages.values(), tp_plan, mesh)
+            seconds = _time_chain(stages, microbatch_size, costs.seq_len, param_dtype)
+    finally:
+        torch.set_num_threads(threads)
+    block = seconds["middle"]
+
+    def end(kind: str) -> tuple[float, float]:  # an end is its stage less a block (never below 0)
+        return max(0.0, seconds[kind][0] - block[0]), max(0.0, seconds[kind][1] - block[1])
+
+    def timed(part: PartCosts, fwd_bwd: tuple[float, float]) -> PartCosts:
+        return replace(part, forward_seconds=fwd_bwd[0], backward_seconds=fwd_bwd[1])
+
+    return replace(costs, block=timed(costs.block, block), first_end=timed(costs.first_end, end("first")),
+                   last_end=timed(costs.last_end, end("last")))
+
+
+def _time_chain(stages: dict[str, nn.Module], batch: int, seq_len: int,
+                param_dtype: torch.dtype | None) -> dict[str, tuple[float, float]]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 2, (batch, seq_len), generator=generator)  # token ids every vocabulary has
+    targets = torch.randint(0, 2, (batch, seq_len), generator=generator)
+    seconds = {}
+    # In a step a part's weights and inputs come from memory, the other parts having run between
+    # its forward and its backward: writing this much evicts them from the CPU's caches first.
+    flush = torch.empty(CACHE_FLUSH_BYTES // 4)
+    for kind, stage in stages.items():
+        stage = _computed(stage, param_dtype)
+        is_last = kind == "last"
+        best_forward = best_backward = float("inf")
+        for repeat in range(TIMING_REPEATS + 1):
+            inp = _input(x)
+            flush.zero_()
+            start = time.perf_counter()
+            out = _forward(stage, inp, targets if is_last else None, "never")
+            forward = time.perf_counter() - start
+            grad = None if is_last else torch.ones_like(out)
+            flush.zero_()
+            start = time.perf_counter()
+            torch.autograd.backward(out, grad)
+            backward = time.perf_counter() - start
+            if repeat:  # the first run warms up (allocations, DTensor's sharding caches)
+                best_forward, best_backward = min(best_forward, forward), min(best_backward, backward)
+            stage.zero_grad(set_to_none=True)
+        seconds[kind] = (best_forward, best_backward)
+        if not is_last:
+            x = _local(out).detach()
+    return seconds
