@@ -42,6 +42,7 @@ from mesh3d.model.cut import cut_stage
 from mesh3d.model.loss import cross_entropy_loss
 
 from mesh3d.pipeline.selective_checkpoint import SAVED_OPS
+from mesh3d.planner import constants as C
 
 
 @dataclass(frozen=True)
@@ -380,9 +381,6 @@ def _forward_loss(out: torch.Tensor, targets: torch.Tensor | None) -> torch.Tens
     return value[0] if isinstance(value, tuple) else value
 
 
-# Timed runs per part: the best of these after one warm-up (the quiet machine's time).
-TIMING_REPEATS = 5
-CACHE_FLUSH_BYTES = 64 * 2**20  # more than a server CPU's last-level cache per core complex
 
 
 def time_model(
@@ -440,12 +438,12 @@ def _time_chain(stages: dict[str, nn.Module], batch: int, seq_len: int,
     seconds = {}
     # In a step a part's weights and inputs come from memory, the other parts having run between
     # its forward and its backward: writing this much evicts them from the CPU's caches first.
-    flush = torch.empty(CACHE_FLUSH_BYTES // 4)
+    flush = torch.empty(C.CACHE_FLUSH_BYTES // 4)
     for kind, stage in stages.items():
         stage = _computed(stage, param_dtype)
         is_last = kind == "last"
         best_forward = best_backward = float("inf")
-        for repeat in range(TIMING_REPEATS + 1):
+        for repeat in range(C.TIMING_REPEATS + 1):
             inp = _input(x)
             flush.zero_()
             start = time.perf_counter()
