@@ -60,6 +60,10 @@ class PartCosts:
     # model's own parts (`Hardware.times_the_model`, "this-machine"); 0 when it is not timed.
     forward_seconds: float = 0.0
     backward_seconds: float = 0.0
+    # The same backward split in two as zero-bubble schedules run it (pipeline/backward_halves.py):
+    # both halves, and the weight half alone. Walking the graph twice costs more than once.
+    split_backward_seconds: float = 0.0
+    weight_half_seconds: float = 0.0
 
     def minus(self, other: PartCosts, names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> PartCosts:
         return PartCosts(shapes, names, {k: v - other.saved.get(k, 0) for k, v in self.saved.items()},
@@ -420,18 +424,22 @@ def time_model(
         torch.set_num_threads(threads)
     block = seconds["middle"]
 
-    def end(kind: str) -> tuple[float, float]:  # an end is its stage less a block (never below 0)
-        return max(0.0, seconds[kind][0] - block[0]), max(0.0, seconds[kind][1] - block[1])
+    def end(kind: str) -> tuple[float, ...]:  # an end is its stage less a block (never below 0)
+        return tuple(max(0.0, whole - one) for whole, one in zip(seconds[kind], block))
 
-    def timed(part: PartCosts, fwd_bwd: tuple[float, float]) -> PartCosts:
-        return replace(part, forward_seconds=fwd_bwd[0], backward_seconds=fwd_bwd[1])
+    def timed(part: PartCosts, times: tuple[float, ...]) -> PartCosts:
+        return replace(part, forward_seconds=times[0], backward_seconds=times[1], split_backward_seconds=times[2],
+                       weight_half_seconds=times[3])
 
     return replace(costs, block=timed(costs.block, block), first_end=timed(costs.first_end, end("first")),
                    last_end=timed(costs.last_end, end("last")))
 
 
 def _time_chain(stages: dict[str, nn.Module], batch: int, seq_len: int,
-                param_dtype: torch.dtype | None) -> dict[str, tuple[float, float]]:
+                param_dtype: torch.dtype | None) -> dict[str, tuple[float, float, float, float]]:
+    """Per stage: the best forward, backward, split backward (I + W) and W seconds."""
+    from mesh3d.pipeline.backward_halves import backward_input, backward_weight
+
     generator = torch.Generator().manual_seed(0)
     x = torch.randint(0, 2, (batch, seq_len), generator=generator)  # token ids every vocabulary has
     targets = torch.randint(0, 2, (batch, seq_len), generator=generator)
@@ -439,25 +447,39 @@ def _time_chain(stages: dict[str, nn.Module], batch: int, seq_len: int,
     # In a step a part's weights and inputs come from memory, the other parts having run between
     # its forward and its backward: writing this much evicts them from the CPU's caches first.
     flush = torch.empty(C.CACHE_FLUSH_BYTES // 4)
+
+    def timed(fn) -> float:
+        flush.zero_()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
     for kind, stage in stages.items():
         stage = _computed(stage, param_dtype)
         is_last = kind == "last"
-        best_forward = best_backward = float("inf")
+        best = [float("inf")] * 4
         for repeat in range(C.TIMING_REPEATS + 1):
-            inp = _input(x)
-            flush.zero_()
-            start = time.perf_counter()
-            out = _forward(stage, inp, targets if is_last else None, "never")
-            forward = time.perf_counter() - start
-            grad = None if is_last else torch.ones_like(out)
-            flush.zero_()
-            start = time.perf_counter()
-            torch.autograd.backward(out, grad)
-            backward = time.perf_counter() - start
+            runs = []
+            for split in (False, True):
+                inp = _input(x)
+                holder = {}
+                forward = timed(lambda: holder.update(out=_forward(stage, inp, targets if is_last else None, "never")))
+                out = holder["out"]
+                grad = None if is_last else torch.ones_like(out)
+                if not split:
+                    runs += [forward, timed(lambda: torch.autograd.backward(out, grad))]
+                elif inp.is_floating_point():  # I, then W, as the runtime runs them
+                    pending = {}
+                    first = timed(lambda: pending.update(p=backward_input(out, grad, inp)[1]))
+                    second = timed(lambda: backward_weight(pending["p"]))
+                    runs += [first + second, second]
+                else:  # token ids in: the runtime's W is a whole backward
+                    whole = timed(lambda: torch.autograd.backward(out, grad))
+                    runs += [whole, whole]
+                stage.zero_grad(set_to_none=True)
             if repeat:  # the first run warms up (allocations, DTensor's sharding caches)
-                best_forward, best_backward = min(best_forward, forward), min(best_backward, backward)
-            stage.zero_grad(set_to_none=True)
-        seconds[kind] = (best_forward, best_backward)
+                best = [min(b, r) for b, r in zip(best, runs)]
+        seconds[kind] = tuple(best)
         if not is_last:
             x = _local(out).detach()
     return seconds

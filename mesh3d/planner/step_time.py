@@ -61,13 +61,15 @@ def step_time(costs: ModelCosts, place: StagePlacement, hardware: Hardware, link
     rate = hardware.peak_for(fp32_compute) * achieved * (C.COMPILE_SPEEDUP if compile else 1.0)
     mbs, mode = place.microbatch_size, place.activation_checkpoint
     timed = hardware.times_the_model  # costs carry seconds timed at this microbatch size (probe.time_model)
-    forward, backward = [], []
+    forward, backward, weight_half = [], [], []
+    splits = place.schedule.splits_backward
     tp_time = 0.0
     for stage in range(len(place.stage_layers)):
         parts = _stage_parts(costs, stage, place)
         if timed:
             fwd_s = sum(c * p.forward_seconds for p, c in parts)
-            bwd_s = sum(c * p.backward_seconds for p, c in parts)
+            bwd_s = sum(c * (p.split_backward_seconds if splits else p.backward_seconds) for p, c in parts)
+            weight_half.append(sum(c * p.weight_half_seconds for p, c in parts))
         else:
             fwd_s = sum(c * p.forward_flops for p, c in parts) * mbs / rate
             bwd_s = sum(c * (p.flops - p.forward_flops) for p, c in parts) * mbs / rate
@@ -83,8 +85,12 @@ def step_time(costs: ModelCosts, place: StagePlacement, hardware: Hardware, link
         tp_time = max(tp_time, tp_s)
     # Each stage plays at its own costs: the ends (embedding, output layer and loss) are heavier
     # than a stage of blocks alone, and under interleaving only two of a rank's stages carry them.
-    splits = place.schedule.splits_backward
-    w = [b * C.WEIGHT_GRAD_SHARE_OF_BACKWARD if splits else 0.0 for b in backward]
+    if not splits:
+        w = [0.0] * len(backward)
+    elif timed:  # the W half as timed, its share of the stage's collectives and recompute not included
+        w = weight_half
+    else:
+        w = [b * C.WEIGHT_GRAD_SHARE_OF_BACKWARD for b in backward]
     p2p = costs.message_bytes * mbs / links.pp + hardware.collective_latency if place.schedule.pp > 1 else 0.0
     report = simulate_schedule(place.schedule, f_cost=forward, b_cost=backward, w_cost=w, comm_cost=p2p)
     busy = max(report.busy)

@@ -103,6 +103,8 @@ def test_timed_parts_add_up_to_the_whole_model_run_here():
     finally:
         torch.set_num_threads(threads)
     assert timed.block.forward_seconds > 0 and timed.block.backward_seconds > 0
+    # the split backward of zero-bubble schedules: I + W, of which W is a part
+    assert timed.block.split_backward_seconds > timed.block.weight_half_seconds > 0
     assert 0.5 < predicted / measured < 2.0, (predicted, measured)  # a timing on a shared machine
 
 
