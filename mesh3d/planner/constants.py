@@ -52,7 +52,7 @@ WEIGHT_GRAD_SHARE_OF_BACKWARD = 0.5
 # A machine the planner measures ("this-machine", machine_bench.py) has its model's parts timed
 # (probe.time_model): each part runs once to warm up (allocations, DTensor's sharding caches),
 # then this many times, and the best counts (a quiet machine's time; a shared one only adds).
-TIMING_REPEATS = 5
+TIMING_REPEATS = 10
 
 # Before each timed forward and backward the timer writes this many bytes, so the part's weights
 # and inputs come from memory as in a step, where other parts run in between: more than the
