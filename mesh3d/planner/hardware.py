@@ -30,7 +30,7 @@ class Hardware:
     # What a step's matmuls reach of the peak; None: constants.ACHIEVABLE_COMPUTE_FRACTION (a
     # datasheet peak). A measured machine ("this-machine") states 1: its peak is a rate reached.
     achievable_fraction: float | None = None
-    # A measured machine times the model's own parts on itself (probe.time_model) instead of
+    # A measured machine times the model's own parts on itself (part_timing.time_model) instead of
     # dividing their FLOPs by a rate: on a CPU the norms, attention and elementwise ops, and
     # DTensor's dispatch under tensor parallelism, are no small share of a block.
     times_the_model: bool = False

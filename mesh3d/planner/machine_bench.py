@@ -9,7 +9,7 @@ bandwidth a large elementwise update. A few seconds in all, measured once per pr
 
 On such a machine FLOPs over a matmul rate miss much of a step (norms, attention, elementwise ops,
 DTensor's dispatch): the Hardware says `times_the_model`, and the planner times the model's own
-parts on one thread (probe.time_model). Its ranks' gloo traffic does not overlap their compute
+parts on one thread (part_timing.time_model). Its ranks' gloo traffic does not overlap their compute
 (`overlaps_communication=False`): each rank has one core.
 """
 

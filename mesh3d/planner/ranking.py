@@ -25,7 +25,8 @@ from mesh3d.planner import constants as C
 from mesh3d.planner.hardware import Hardware, resolve_hardware
 from mesh3d.planner.memory import MemoryBreakdown, StagePlacement, rank_activations, rank_memory
 from mesh3d.planner.model_source import max_sequence_length, meta_model
-from mesh3d.planner.probe import ModelCosts, measure_model, time_model
+from mesh3d.planner.part_timing import time_model
+from mesh3d.planner.probe import ModelCosts, measure_model
 from mesh3d.planner.step_time import Links, StepTime, step_time
 
 FIXABLE = ("pp", "dp", "tp", "schedule", "virtual_stages", "microbatches", "activation_checkpoint", "dp_mode",

@@ -60,7 +60,7 @@ def step_time(costs: ModelCosts, place: StagePlacement, hardware: Hardware, link
     achieved = C.ACHIEVABLE_COMPUTE_FRACTION if hardware.achievable_fraction is None else hardware.achievable_fraction
     rate = hardware.peak_for(fp32_compute) * achieved * (C.COMPILE_SPEEDUP if compile else 1.0)
     mbs, mode = place.microbatch_size, place.activation_checkpoint
-    timed = hardware.times_the_model  # costs carry seconds timed at this microbatch size (probe.time_model)
+    timed = hardware.times_the_model  # costs carry seconds timed at this microbatch size (part_timing.time_model)
     forward, backward, weight_half = [], [], []
     splits = place.schedule.splits_backward
     tp_time = 0.0
