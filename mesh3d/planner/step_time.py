@@ -6,6 +6,10 @@ collectives and its recomputation. The simulator (pipeline/schedule/timeline.py)
 schedule's real action lists with each stage's own costs and the P2P time of a boundary
 message, so the bubble is the schedule's, not a closed form. FSDP/DDP traffic overlaps the
 compute (what exceeds it shows), and the optimizer's update is memory-bound.
+
+A machine the planner measured ("this-machine": hardware.py's `times_the_model`) gives the seconds
+its parts were timed at (part_timing.py) instead of FLOPs over a rate, a latency for every
+collective and pipeline message, and communication that does not overlap the compute.
 """
 
 from __future__ import annotations
