@@ -48,3 +48,13 @@ MEMORY_MARGIN_FRACTION = 0.10
 # Split backward: the weight-gradient half of a block's backward is about half its time (the
 # input-gradient and weight-gradient matmuls have the same FLOPs).
 WEIGHT_GRAD_SHARE_OF_BACKWARD = 0.5
+
+# A machine the planner measures ("this-machine", machine_bench.py) has its model's parts timed
+# (part_timing.time_model): each part runs once to warm up (allocations, DTensor's sharding caches),
+# then this many times, and the best counts (a quiet machine's time; a shared one only adds).
+TIMING_REPEATS = 10
+
+# Before each timed forward and backward the timer writes this many bytes, so the part's weights
+# and inputs come from memory as in a step, where other parts run in between: more than the
+# last-level cache of this machine (32 MiB L3, lscpu) and of a server CPU's core complex.
+CACHE_FLUSH_BYTES = 64 * 2**20

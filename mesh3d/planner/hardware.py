@@ -30,6 +30,20 @@ class Hardware:
     # What a step's matmuls reach of the peak; None: constants.ACHIEVABLE_COMPUTE_FRACTION (a
     # datasheet peak). A measured machine ("this-machine") states 1: its peak is a rate reached.
     achievable_fraction: float | None = None
+    # A measured machine times the model's own parts on itself (part_timing.time_model) instead of
+    # dividing their FLOPs by a rate: on a CPU the norms, attention and elementwise ops, and
+    # DTensor's dispatch under tensor parallelism, are no small share of a block.
+    times_the_model: bool = False
+    # Seconds each collective or pipeline message costs besides its bytes (a small message's time).
+    # 0 for the GPU presets: NCCL's microseconds are nothing against their steps.
+    collective_latency: float = 0.0
+    # Whether FSDP/DDP traffic runs beside the compute (NCCL's kernels on a GPU do). A CPU rank on
+    # one core runs gloo's copies and reductions in place of its compute: none of it hides.
+    overlaps_communication: bool = True
+    # Seconds AdamW's update spends per parameter tensor more when parameters are DTensors (FSDP,
+    # DDP, tensor parallelism): DTensor's dispatch per op. 0 for the GPU presets, whose updates are
+    # a few kernels per tensor group.
+    dtensor_update_overhead: float = 0.0
 
     def peak_for(self, fp32: bool) -> float:
         """The peak the compute dtype runs at."""
@@ -42,6 +56,9 @@ class Hardware:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"Hardware {self.name!r}: {name} must be a positive number, got {value!r}")
+        if not isinstance(self.collective_latency, (int, float)) or self.collective_latency < 0:
+            raise ValueError(f"Hardware {self.name!r}: collective_latency must be seconds >= 0, "
+                             f"got {self.collective_latency!r}")
 
 
 # NVLink figures are the datasheets' bidirectional totals halved; the network is one NIC per GPU.

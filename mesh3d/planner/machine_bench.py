@@ -3,8 +3,14 @@
 Each rank of a CPU run computes on one thread (OMP_NUM_THREADS=1, as the tests and the examples
 run), so the compute rate is a one-thread fp32 matmul of a transformer's shapes, and it is
 already what a step reaches: `achievable_fraction` is 1. The link is gloo between two processes
-of this machine (a send/receive of a few MiB each way), the memory the machine's RAM, the memory
+of this machine (a send/receive of a few MiB each way) and the fixed time of one collective (a
+small all-gather, reduce-scatter and all-reduce), the memory the machine's RAM, the memory
 bandwidth a large elementwise update. A few seconds in all, measured once per process.
+
+On such a machine FLOPs over a matmul rate miss much of a step (norms, attention, elementwise ops,
+DTensor's dispatch): the Hardware says `times_the_model`, and the planner times the model's own
+parts on one thread (part_timing.time_model). Its ranks' gloo traffic does not overlap their compute
+(`overlaps_communication=False`): each rank has one core.
 """
 
 from __future__ import annotations
@@ -23,18 +29,25 @@ from mesh3d.planner.hardware import Hardware
 MATMUL_SIZE = 512  # a square matmul of about a small model's width: the rate tiny models see
 LINK_BYTES = 8 * 2**20
 REPEATS = 5
+LATENCY_ELEMENTS = 256  # a 1 KiB collective: its time is gloo's fixed cost, not bandwidth
+LATENCY_ROUNDS = 20
+OVERHEAD_TENSORS = 32
 
 
 @functools.cache
 def measure_this_machine() -> Hardware:
     """This machine as a Hardware: one-thread matmul rate, gloo link, RAM, memory bandwidth."""
     flops = _matmul_rate()
-    link = _gloo_bandwidth()
+    link, latency, dtensor_update = _gloo_link()
     return Hardware(
         "this-machine", peak_flops=flops, memory_bytes=_ram_bytes(), intra_node_bandwidth=link,
         inter_node_bandwidth=link, memory_bandwidth=_copy_bandwidth(), peak_fp32_flops=flops, achievable_fraction=1.0,
+        times_the_model=True, collective_latency=latency, overlaps_communication=False,
+        dtensor_update_overhead=dtensor_update,
         source=f"measured here: {flops / 1e9:.1f} GFLOP/s one-thread fp32 matmul {MATMUL_SIZE}^3, "
-               f"gloo {link / 1e9:.2f} GB/s between two processes",
+               f"gloo {link / 1e9:.2f} GB/s and {latency * 1e6:.0f} us per small collective between two "
+               f"processes; AdamW +{dtensor_update * 1e6:.0f} us per DTensor parameter; the model's own parts timed "
+               "on one thread",
     )
 
 
@@ -94,23 +107,57 @@ def _link_rank(rank: int, port: int, result) -> None:
                 dist.send(x, 0)
 
         seconds = _best_of(exchange)
+        small = torch.ones(LATENCY_ELEMENTS)
+        gathered = torch.empty(2 * LATENCY_ELEMENTS)
+
+        def collectives():  # the three the planner counts, each of a small message
+            for _ in range(LATENCY_ROUNDS):
+                dist.all_gather_into_tensor(gathered, small)
+                dist.reduce_scatter_tensor(small, gathered)
+                dist.all_reduce(small)
+
+        latency = _best_of(collectives) / (3 * LATENCY_ROUNDS)
+        overhead = _dtensor_update_overhead()
         if rank == 0:
-            result.put(2 * LINK_BYTES / seconds)
+            result.put((2 * LINK_BYTES / seconds, latency, overhead))
     finally:
         dist.destroy_process_group()
 
 
-def _gloo_bandwidth() -> float:
+def _dtensor_update_overhead() -> float:
+    """Seconds AdamW spends per parameter tensor more when the parameters are DTensors (FSDP's
+    shards, DDP's replicas, tensor-parallel shards) than plain tensors: DTensor's dispatch of each
+    of the update's ops. Small tensors, so the difference is the dispatch, not the arithmetic."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+
+    def update_seconds(params):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer = torch.optim.AdamW(params, lr=1e-4)
+        return _best_of(optimizer.step)
+
+    plain = [torch.nn.Parameter(torch.zeros(8, 8)) for _ in range(OVERHEAD_TENSORS)]
+    shards = [torch.nn.Parameter(distribute_tensor(torch.zeros(16, 8), mesh, [Shard(0)]))
+              for _ in range(OVERHEAD_TENSORS)]
+    return max(0.0, update_seconds(shards) - update_seconds(plain)) / OVERHEAD_TENSORS
+
+
+def _gloo_link() -> tuple[float, float, float]:
+    """Bytes/s of a large send/receive, seconds of a small collective, and DTensor's overhead per
+    parameter in AdamW's update, measured on two processes."""
     context = mp.get_context("spawn")
     result, port = context.Queue(), _free_port()
     procs = [context.Process(target=_link_rank, args=(r, port, result), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
     try:
-        bandwidth = result.get(timeout=120)
+        measured = result.get(timeout=120)
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    return bandwidth
+    return measured

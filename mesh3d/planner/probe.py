@@ -53,11 +53,20 @@ class PartCosts:
     flops: float = 0.0  # forward + backward
     forward_flops: float = 0.0
     tp_bytes: float = 0.0  # bytes this rank sends through tensor-parallel collectives, forward + backward
+    tp_collectives: int = 0  # how many tensor-parallel collectives it issues, forward + backward
+    # Seconds one microbatch takes on this machine (forward; backward), when the hardware times the
+    # model's own parts (`Hardware.times_the_model`, "this-machine"); 0 when it is not timed.
+    forward_seconds: float = 0.0
+    backward_seconds: float = 0.0
+    # The same backward split in two as zero-bubble schedules run it (pipeline/backward_halves.py):
+    # both halves, and the weight half alone. Walking the graph twice costs more than once.
+    split_backward_seconds: float = 0.0
+    weight_half_seconds: float = 0.0
 
     def minus(self, other: PartCosts, names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> PartCosts:
         return PartCosts(shapes, names, {k: v - other.saved.get(k, 0) for k, v in self.saved.items()},
                          self.flops - other.flops, self.forward_flops - other.forward_flops,
-                         self.tp_bytes - other.tp_bytes)
+                         self.tp_bytes - other.tp_bytes, self.tp_collectives - other.tp_collectives)
 
 
 @dataclass(frozen=True)
@@ -86,12 +95,14 @@ class _CollectiveBytes(TorchDispatchMode):
         super().__init__()
         self.ranks = ranks
         self.bytes = 0.0
+        self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if getattr(func, "namespace", "") in ("_c10d_functional", "c10d_functional") and tensors:
             size, n = tensors[0].numel() * tensors[0].element_size(), self.ranks
+            self.count += name.startswith(("all_gather", "reduce_scatter", "all_reduce"))
             if name.startswith("all_gather"):
                 self.bytes += (n - 1) * size
             elif name.startswith("reduce_scatter"):
@@ -248,10 +259,10 @@ def _run_chain(stages: dict[str, nn.Module], tp: int, batch: int, seq_len: int,
         saved = {"never": _saved_bytes(stage, x, targets if is_last else None, "never"),
                  "selective": _selective_cache_bytes(stage, x)}
         checkpointed[kind] = _saved_bytes(stage, x, targets if is_last else None, "always")
-        flops, forward_flops, tp_bytes, out = _flops_and_traffic(stage, x, targets if is_last else None, tp)
+        flops, forward_flops, traffic, out = _flops_and_traffic(stage, x, targets if is_last else None, tp)
         params = tuple(_local(p).shape for p in stage.parameters())
         names = tuple(n for n, _ in stage.named_parameters())
-        results[kind] = PartCosts(params, names, saved, flops, forward_flops, tp_bytes)
+        results[kind] = PartCosts(params, names, saved, flops, forward_flops, traffic.bytes, traffic.count)
         if not is_last:
             x = _local(out).detach()
             message = x.numel() * x.element_size()
@@ -350,7 +361,7 @@ _CPU_ATTENTION_FLOPS = {
 }
 
 
-def _flops_and_traffic(stage, x, targets, tp: int) -> tuple[float, float, float, torch.Tensor]:
+def _flops_and_traffic(stage, x, targets, tp: int) -> tuple[float, float, _CollectiveBytes, torch.Tensor]:
     """FLOPs per tp rank: FlopCounterMode counts a DTensor op at its global shape, and every op it
     counts (matmuls, attention) is one the tensor-parallel plan shards over all tp ranks."""
     traffic = _CollectiveBytes(tp)
@@ -362,7 +373,7 @@ def _flops_and_traffic(stage, x, targets, tp: int) -> tuple[float, float, float,
         forward = counter.get_total_flops()
         grad_out = None if targets is not None else torch.ones_like(loss)
         torch.autograd.backward(loss, grad_out)  # .grad of fake parameters: no memory
-    return counter.get_total_flops() / tp, forward / tp, traffic.bytes, out
+    return counter.get_total_flops() / tp, forward / tp, traffic, out
 
 
 def _forward_loss(out: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:

@@ -6,6 +6,10 @@ collectives and its recomputation. The simulator (pipeline/schedule/timeline.py)
 schedule's real action lists with each stage's own costs and the P2P time of a boundary
 message, so the bubble is the schedule's, not a closed form. FSDP/DDP traffic overlaps the
 compute (what exceeds it shows), and the optimizer's update is memory-bound.
+
+A machine the planner measured ("this-machine": hardware.py's `times_the_model`) gives the seconds
+its parts were timed at (part_timing.py) instead of FLOPs over a rate, a latency for every
+collective and pipeline message, and communication that does not overlap the compute.
 """
 
 from __future__ import annotations
@@ -60,45 +64,82 @@ def step_time(costs: ModelCosts, place: StagePlacement, hardware: Hardware, link
     achieved = C.ACHIEVABLE_COMPUTE_FRACTION if hardware.achievable_fraction is None else hardware.achievable_fraction
     rate = hardware.peak_for(fp32_compute) * achieved * (C.COMPILE_SPEEDUP if compile else 1.0)
     mbs, mode = place.microbatch_size, place.activation_checkpoint
-    forward, backward = [], []
+    timed = hardware.times_the_model  # costs carry seconds timed at this microbatch size (part_timing.time_model)
+    forward, backward, weight_half = [], [], []
+    splits = place.schedule.splits_backward
     tp_time = 0.0
     for stage in range(len(place.stage_layers)):
         parts = _stage_parts(costs, stage, place)
-        fwd_flops = sum(c * p.forward_flops for p, c in parts) * mbs
-        bwd_flops = sum(c * (p.flops - p.forward_flops) for p, c in parts) * mbs
+        if timed:
+            fwd_s = sum(c * p.forward_seconds for p, c in parts)
+            bwd_s = sum(c * (p.split_backward_seconds if splits else p.backward_seconds) for p, c in parts)
+            weight_half.append(sum(c * p.weight_half_seconds for p, c in parts))
+        else:
+            fwd_s = sum(c * p.forward_flops for p, c in parts) * mbs / rate
+            bwd_s = sum(c * (p.flops - p.forward_flops) for p, c in parts) * mbs / rate
         tp_bytes = sum(c * p.tp_bytes for p, c in parts) * mbs
-        tp_s = tp_bytes / links.tp * (1 - C.TP_HIDDEN_FRACTION) if costs.tp > 1 else 0.0
-        f = fwd_flops / rate + tp_s / 2
-        recompute = {"always": f, "except_last": f, "selective": C.SELECTIVE_RECOMPUTE_FRACTION * fwd_flops / rate}
+        tp_count = sum(c * p.tp_collectives for p, c in parts)
+        tp_s = 0.0
+        if costs.tp > 1:
+            tp_s = (tp_bytes / links.tp + tp_count * hardware.collective_latency) * (1 - C.TP_HIDDEN_FRACTION)
+        f = fwd_s + tp_s / 2
+        recompute = {"always": f, "except_last": f, "selective": C.SELECTIVE_RECOMPUTE_FRACTION * fwd_s}
         forward.append(f)
-        backward.append(bwd_flops / rate + tp_s / 2 + recompute.get(mode, 0.0))
+        backward.append(bwd_s + tp_s / 2 + recompute.get(mode, 0.0))
         tp_time = max(tp_time, tp_s)
     # Each stage plays at its own costs: the ends (embedding, output layer and loss) are heavier
     # than a stage of blocks alone, and under interleaving only two of a rank's stages carry them.
-    splits = place.schedule.splits_backward
-    w = [b * C.WEIGHT_GRAD_SHARE_OF_BACKWARD if splits else 0.0 for b in backward]
-    p2p = costs.message_bytes * mbs / links.pp if place.schedule.pp > 1 else 0.0
+    if not splits:
+        w = [0.0] * len(backward)
+    elif timed:  # the W half as timed, its share of the stage's collectives and recompute not included
+        w = weight_half
+    else:
+        w = [b * C.WEIGHT_GRAD_SHARE_OF_BACKWARD for b in backward]
+    p2p = costs.message_bytes * mbs / links.pp + hardware.collective_latency if place.schedule.pp > 1 else 0.0
     report = simulate_schedule(place.schedule, f_cost=forward, b_cost=backward, w_cost=w, comm_cost=p2p)
     busy = max(report.busy)
-    dp_s = _dp_seconds(costs, place, links)
-    exposed = max(0.0, dp_s - busy) + C.DP_UNHIDDEN_FRACTION * dp_s
+    dp_s = _dp_seconds(costs, place, links, hardware.collective_latency, hardware.memory_bandwidth)
+    if hardware.overlaps_communication:
+        exposed = max(0.0, dp_s - busy) + C.DP_UNHIDDEN_FRACTION * dp_s
+    else:
+        exposed = dp_s
     params = max(rank_parameter_elements(costs, r, place) for r in range(place.schedule.pp))
     optimizer = params * C.ADAMW_BYTES_PER_PARAMETER / hardware.memory_bandwidth
+    if place.dp > 1 or costs.tp > 1:  # the parameters are DTensors (wrap.py; tensor parallelism)
+        optimizer += hardware.dtensor_update_overhead * max(_rank_parameter_tensors(costs, r, place)
+                                                            for r in range(place.schedule.pp))
     return StepTime(report.makespan + exposed + optimizer, report.bubble_fraction, report.makespan, exposed,
                     optimizer, tp_time, p2p, forward_seconds=tuple(forward), backward_seconds=tuple(backward),
                     weight_grad_seconds=tuple(w))
 
 
-def _dp_seconds(costs: ModelCosts, place: StagePlacement, links: Links) -> float:
-    """FSDP: gather the parameters (once per step with pp > 1, forward and backward with pp = 1)
-    and reduce-scatter the gradients; DDP: all-reduce the gradients. Ring traffic per rank."""
+def _rank_parameter_tensors(costs: ModelCosts, rank: int, place: StagePlacement) -> int:
+    """How many parameter tensors pp rank `rank` updates."""
+    return sum(count * len(part.param_shapes) for stage in range(len(place.stage_layers))
+               if place.schedule.stage_rank(stage) == rank for part, count in _stage_parts(costs, stage, place))
+
+
+def _dp_seconds(costs: ModelCosts, place: StagePlacement, links: Links, latency: float,
+                memory_bandwidth: float) -> float:
+    """FSDP: gather the parameters and reduce-scatter the gradients; DDP: all-reduce the gradients.
+    Ring traffic per rank, plus `latency` per collective: one per wrapped module (each block, and
+    each stage's root for the ends) and pass. With pp > 1 FSDP gathers once per step (the
+    parameters stay gathered until the last backward); with pp = 1 it reshards after each
+    forward, so every microbatch's forward and backward gathers again (data_parallel/wrap.py)."""
     dp = place.dp
     if dp == 1:
         return 0.0
-    unsharded = max(rank_parameter_elements(costs, r, place, sharded=False) for r in range(place.schedule.pp))
+    pp = place.schedule.pp
+    unsharded = max(rank_parameter_elements(costs, r, place, sharded=False) for r in range(pp))
+    modules = max(sum(len(place.stage_layers[s]) + 1 for s in range(len(place.stage_layers))
+                      if place.schedule.stage_rank(s) == r) for r in range(pp))
     share = (dp - 1) / dp
     grad_bytes = 4  # reduce_dtype fp32
     if place.dp_mode == "ddp":
-        return 2 * share * unsharded * grad_bytes / links.dp
-    gathers = 1 if place.schedule.pp > 1 else 2
-    return share * unsharded * (gathers * place.compute_bytes + grad_bytes) / links.dp
+        return 2 * share * unsharded * grad_bytes / links.dp + modules * latency
+    gathers = 1 if pp > 1 else 2 * place.schedule.microbatches
+    traffic = share * unsharded * (gathers * place.compute_bytes + grad_bytes) / links.dp
+    # Each gather copies the shards into the flat buffer and the gathered buffer out into the
+    # parameters; the reduce-scatter copies the gradients in: read and write, memory-bound.
+    copies = 2 * unsharded * (gathers * place.compute_bytes + grad_bytes) / memory_bandwidth
+    return traffic + copies + modules * (gathers + 1) * latency

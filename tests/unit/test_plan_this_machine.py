@@ -1,0 +1,114 @@
+"""The planner on a machine it measures (hardware="this-machine"): timed parts, collective latency,
+communication that does not overlap, DTensor's cost in the optimizer.
+
+The collective counts are what a real 2-rank run issues, counted with torch.profiler on
+bench/plan_check.py's model (8 blocks, 4 microbatches): FSDP at (1,2,1) 72 all-gathers and 9
+reduce-scatters, tensor parallelism at (1,1,2) 276 collectives = 4 x (8 per block x 8 + 5 for the
+ends). The LLaMA debug config has 8 blocks too.
+"""
+
+import time
+
+import pytest
+import torch
+
+import mesh3d
+from examples.llama.config import get_config
+from examples.llama.model import Transformer
+from mesh3d.model.anatomy import anatomy_of
+from mesh3d.model.loss import cross_entropy_loss
+from mesh3d.planner.part_timing import time_model
+from mesh3d.planner.probe import measure_model
+
+SEQ = 64
+BLOCKS = 8
+LATENCY = 1e-3
+
+
+def debug_model():
+    with torch.device("meta"):
+        return Transformer(get_config("debug", max_seq_len=SEQ))
+
+
+def latency_only(**changes):
+    """A machine whose links and memory are so fast that only the latency of each collective shows."""
+    fields = dict(peak_flops=1e12, memory_bytes=2**40, intra_node_bandwidth=1e18, inter_node_bandwidth=1e18,
+                  memory_bandwidth=1e18, collective_latency=LATENCY, overlaps_communication=False)
+    return mesh3d.Hardware("latency-only", **{**fields, **changes})
+
+
+def one_plan(hardware, **fix):
+    fix = {"microbatches": 4, "activation_checkpoint": "never", "param_dtype": None, "compile": False, **fix}
+    return mesh3d.plan(debug_model(), gpus=2, gpus_per_node=2, hardware=hardware, seq_len=SEQ, global_batch=8,
+                       fix=fix, memory_limit="1TiB")[0]
+
+
+def test_fsdp_without_pipeline_gathers_every_microbatch_and_reduces_once():
+    # (blocks + the stage's root) x (a gather per microbatch forward and backward, one reduce-scatter)
+    fsdp = one_plan(latency_only(), pp=1, dp=2, tp=1, dp_mode="fsdp")
+    assert fsdp.time.exposed_dp_seconds == pytest.approx((BLOCKS + 1) * (2 * 4 + 1) * LATENCY, rel=1e-6)
+    ddp = one_plan(latency_only(), pp=1, dp=2, tp=1, dp_mode="ddp")  # one all-reduce per module
+    assert ddp.time.exposed_dp_seconds == pytest.approx((BLOCKS + 1) * LATENCY, rel=1e-6)
+
+
+def test_communication_that_overlaps_hides_behind_compute():
+    hidden = one_plan(latency_only(overlaps_communication=True), pp=1, dp=2, tp=1, dp_mode="fsdp")
+    exposed = one_plan(latency_only(), pp=1, dp=2, tp=1, dp_mode="fsdp")
+    assert hidden.time.exposed_dp_seconds < exposed.time.exposed_dp_seconds
+
+
+def test_tensor_parallel_collectives_and_pipeline_messages_cost_their_latency():
+    tp = one_plan(latency_only(), pp=1, dp=1, tp=2)
+    assert tp.time.tp_seconds == pytest.approx((8 * BLOCKS + 5) * LATENCY, rel=1e-6)  # per microbatch
+    pp = one_plan(latency_only(), pp=2, dp=1, tp=1, schedule="gpipe")
+    assert pp.time.p2p_seconds == pytest.approx(LATENCY, rel=1e-6)
+
+
+def test_dtensor_parameters_pay_the_update_overhead():
+    slow_update = latency_only(collective_latency=0.0, dtensor_update_overhead=1e-3)
+    plain = one_plan(slow_update, pp=2, dp=1, tp=1, schedule="gpipe")
+    sharded = one_plan(slow_update, pp=1, dp=2, tp=1, dp_mode="fsdp")
+    tensors = len(list(Transformer(get_config("debug", max_seq_len=SEQ)).parameters()))
+    assert sharded.time.optimizer_seconds - plain.time.optimizer_seconds == pytest.approx(tensors * 1e-3, rel=1e-3)
+
+
+def _best_seconds(fn, repeats=5):
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def test_timed_parts_add_up_to_the_whole_model_run_here():
+    """The reference: the whole model, materialized, one forward and backward on one thread."""
+    model, batch = debug_model(), 2
+    anatomy = anatomy_of(model)
+    costs = measure_model(model, anatomy, tp=1, tp_plan=None, microbatch_size=1, seq_len=SEQ, param_dtype=None)
+    timed = time_model(model, anatomy, costs, tp_plan=None, microbatch_size=batch, param_dtype=None)
+    parts = [timed.block] * BLOCKS + [timed.first_end, timed.last_end]
+    predicted = sum(p.forward_seconds + p.backward_seconds for p in parts)
+
+    torch.manual_seed(0)
+    whole = Transformer(get_config("debug", max_seq_len=SEQ))
+    tokens = torch.randint(0, 2, (batch, SEQ))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        def step():
+            loss = cross_entropy_loss(whole(tokens), tokens)
+            (loss[0] if isinstance(loss, tuple) else loss).backward()
+        measured = _best_seconds(step)
+    finally:
+        torch.set_num_threads(threads)
+    assert timed.block.forward_seconds > 0 and timed.block.backward_seconds > 0
+    # the split backward of zero-bubble schedules: I + W, of which W is a part
+    assert timed.block.split_backward_seconds > timed.block.weight_half_seconds > 0
+    assert 0.5 < predicted / measured < 2.0, (predicted, measured)  # a timing on a shared machine
+
+
+def test_a_negative_latency_is_refused():
+    with pytest.raises(ValueError, match="collective_latency must be seconds >= 0, got -1"):
+        latency_only(collective_latency=-1)
