@@ -147,12 +147,13 @@ def rank_activations(costs: ModelCosts, rank: int, place: StagePlacement) -> tup
     kept_as = "selective" if mode == "selective" else "always"
     kept = {s: (_kept(costs, s, place, "never"), _kept(costs, s, place, kept_as))
             for s in place.schedule.local_stages(rank)}
+    by_block = {s: _per_block(place, s) for s in kept}
     for action in place.schedule.actions[rank]:
         key = (action.stage, action.microbatch)
         checkpointed = mode in ("always", "selective") or (mode == "except_last" and action.microbatch != m - 1)
         full, checkpoint_kept = kept[action.stage]  # full: what a recompute rebuilds for the backward
         # what a recompute in B adds on top: one block at a time, or the whole stage
-        per_block = _per_block(place, action.stage)
+        per_block = by_block[action.stage]
         rebuilt = costs.block.saved["never"] * place.microbatch_size if per_block else \
             full - (ids if action.stage == 0 else 0)
         first_stage_before = first_held > 0
