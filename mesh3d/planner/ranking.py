@@ -129,7 +129,7 @@ def plan(
             built, layers, cand["dp"], cand["dp_mode"], cand["microbatch_size"], cand["activation_checkpoint"],
             param_bytes, compute_bytes, wraps=cand["dp"] > 1 or cand["param_dtype"] is not None, tied_end=tied)
         walk = (cand["tp"], cand["param_dtype"], cand["schedule"], cand["pp"], cand["microbatches"],
-                cand["virtual_stages"], cand["activation_checkpoint"])
+                cand["virtual_stages"], cand["activation_checkpoint"], cand["microbatch_size"])
         if walk not in walks:
             walks[walk] = tuple(rank_activations(costs, r, place) for r in range(cand["pp"]))
         by_rank = tuple(rank_memory(costs, r, place, walks[walk][r]) for r in range(cand["pp"]))
