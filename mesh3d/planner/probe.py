@@ -196,6 +196,25 @@ def fake_tp_mesh(tp: int) -> Iterator[object]:
         dist.destroy_process_group()
 
 
+def measure_model_anywhere(model: nn.Module, anatomy: Anatomy, **sizes) -> ModelCosts:
+    """`measure_model`, in a process of its own when this one already has a process group: the
+    fake group of tp > 1 ranks cannot be made beside it (under torchrun after build_mesh, or in a
+    test process that built a mesh). The model goes there on meta, pickled; a few seconds more."""
+    if sizes["tp"] == 1 or not dist.is_initialized():
+        return measure_model(model, anatomy, **sizes)
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_measure_in_a_process, model, sizes).result()
+
+
+def _measure_in_a_process(model: nn.Module, sizes: dict) -> ModelCosts:
+    from mesh3d.model.anatomy import anatomy_of
+
+    return measure_model(model, anatomy_of(model), **sizes)
+
+
 def measure_model(
     model: nn.Module,
     anatomy: Anatomy,

@@ -26,7 +26,7 @@ from mesh3d.planner.hardware import Hardware, resolve_hardware
 from mesh3d.planner.memory import MemoryBreakdown, StagePlacement, rank_activations, rank_memory
 from mesh3d.planner.model_source import max_sequence_length, meta_model
 from mesh3d.planner.part_timing import time_model
-from mesh3d.planner.probe import ModelCosts, measure_model
+from mesh3d.planner.probe import ModelCosts, measure_model_anywhere
 from mesh3d.planner.step_time import Links, StepTime, step_time
 
 FIXABLE = ("pp", "dp", "tp", "schedule", "virtual_stages", "microbatches", "activation_checkpoint", "dp_mode",
@@ -110,7 +110,7 @@ def plan(
     plan_tp = tp_plan if tp_plan is not None else anatomy.tp_plan
     tied = any(len(group) > 1 for group in find_ties(model))
     param_bytes = next(model.parameters()).element_size()
-    measure = functools.cache(lambda tp, dtype: measure_model(
+    measure = functools.cache(lambda tp, dtype: measure_model_anywhere(
         model, anatomy, tp=tp, tp_plan=plan_tp, microbatch_size=1, seq_len=seq_len, param_dtype=dtype))
     # A measured machine times the model's parts at each microbatch size it plans (step_time.py).
     timed = functools.cache(lambda tp, dtype, mbs: time_model(

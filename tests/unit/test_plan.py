@@ -140,3 +140,18 @@ def test_this_machine_is_measured_once_and_plans():
     assert machine.achievable_fraction == 1.0 and machine.peak_flops > 1e8 and machine.intra_node_bandwidth > 1e6
     plans = mesh3d.plan(debug_model(), **{**SIZES, "hardware": "this-machine"}, fix={"tp": 1, "param_dtype": None})
     assert plans and all(p.param_dtype is None for p in plans)
+
+
+def test_tensor_parallelism_is_measured_beside_a_process_group():
+    """Under torchrun after build_mesh the probe's fake group cannot be made here: it runs in a process of its own."""
+    import torch.distributed as dist
+
+    mesh3d.build_mesh(pp=1, dp=1, tp=1, device="cpu")
+    try:
+        fix = {"pp": 1, "tp": 2, "schedule": "1f1b", "microbatches": 2, "activation_checkpoint": "never"}
+        beside = mesh3d.plan(debug_model(), fix=fix, **SIZES)
+    finally:
+        dist.destroy_process_group()
+    alone = mesh3d.plan(debug_model(), fix=fix, **SIZES)
+    assert [p.memory_per_rank for p in beside] == [p.memory_per_rank for p in alone]
+    assert [p.step_seconds for p in beside] == [p.step_seconds for p in alone]
