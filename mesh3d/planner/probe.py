@@ -310,10 +310,7 @@ def _forward(stage: nn.Module, x: torch.Tensor, targets: torch.Tensor | None, mo
         out = checkpoint(call, x, use_reentrant=False)
     else:
         out = call(x)
-    if targets is None:
-        return out
-    value = cross_entropy_loss(_local(out) if isinstance(out, DTensor) else out, targets)
-    return value[0] if isinstance(value, tuple) else value
+    return _forward_loss(out, targets)
 
 
 def _input(x: torch.Tensor) -> torch.Tensor:
@@ -396,7 +393,8 @@ def _flops_and_traffic(stage, x, targets, tp: int) -> tuple[float, float, _Colle
 
 
 def _forward_loss(out: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+    """The last stage's loss (mesh3d's default), as a tensor to backpropagate; `out` unchanged elsewhere."""
     if targets is None:
         return out
-    value = cross_entropy_loss(_local(out) if isinstance(out, DTensor) else out, targets)
+    value = cross_entropy_loss(_local(out), targets)
     return value[0] if isinstance(value, tuple) else value
