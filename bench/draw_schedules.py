@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mesh3d.pipeline import draw
+from mesh3d.pipeline import draw, simulate
 
 IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
 
@@ -21,6 +21,7 @@ FIGURES = [
     ("zbv", 4, 8, 2),
 ]
 SPLIT_BACKWARD = {"zero_bubble", "zbv"}
+CALLS_IN_A_ROW = [("1f1b", 4, 4, 3), ("pipedream_2bw", 4, 4, 3)]  # (schedule, pp, microbatches, calls)
 
 
 def main() -> None:
@@ -34,6 +35,12 @@ def main() -> None:
             f"peak activations per rank {report.peak_activations}, makespan {report.makespan:g}, "
             f"{path.stat().st_size // 1024} KB"
         )
+    for name, pp, microbatches, calls in CALLS_IN_A_ROW:
+        path = IMAGES / f"{name}_pp{pp}_m{microbatches}_{calls}calls.png"
+        report = simulate(name, pp, microbatches, calls=calls)
+        draw(report, path=path, title=f"{name}, pp={pp}: {calls} calls of m={microbatches} take {report.makespan:g} "
+                                      f"(forward = 1, backward = 2)")
+        print(f"{path.name}: makespan {report.makespan:g}, {path.stat().st_size // 1024} KB")
 
 
 if __name__ == "__main__":

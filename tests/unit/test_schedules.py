@@ -141,7 +141,8 @@ def test_placements():
 @pytest.mark.parametrize(
     "args, match",
     [
-        (("dualpipe", 2, 4), r"unknown pipeline schedule 'dualpipe'; choose one of \['1f1b', 'gpipe', 'interleaved_1f1b', 'zbv', 'zero_bubble'\]"),
+        (("dualpipe", 2, 4), r"unknown pipeline schedule 'dualpipe'; choose one of \['1f1b', 'gpipe', 'interleaved_1f1b', "
+                             r"'pipedream', 'pipedream_2bw', 'zbv', 'zero_bubble'\]"),
         (("zbv", 4, 3, 2), "needs microbatches >= pp, got microbatches=3 with pp=4"),
         (("zbv", 2, 4, 3), "places exactly 2 stages per rank"),
         (("zero_bubble", 4, 2, 2), "needs microbatches >= pp"),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from mesh3d.pipeline.schedule.generators import gpipe, interleaved_one_f_one_b, one_f_one_b
 from mesh3d.pipeline.schedule.ir import Schedule
+from mesh3d.pipeline.schedule.never_drain import never_drain
 from mesh3d.pipeline.schedule.zero_bubble import zero_bubble, zero_bubble_v
 
 DEFAULT_MICROBATCHES = "pp"  # how the docs say it: microbatches=None means one per pp rank
@@ -23,6 +24,7 @@ class ScheduleSpec:
     needs_pp_microbatches: bool  # deadlocks or idles with fewer microbatches than pp
     default_virtual_stages: int | None  # None: 2 when the model has at least 2*pp layers, else 1
     fixed_virtual_stages: int | None = None  # the only virtual_stages it takes (zbv: its V needs exactly 2)
+    never_drains: bool = False  # calls overlap; weights update inside the pipeline (never_drain.py)
 
     @property
     def virtual_stages_rule(self) -> str:
@@ -48,6 +50,10 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "zero_bubble": ScheduleSpec(zero_bubble, multi_stage=True, needs_pp_microbatches=True, default_virtual_stages=1),
     "zbv": ScheduleSpec(zero_bubble_v, multi_stage=True, needs_pp_microbatches=True, default_virtual_stages=2,
                         fixed_virtual_stages=2),
+    "pipedream": ScheduleSpec(never_drain("pipedream"), multi_stage=False, needs_pp_microbatches=True,
+                              default_virtual_stages=1, never_drains=True),
+    "pipedream_2bw": ScheduleSpec(never_drain("pipedream_2bw"), multi_stage=False, needs_pp_microbatches=True,
+                                  default_virtual_stages=1, never_drains=True),
 }
 
 

@@ -28,12 +28,14 @@ class Kind(str, enum.Enum):
     RECV_F = "RECV_F"  # post the receive of a forward activation from the previous stage's rank
     SEND_B = "SEND_B"  # send an input gradient to the previous stage's rank
     RECV_B = "RECV_B"  # post the receive of an output gradient from the next stage's rank
+    U = "U"  # never-drain schedules: the optimizer update of a stage, after the backward completing it
 
     def __str__(self) -> str:
         return self.value
 
 
 COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W)
+COMMUNICATION = (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)
 BACKWARD_INPUT = (Kind.B, Kind.I)  # a backward that produces the input gradient (sent to the previous stage)
 RELEASES = (Kind.B, Kind.W)  # the action after which a forward's activation is no longer held
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from mesh3d.pipeline.schedule.ir import BACKWARD_INPUT, COMPUTE, Action, Kind, Schedule, ScheduleError
+from mesh3d.pipeline.schedule.ir import BACKWARD_INPUT, COMMUNICATION, COMPUTE, Action, Kind, Schedule, ScheduleError
 from mesh3d.pipeline.schedule.timeline import dependencies, replay, timeline
 
 
@@ -120,12 +120,19 @@ def check_lowered(lowered: LoweredSchedule) -> None:
     only when the other end has issued its half; a compute waits for the messages it consumes.
     Lists that finish here also finish with per-pair streams and with gloo, whatever the timing.
     """
-    schedule = lowered.schedule
+    check_lists(lowered.schedule, lowered.actions, lowered.skips)
+
+
+def check_lists(schedule: Schedule, actions_per_rank, skips: tuple[tuple[int, int], ...] = (),
+                done: set[Action] | None = None, completed: set[Message] | None = None) -> None:
+    """check_lowered's replay over any per-rank lists of `schedule`'s actions (a never-drain
+    schedule's one call among several: `done` and `completed` carry the compute actions and
+    messages earlier calls finished, and gain this one's). An update (U) runs whenever reached."""
     n_stages = schedule.n_stages
     pair_order: dict[tuple[int, int], list[list[Message]]] = defaultdict(lambda: [[], []])
-    for rank, actions in enumerate(lowered.actions):
+    for rank, actions in enumerate(actions_per_rank):
         for action in actions:
-            if action.kind not in COMPUTE:
+            if action.kind in COMMUNICATION:
                 pair = (min(rank, action.peer), max(rank, action.peer))
                 pair_order[pair][0 if rank == pair[0] else 1].append(_message_of(action))
     for (low, high), (seen_low, seen_high) in pair_order.items():
@@ -134,8 +141,8 @@ def check_lowered(lowered: LoweredSchedule) -> None:
 
     issued: list[list[Action]] = [[] for _ in range(schedule.pp)]
     head = [0] * schedule.pp  # per rank: the first issued operation not yet completed
-    completed: set[Message] = set()
-    done: set[Action] = set()
+    completed = set() if completed is None else completed
+    done = set() if done is None else done
 
     def settle() -> None:
         matched = True
@@ -157,15 +164,15 @@ def check_lowered(lowered: LoweredSchedule) -> None:
             needed = dependencies(action, n_stages)
             if any(d not in done for d in needed if schedule.stage_rank(d.stage) == rank):
                 return False
-            if any(m not in completed for m in _messages_needed(action, schedule, rank, lowered.skips)):
+            if any(m not in completed for m in _messages_needed(action, schedule, rank, skips)):
                 return False
             done.add(action)
-        else:
+        elif action.kind in COMMUNICATION:
             issued[rank].append(action)
         return True
 
     # Matching after every rank's turn lets the next rank see the messages this one just issued.
-    stuck = replay(lowered.actions, run, after_each_rank=settle)
+    stuck = replay(actions_per_rank, run, after_each_rank=settle)
     pending = [issued[r][head[r]] for r in range(schedule.pp) if head[r] < len(issued[r])]
     if stuck or pending:
         where = "; ".join(f"rank {r} stuck at {a}" for r, a in stuck)

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mesh3d.pipeline.schedule.lower import lower
-from mesh3d.pipeline.schedule.catalog import build_schedule
+from mesh3d.pipeline.schedule.catalog import SCHEDULES, build_schedule
+from mesh3d.pipeline.schedule.never_drain import continuous_schedule, never_drain_stream
 from mesh3d.pipeline.schedule.ir import RELEASES, Action, Kind, Schedule
 from mesh3d.pipeline.schedule.timeline import TimedAction, timeline
 
@@ -76,8 +77,15 @@ def simulate(
     b_cost: float = 2.0,
     w_cost: float = 0.0,
     comm_cost: float = 0.0,
+    calls: int = 1,
 ) -> SimulationReport:
     """Run a schedule on paper: costs per stage forward/backward, zero-cost messages by default.
+
+    `calls`: that many calls of `pm.step` in a row. A schedule that drains runs them one after the
+    other (the report shows each call's events, `calls` times the makespan); a never-drain
+    schedule ("pipedream", "pipedream_2bw") runs them as one stream, the next call's forwards
+    entering while this call's backwards finish, and then its flush: with f + b per slot, K calls
+    of m microbatches take (K*m + pp - 1) slots.
 
     `b_cost` is a stage's whole backward and `w_cost` its weight-gradient part: a split backward
     (zero-bubble schedules) costs b_cost - w_cost for I and w_cost for W.
@@ -86,6 +94,18 @@ def simulate(
     per pp rank). Raises ValueError for sizes the schedule cannot run and ScheduleError if the
     lowered schedule could not finish.
     """
+    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
+        raise ValueError(f"calls must be a positive integer, got {calls!r}")
     built = build_schedule(schedule, pp, microbatches, virtual_stages)
+    if SCHEDULES[schedule].never_drains:
+        never_drain_stream(schedule, pp, microbatches)  # rejects a stream whose calls could not finish
+        stream = continuous_schedule(schedule, pp, microbatches, calls)
+        return simulate_schedule(stream, f_cost=f_cost, b_cost=b_cost, w_cost=w_cost, comm_cost=comm_cost)
     lower(built)  # rejects a schedule whose communication could not finish
-    return simulate_schedule(built, f_cost=f_cost, b_cost=b_cost, w_cost=w_cost, comm_cost=comm_cost)
+    one = simulate_schedule(built, f_cost=f_cost, b_cost=b_cost, w_cost=w_cost, comm_cost=comm_cost)
+    if calls == 1:
+        return one
+    events = tuple(TimedAction(e.rank, e.action, e.start + c * one.makespan, e.end + c * one.makespan)
+                   for c in range(calls) for e in one.events)
+    return SimulationReport(built, events, calls * one.makespan, one.bubble_fraction, one.peak_activations,
+                            [calls * b for b in one.busy])
