@@ -44,6 +44,7 @@ class ParallelModel:
         tensor_parallel: the resolved tensor-parallel configuration.
         grad_sync: the once-per-step dp gradient reduction; None when dp == 1.
         vocab_size: the vocabulary the model declared; token ids and targets are checked against it.
+        optimizer: the optimizer parallelize built from its `optimizer=` factory, or None.
     """
 
     def __init__(
@@ -57,7 +58,9 @@ class ParallelModel:
         tensor_parallel: TensorParallelConfig,
         grad_sync: GradientSync | None = None,
         vocab_size: int | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
     ):
+        self._optimizer = optimizer
         self.layout = layout
         self.runtime = runtime
         self.stages = runtime.stages
@@ -95,8 +98,35 @@ class ParallelModel:
             check_loss_parallel_output(tuple(output.placements) if isinstance(output, DTensor) else None, output.ndim)
         return boundaries, self.global_loss.kind(boundaries, inputs, targets)
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer parallelize built over this rank's parameters from `optimizer=` (None if
+        none was given): hand it to an LR scheduler, or to mesh3d.checkpoint.save."""
+        return self._optimizer
+
+    @property
+    def never_drains(self) -> bool:
+        """Whether the schedule overlaps calls and updates inside the pipeline ("pipedream",
+        "pipedream_2bw"): `step`'s backwards may finish during the next calls; see `flush`."""
+        return self.runtime.stream is not None
+
+    def flush(self) -> None:
+        """Finish every backward and update still in flight (never-drain schedules; nothing to do
+        for the others). Call it before reading or saving the weights and at the end of training;
+        `evaluate` and `mesh3d.checkpoint.save` flush by themselves. A flush changes no update
+        rule: the next calls see the weight versions they would have seen without it."""
+        with self._peer_failures("pm.flush"):
+            self.runtime.flush()
+
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every microbatch; gradients accumulate into `.grad`.
+
+        Given `optimizer=` at parallelize, the step also updates the weights and zeroes the
+        gradients. Under a never-drain schedule ("pipedream", "pipedream_2bw") the updates happen
+        inside the pipeline, stage by stage, as the schedule's update rule says
+        (docs/pipeline.md#never-drain-schedules); this batch's last backwards may finish during
+        the next calls (`flush` finishes them). The loss returned is this batch's, computed with
+        the weights the rule gives each microbatch.
 
         With a (loss_sum, count) loss (the default cross-entropy is one), gradients equal those of
         one process computing sum(loss_sums) / sum(counts) over the whole global batch (every
@@ -111,6 +141,8 @@ class ParallelModel:
 
     def _step(self, inputs: torch.Tensor, targets: torch.Tensor, boundaries: Boundaries, kind: str) -> torch.Tensor:
         loss = self.global_loss.for_step(boundaries, kind, targets)
+        if self.never_drains:
+            return self.global_loss.total(self.runtime.run(inputs, targets, boundaries, loss, train=True), loss)
         self.tied.set_aside_grads()
         try:
             totals = self.runtime.run(inputs, targets, boundaries, loss, train=True)
@@ -124,12 +156,20 @@ class ParallelModel:
             raise
         settle_gradients(self.parameters())
         self.tied.sync_grads()
-        return self.global_loss.total(totals, loss)
+        value = self.global_loss.total(totals, loss)
+        if self._optimizer is not None:
+            self._optimizer.step()
+            self._optimizer.zero_grad()
+        return value
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of a forward pass only (no gradients, modules in eval mode), the same on every
-        rank: the global token mean for a (loss_sum, count) loss, else the mean of microbatch means."""
+        rank: the global token mean for a (loss_sum, count) loss, else the mean of microbatch means.
+        Under a never-drain schedule it flushes first (`flush`), so it sees every update in flight."""
+        if self.never_drains:
+            with torch.enable_grad():
+                self.flush()
         with self._peer_failures("pm.evaluate"):
             boundaries, kind = self._check(inputs, targets, "pm.evaluate")
         loss = self.global_loss.for_evaluation(kind)

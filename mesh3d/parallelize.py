@@ -22,7 +22,7 @@ its axis (torchtitan's parallelize_llama has the same shape):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -42,7 +42,10 @@ from mesh3d.pipeline.p2p import PipelinePeers
 from mesh3d.pipeline.runtime import PipelineRuntime
 from mesh3d.model.anatomy import Anatomy, anatomy_of
 from mesh3d.pipeline.split import Split, split_model
-from mesh3d.pipeline.tied import TiedWeights, find_ties
+from mesh3d.pipeline.schedule.catalog import SCHEDULES
+from mesh3d.pipeline.schedule.never_drain import never_drain_stream
+from mesh3d.pipeline.tied import TiedWeights, find_ties, get_parameter
+from mesh3d.pipeline.weight_versions import WeightVersions
 from mesh3d.model.state_map import StateMap
 from mesh3d.tensor import TensorParallelConfig, apply_tensor_parallel, loss_context
 
@@ -74,6 +77,7 @@ def parallelize(
     seed: int | None = None,
     split_points: Sequence[str] | None = None,
     example_inputs: tuple | None = None,
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
 ) -> ParallelModel:
     """Split `model` into pipeline stages, keep this rank's, and return a ParallelModel.
 
@@ -97,6 +101,11 @@ def parallelize(
             "zero_bubble" (ZB-H1; interleaved zero bubble with virtual_stages > 1):
                 virtual_stages 1; microbatches at least pp.
             "zbv": virtual_stages 2 (the only value it takes); microbatches at least pp.
+            "pipedream" (never drains; each microbatch an update of its own, weight stashing):
+                virtual_stages 1; microbatches at least pp.
+            "pipedream_2bw" (never drains; one update per batch, two weight versions):
+                virtual_stages 1; microbatches at least pp.
+            The never-drain schedules need `optimizer=` (docs/pipeline.md#never-drain-schedules).
         microbatches: microbatches per step; default pp.
         virtual_stages: stages per pp rank; default per schedule, as listed under `schedule`.
         loss_fn: loss_fn(output, target) -> a microbatch's 0-dim mean loss (the step averages the
@@ -137,6 +146,10 @@ def parallelize(
             shape `step` will see, as the graph may bake shapes in. Unused for the other kinds.
             Without `split_points`, a traced model's stages begin between the children of its
             longest nn.Sequential / nn.ModuleList / nn.ModuleDict.
+        optimizer: a callable taking this rank's parameters and returning a torch optimizer, e.g.
+            functools.partial(torch.optim.AdamW, lr=3e-4); the result is `pm.optimizer`.
+            Required by the never-drain schedules, whose updates happen inside the pipeline;
+            with any other schedule `pm.step` then also steps and zeroes it.
         seed: seeds the initialization of a model given on meta: `init_weights(seed=seed)` when
             the model's init_weights takes a seed (a model that seeds by parameter name then gets
             the same weights under every layout), and the global RNG per stage; a Hugging Face
@@ -158,11 +171,15 @@ def parallelize(
         activation_checkpoint=activation_checkpoint, layers_per_stage=layers_per_stage,
         stage_balance=stage_balance, end_weight=end_weight, split_points=split_points,
     )
+    never_drains = SCHEDULES[schedule].never_drains
+    _check_optimizer(schedule, never_drains, optimizer)
     _check_same_config_everywhere(f"{pipe} {data} {tensor} compile={compile_backend}")
 
     split = split_model(model, anatomy, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank), pipe.traced)
     stages = to_device(split.stages, layout.device, materialize=split.from_meta)
     ties = find_ties(model)
+    if never_drains:
+        _refuse_ties_across_stages(schedule, ties, split.meta_stages)
     state = StateMap.from_stages(layout, split.meta_model, split.meta_stages, pipe.schedule.stage_rank, ties, stages)
     tied = TiedWeights(ties, split.meta_stages, pipe.schedule.stage_rank, layout, stages)
     tied.tie_locally()
@@ -172,7 +189,7 @@ def parallelize(
     if compile_backend is not None:
         compile_blocks(stages.values(), anatomy, compile_backend, split_backward=pipe.schedule.splits_backward)
     grad_sync = None
-    if data.wraps(layout.dp):
+    if data.wraps(layout.dp) or never_drains:  # never-drain: versions are swapped through FSDP (weight_versions.py)
         tied.separate_stages()  # each stage is its own FSDP/DDP root: no Parameter shared by two
         grad_sync = apply_data_parallel(stages, layout, data, anatomy.blocks)
 
@@ -184,14 +201,53 @@ def parallelize(
         before_backward=grad_sync.before_backward if grad_sync is not None else None,
         after_weight_backward=grad_sync.after_weight_backward if grad_sync is not None else None,
         fake_shape_run=anatomy.fake_shape_run, routes=pipe.routes, blocks=anatomy.blocks,
+        stream=never_drain_stream(schedule, layout.pp, pipe.schedule.microbatches) if never_drains else None,
     )
     has_last_stage = pipe.schedule.n_stages - 1 in stages
     loss = GlobalLoss(
-        layout, loss_fn or cross_entropy_loss, loss_context(tensor.loss_parallel), pipe.schedule.microbatches, has_last_stage
+        layout, loss_fn or cross_entropy_loss, loss_context(tensor.loss_parallel), pipe.schedule.microbatches,
+        has_last_stage, per_microbatch=schedule == "pipedream",
     )
-    return ParallelModel(
+    pm = ParallelModel(
         layout, runtime, loss, tied, state, pipe.stage_layers, tensor, grad_sync, declared_vocab_size(anatomy.vocab_size)
     )
+    if optimizer is not None:
+        pm._optimizer = _build_optimizer(optimizer, pm)
+    if never_drains:
+        runtime.versions = WeightVersions(stages, runtime.stream.rule, pm.optimizer)
+    return pm
+
+
+def _check_optimizer(schedule: str, never_drains: bool, optimizer) -> None:
+    if optimizer is not None and not callable(optimizer):
+        raise ValueError(
+            f"optimizer={optimizer!r} is not callable; pass a factory taking the parameters, e.g. "
+            "functools.partial(torch.optim.AdamW, lr=3e-4)"
+        )
+    if never_drains and optimizer is None:
+        raise ValueError(
+            f"schedule {schedule!r} updates the weights inside the pipeline, stage by stage, so mesh3d must own the "
+            "optimizer: pass optimizer=functools.partial(torch.optim.AdamW, lr=...) (any callable taking the "
+            "parameters and returning a torch optimizer); it is then pm.optimizer"
+        )
+
+
+def _build_optimizer(factory, pm: ParallelModel) -> torch.optim.Optimizer:
+    built = factory(list(pm.parameters()))
+    if not isinstance(built, torch.optim.Optimizer):
+        raise ValueError(f"optimizer= returned {type(built).__name__}, not a torch.optim.Optimizer")
+    return built
+
+
+def _refuse_ties_across_stages(schedule: str, ties: list[list[str]], meta_stages: list[nn.Module]) -> None:
+    """Pure: every rank sees the same meta stages and raises the same error."""
+    for names in ties:
+        holders = [s for s, stage in enumerate(meta_stages) if any(get_parameter(stage, n) is not None for n in names)]
+        if len(holders) > 1:
+            raise ValueError(
+                f"schedule {schedule!r} does not support a weight tied across pipeline stages yet ({names} on stages "
+                f"{holders}); untie it (e.g. tie_word_embeddings=False), or use a schedule that drains"
+            )
 
 
 def _resolve_layout(layout: Layout | None, pp: int | None, dp: int | None, tp: int | None) -> Layout:

@@ -172,9 +172,12 @@ class LossScale:
     kind: str  # MEAN or PAIR
     divisor: float  # MEAN: the microbatch count; PAIR: global count / dp (0 when nothing counts)
     expected_count: int = 0  # PAIR: what this rank's microbatches count together, found before the step
+    # PAIR, when each microbatch is a minibatch of its own: its global count / dp, per microbatch
+    divisors: tuple[float, ...] | None = None
 
-    def apply(self, result: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(loss value to report, the count it stands for, the tensor to backpropagate)."""
+    def apply(self, result: object, microbatch: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss value to report, the count it stands for, the tensor to backpropagate) of the
+        step's `microbatch`-th microbatch."""
         kind = loss_kind(result)
         if kind != self.kind:
             raise ValueError(f"loss_fn returned a {kind} loss where an earlier call returned a {self.kind} loss; "
@@ -182,7 +185,8 @@ class LossScale:
         if kind == MEAN:
             return _value(result), torch.ones((), device=result.device), result / self.divisor
         loss_sum, count = result
-        scaled = loss_sum / self.divisor if self.divisor else loss_sum * 0.0
+        divisor = self.divisor if self.divisors is None else self.divisors[microbatch]
+        scaled = loss_sum / divisor if divisor else loss_sum * 0.0
         return _value(loss_sum), torch.as_tensor(count, device=_value(loss_sum).device), scaled
 
 

@@ -61,12 +61,16 @@ class Traffic:
         self.bytes_by_stage_pair[pair] = self.bytes_by_stage_pair.get(pair, 0) + nbytes
 
 
-def message_tag(schedule: Schedule, kind: Kind, producer_stage: int, consumer_stage: int, microbatch: int) -> int:
+def message_tag(schedule: Schedule, kind: Kind, producer_stage: int, consumer_stage: int, microbatch: int,
+                window: int | None = None) -> int:
     """A tag unique to one message within a step (gloo matches on it; NCCL ignores it): a stage
-    with a skip connection sends to two consumers, so the consumer is part of it."""
+    with a skip connection sends to two consumers, so the consumer is part of it. With a `window`
+    (never-drain schedules number microbatches across calls), microbatches are told apart modulo
+    it: the messages in flight at once span fewer microbatches than that."""
     n = schedule.n_stages
     direction = 0 if kind in (Kind.SEND_F, Kind.RECV_F) else 1
-    return ((direction * n + producer_stage) * n + consumer_stage) * schedule.microbatches + microbatch
+    span = schedule.microbatches if window is None else window
+    return ((direction * n + producer_stage) * n + consumer_stage) * span + microbatch % span
 
 
 class ReceiveBuffers:
@@ -92,12 +96,16 @@ class Mailbox:
     Slots are keyed (F or B, this end's stage, the other end's stage, microbatch): a stage may
     receive from several producers (the previous stage and skip connections) and send to several
     consumers, gradients likewise the other way.
+
+    Under a never-drain schedule one mailbox serves every call until the flush (`window`: see
+    `message_tag`): a call may receive what the next one consumes, which stays in the inbox.
     """
 
     def __init__(self, peers: PipelinePeers, schedule: Schedule, specs: dict[tuple[int, int], Spec], traffic: Traffic,
-                 buffers: ReceiveBuffers | None = None):
+                 buffers: ReceiveBuffers | None = None, window: int | None = None):
         self.peers = peers
         self.schedule = schedule
+        self.window = window
         # by (producer, consumer) stage: the activation message's shape and dtype as sent (its gradient's too)
         self.specs = specs
         self.traffic = traffic
@@ -146,14 +154,14 @@ class Mailbox:
         producer = action.other_stage  # of this message (for a gradient: the activation's consumer)
         shape, dtype = self.specs[(producer, action.stage) if forward else (action.stage, producer)]
         if self.buffers is not None:
-            buffer = self.posted[action] = self.buffers.get(action, shape, dtype, self.peers.device)
+            buffer = self.posted[action] = self.buffers.get(self._slot(action), shape, dtype, self.peers.device)
         else:
             buffer = torch.empty(shape, dtype=dtype, device=self.peers.device)
         work = dist.irecv(
             buffer,
             src=self.peers.global_ranks[action.peer],
             group=self.peers.group,
-            tag=message_tag(self.schedule, action.kind, producer, action.stage, action.microbatch),
+            tag=message_tag(self.schedule, action.kind, producer, action.stage, action.microbatch, self.window),
         )
         self.traffic.bytes_received += buffer.numel() * buffer.element_size()
         what = (f"P2P recv of the {'activation' if forward else 'output gradient'} of stage {action.stage}, "
@@ -178,21 +186,33 @@ class Mailbox:
             tensor,
             dst=self.peers.global_ranks[action.peer],
             group=self.peers.group,
-            tag=message_tag(self.schedule, action.kind, stage, other, microbatch),
+            tag=message_tag(self.schedule, action.kind, stage, other, microbatch, self.window),
         )
         what = (f"P2P send of the {'output' if forward else 'input gradient'} of stage {stage}, microbatch {microbatch}, "
                 f"to stage {other} on global rank {self.peers.global_ranks[action.peer]}")
         self.sends.append((work, tensor, what))  # the tensor must live until the send completes
         self.traffic.count_send(stage, other, tensor.numel() * tensor.element_size())
 
+    def _slot(self, action: Action) -> Action:
+        """The receive buffer a message lands in: one per message of a step (modulo the window)."""
+        if self.window is None:
+            return action
+        return Action(action.stage, action.kind, action.microbatch % self.window, action.peer, action.far_stage)
+
     def close(self) -> None:
-        """End of a step that finished: wait for the sends; the receive buffers go back for the
-        next step (every receive was waited on by the compute that consumed it)."""
+        """End of a step (or call) that finished: wait for the sends; the buffers of the receives
+        consumed go back for the next step (under a never-drain schedule a receive the next call
+        consumes keeps its buffer)."""
         for work, _, what in self.sends:
             with waiting_for(what):
                 work.wait()
         self.sends = []
         if self.buffers is not None:
+            kept = {}
             for action, buffer in self.posted.items():
-                self.buffers.give_back(action, buffer)
-        self.posted = {}
+                forward = action.kind == Kind.RECV_F
+                if (Kind.F if forward else Kind.B, action.stage, action.other_stage, action.microbatch) in self.inbox:
+                    kept[action] = buffer
+                else:
+                    self.buffers.give_back(self._slot(action), buffer)
+            self.posted = kept

@@ -33,14 +33,17 @@ from mesh3d.pipeline.schedule.ir import RELEASES, Action, Kind
 from mesh3d.pipeline.backward_halves import PendingWeightGrad, backward_input, backward_weight
 from mesh3d.pipeline.block_checkpoint import FULL, SELECTIVE, BlockCheckpointSwitch, checkpoint_blocks
 from mesh3d.pipeline.selective_checkpoint import selective_contexts
+from mesh3d.pipeline.schedule.never_drain import NeverDrainStream
+from mesh3d.pipeline.weight_versions import WeightVersions
 
 
 class MicrobatchLoss(Protocol):
     """The last stage's loss for one step or evaluation, handed to `run` by the step
     (step/global_loss.py builds it from the user's loss_fn and the step's scale)."""
 
-    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(loss value to report, the count it stands for, the scaled tensor to backpropagate)."""
+    def __call__(self, output: torch.Tensor, target: torch.Tensor, microbatch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss value to report, the count it stands for, the scaled tensor to backpropagate) of
+        the step's `microbatch`-th microbatch."""
 
     def context(self) -> AbstractContextManager:
         """The context the loss's backward runs in (tensor parallelism's loss_parallel)."""
@@ -80,6 +83,9 @@ class PipelineRuntime:
             from each stage to the next. The lowered schedules must carry the same skips.
         blocks: a stage's repeated blocks (the anatomy's `blocks`), checkpointed one by one
             (below); None: every stage is checkpointed whole.
+        stream: a never-drain schedule's calls (schedule/never_drain.py): each `run` is then one
+            call, whose backwards may finish in the next call or at `flush`; `training` is its
+            one-call form. Needs `versions`, which swaps weight versions and runs the updates.
 
     What activation checkpointing checkpoints:
     - schedules with a whole backward (gpipe, 1f1b, interleaved_1f1b): each block of a stage on
@@ -112,8 +118,15 @@ class PipelineRuntime:
         fake_shape_run: bool = False,
         routes: StageRoutes | None = None,
         blocks: Callable[[nn.Module], list[nn.Module]] | None = None,
+        stream: NeverDrainStream | None = None,
+        versions: WeightVersions | None = None,
     ):
         self.stages = stages
+        self.stream = stream
+        self.versions = versions
+        self.in_flight: _Step | None = None  # never-drain: the calls whose backwards are not all done
+        self.calls = 0  # never-drain: calls run so far (microbatches are numbered across them)
+        self.last_call_behind = False  # whether the last call ran behind another still in flight
         self.routes = routes if routes is not None else StageRoutes.chain(len(meta_stages))
         if self.routes.skips != training.skips or self.routes.skips != evaluation.skips:
             raise ValueError(f"the schedules were lowered with skips {training.skips}, the routes have {self.routes.skips}")
@@ -177,6 +190,10 @@ class PipelineRuntime:
         Returns [sum of the loss values, sum of their counts] computed here (a mean loss counts 1
         per microbatch; zeros on ranks without the last stage)."""
         m = self.microbatches
+        if self.stream is not None and train:
+            return self._run_call(inputs, targets, boundaries, loss)
+        if self.in_flight is not None:
+            raise RuntimeError("a never-drain schedule still has backwards in flight: flush() before an evaluation")
         input_chunks = inputs.to(self.device).chunk(m)
         target_chunks = targets.to(self.device).chunk(m) if targets is not None else None
         counters = RuntimeCounters()
@@ -190,6 +207,47 @@ class PipelineRuntime:
         for index, action in enumerate(actions):
             step.execute(action, is_last_backward=index in self._last_backward_index)
         return step.finish()
+
+    def _run_call(self, inputs: torch.Tensor, targets: torch.Tensor, boundaries: Boundaries,
+                  loss: MicrobatchLoss) -> torch.Tensor:
+        """One call of a never-drain schedule: this batch's forwards, the backwards the stream puts
+        in this call (some of the previous call's), and the updates they complete."""
+        m = self.microbatches
+        if self.in_flight is not None and self.in_flight.specs != boundaries.specs:
+            self.flush()  # new boundary shapes: the messages in flight were sized for the old ones
+        behind = self.in_flight is not None
+        if not behind:
+            wire = {pair: spec.wire for pair, spec in boundaries.specs.items()}
+            mailbox = Mailbox(self.peers, self.schedule, wire, RuntimeCounters(), self.receive_buffers, window=2 * m)
+            self.in_flight = _Step(self, {}, {}, mailbox, loss, True, RuntimeCounters(), boundaries.specs)
+        step = self.in_flight
+        counters = self.counters = RuntimeCounters()
+        first = self.calls * m
+        step.begin_call(dict(enumerate(inputs.to(self.device).chunk(m), first)),
+                        dict(enumerate(targets.to(self.device).chunk(m), first)), loss, counters)
+        self.versions.begin_call(self.calls)
+        actions = self.stream.call(self.peers.pp_rank, self.calls, behind)
+        self.calls += 1
+        self.last_call_behind = behind
+        return self._execute_call(step, actions)
+
+    def _execute_call(self, step: _Step, actions: tuple[Action, ...]) -> torch.Tensor:
+        step.mailbox.post_receives_ahead(actions)
+        for action in actions:
+            step.execute(action, is_last_backward=False)  # a never-drain step asks its update rule
+        return step.end_call()
+
+    def flush(self) -> None:
+        """Never-drain schedules: finish every backward and update still in flight, then put each
+        stage's newest weights in its parameters. Nothing to do for the other schedules."""
+        if self.stream is None:
+            return
+        if self.in_flight is not None:
+            step, self.in_flight = self.in_flight, None
+            step.counters = self.counters  # the flush's traffic counts to the last call
+            step.mailbox.traffic = self.counters
+            self._execute_call(step, self.stream.flush(self.peers.pp_rank, self.calls - 1, self.last_call_behind))
+        self.versions.settle()
 
 
 class _Step:
@@ -214,12 +272,35 @@ class _Step:
         self.losses: list[torch.Tensor] = []
         self.counts: list[torch.Tensor] = []
 
+    def begin_call(self, inputs: dict[int, torch.Tensor], targets: dict[int, torch.Tensor], loss: MicrobatchLoss,
+                   counters: RuntimeCounters) -> None:
+        """A never-drain schedule's next call on this same state: its batch's microbatches (numbered
+        across calls), its loss, its counters. What the previous call left in flight stays."""
+        self.inputs, self.targets, self.loss = inputs, targets, loss
+        self.counters = self.mailbox.traffic = counters
+        counters.live_activations = len(self.saved)
+        counters.peak_live_activations = len(self.saved)
+
+    def end_call(self) -> torch.Tensor:
+        """The end of a never-drain call: its sends done, its losses summed (as `finish`)."""
+        totals = self.finish()
+        self.losses, self.counts = [], []
+        return totals
+
     def execute(self, action: Action, is_last_backward: bool) -> None:
         kind = action.kind
+        versions = self.rt.versions
+        if versions is not None and kind in (Kind.F, Kind.B):
+            versions.before_compute(action.stage, action.microbatch)
+            is_last_backward = versions.rule.completes_update(action.microbatch)
         if kind == Kind.F:
             self.forward(action.stage, action.microbatch)
         elif kind == Kind.B:
             self.backward(action.stage, action.microbatch, is_last_backward)
+            if versions is not None:
+                versions.after_backward(action.stage, action.microbatch)
+        elif kind == Kind.U:
+            versions.update(action.stage, action.microbatch)
         elif kind == Kind.I:
             self.backward_input(action.stage, action.microbatch)
         elif kind == Kind.W:
@@ -268,7 +349,7 @@ class _Step:
             x = x.detach().requires_grad_(True)
         mode = rt.activation_checkpoint
         recompute = self.train and (
-            mode in ("always", "selective") or (mode == "except_last" and mb != rt.microbatches - 1)
+            mode in ("always", "selective") or (mode == "except_last" and mb % rt.microbatches != rt.microbatches - 1)
         )
         if recompute:
             self.counters.recomputed_forwards += 1
@@ -298,7 +379,7 @@ class _Step:
             else:
                 out = self._call(stage, x)
             if last:
-                value, count, out = self.loss(out, self.targets[mb])
+                value, count, out = self.loss(out, self.targets[mb], mb % rt.microbatches)
                 self.losses.append(value)
                 self.counts.append(count)
             else:
@@ -341,7 +422,7 @@ class _Step:
             with cached if cached is not None else contextlib.nullcontext():
                 out = self._call(stage, x)
             if stage == self.rt.n_stages - 1:
-                return self.loss(out, self.targets[mb])[2]
+                return self.loss(out, self.targets[mb], mb % self.rt.microbatches)[2]
             return join(self._messages(stage, out))
 
     def backward(self, stage: int, mb: int, is_last_backward: bool) -> None:

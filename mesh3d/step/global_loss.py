@@ -43,10 +43,10 @@ class ScaledLoss:
     context: Callable[[], AbstractContextManager]
     scale: LossScale
 
-    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(self, output: torch.Tensor, target: torch.Tensor, microbatch: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         with self.context():
             result = self.loss_fn(output, target)
-        return self.scale.apply(result)
+        return self.scale.apply(result, microbatch)
 
 
 class GlobalLoss:
@@ -59,6 +59,9 @@ class GlobalLoss:
             parallelism's loss_parallel).
         microbatches: microbatches per step.
         has_last_stage: whether this rank holds the last stage (computes the loss).
+        per_microbatch: every microbatch's gradient is an update of its own (schedule
+            "pipedream"): each is scaled as a whole batch would be (a mean: by 1; a pair: by its
+            own global count, over the dp ranks' microbatches of the same index).
     """
 
     def __init__(
@@ -68,7 +71,9 @@ class GlobalLoss:
         loss_context: Callable[[], AbstractContextManager],
         microbatches: int,
         has_last_stage: bool,
+        per_microbatch: bool = False,
     ):
+        self.per_microbatch = per_microbatch  # each microbatch is a minibatch of its own ("pipedream")
         self.layout = layout
         self.loss_fn = loss_fn
         self.loss_context = loss_context
@@ -113,15 +118,18 @@ class GlobalLoss:
     def _scale(self, boundaries: Boundaries, kind: str, targets: torch.Tensor) -> LossScale:
         m = self.microbatches
         if kind == MEAN:
-            return LossScale(MEAN, float(m))
+            return LossScale(MEAN, 1.0 if self.per_microbatch else float(m))
         if not self.has_last_stage:
             return LossScale(PAIR, 0.0)  # never applied here
         chunks = targets.to(self.layout.device).chunk(m)
-        local = torch.stack(probe_counts(self.loss_fn, boundaries.output, chunks, self.loss_context)).sum()
-        both = torch.stack([local, local]).long()  # [this rank's, the global] count
+        local = torch.stack(probe_counts(self.loss_fn, boundaries.output, chunks, self.loss_context))
+        # [this rank's count, the global count, the global count of each microbatch index]
+        counts = torch.cat([local.sum().reshape(1), local.sum().reshape(1), local]).long()
         if self.layout.dp > 1:
-            dist.all_reduce(both[1:], group=self.layout.group("dp"))
-        mine, total = both.tolist()  # the step's one host sync for the count
+            dist.all_reduce(counts[1:], group=self.layout.group("dp"))
+        mine, total, *each = counts.tolist()  # the step's one host sync for the count
+        if self.per_microbatch:
+            return LossScale(PAIR, total / self.layout.dp, mine, tuple(c / self.layout.dp for c in each))
         return LossScale(PAIR, total / self.layout.dp, mine)
 
     def total(self, totals: torch.Tensor, loss: ScaledLoss | None = None) -> torch.Tensor:
