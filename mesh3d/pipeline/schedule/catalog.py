@@ -115,8 +115,8 @@ def _takes_fewer_microbatches(schedule: str) -> str:
     per rank, as an error's suggestion: zbv for dualpipev, gpipe for the others."""
     spec = SCHEDULES[schedule]
     for name, other in SCHEDULES.items():
-        if (other.fixed_virtual_stages == spec.fixed_virtual_stages is not None
-                and other.min_microbatches_per_rank < spec.min_microbatches_per_rank):
+        same_v = spec.fixed_virtual_stages is not None and other.fixed_virtual_stages == spec.fixed_virtual_stages
+        if same_v and other.min_microbatches_per_rank < spec.min_microbatches_per_rank:
             return f"schedule={name!r}, which needs {other.microbatches_rule.replace('at least ', 'microbatches >= ')}"
     return "schedule='gpipe'"
 
