@@ -19,8 +19,9 @@ FIGURES = [
     ("zero_bubble", 4, 8, 1),  # drawn with the weight gradient half of each backward (w_cost=1)
     ("zero_bubble", 4, 8, 2),
     ("zbv", 4, 8, 2),
+    ("dualpipev", 4, 8, 2),
 ]
-SPLIT_BACKWARD = {"zero_bubble", "zbv"}
+SPLIT_BACKWARD = {"zero_bubble", "zbv", "dualpipev"}
 CALLS_IN_A_ROW = [("1f1b", 4, 4, 3), ("pipedream_2bw", 4, 4, 3)]  # (schedule, pp, microbatches, calls)
 
 

@@ -101,12 +101,14 @@ def parallelize(
             "zero_bubble" (ZB-H1; interleaved zero bubble with virtual_stages > 1):
                 virtual_stages 1; microbatches at least pp.
             "zbv": virtual_stages 2 (the only value it takes); microbatches at least pp.
+            "dualpipev" (DeepSeek's DualPipeV, torch's ScheduleDualPipeV order): virtual_stages 2
+                (the only value it takes); microbatches at least 2*pp.
             "pipedream" (never drains; each microbatch an update of its own, weight stashing):
                 virtual_stages 1; microbatches at least pp.
             "pipedream_2bw" (never drains; one update per batch, two weight versions):
                 virtual_stages 1; microbatches at least pp.
             The never-drain schedules need `optimizer=` (docs/pipeline.md#never-drain-schedules).
-        microbatches: microbatches per step; default pp.
+        microbatches: microbatches per step; default pp. A schedule may need more (dualpipev: 2*pp).
         virtual_stages: stages per pp rank; default per schedule, as listed under `schedule`.
         loss_fn: loss_fn(output, target) -> a microbatch's 0-dim mean loss (the step averages the
             microbatch means), or a pair (loss_sum, count) (the step's loss is the sum of every

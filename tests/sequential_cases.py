@@ -130,8 +130,8 @@ def worst(result, ref) -> tuple[float, str]:
 
 
 def stage_ranks(schedule: str, pp: int, virtual: int) -> list[int]:
-    """The pp rank of every stage, as docs/pipeline.md lays them out: round robin, ZBV's V."""
-    if schedule == "zbv":
+    """The pp rank of every stage, as docs/pipeline.md lays them out: round robin, the V of zbv and dualpipev."""
+    if schedule in ("zbv", "dualpipev"):
         return list(range(pp)) + list(reversed(range(pp)))
     return [s % pp for s in range(pp * virtual)]
 

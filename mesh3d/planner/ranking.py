@@ -189,7 +189,7 @@ def _candidates(gpus, gpus_per_node, global_batch, n_blocks, tp_sizes, fix):
                     for m in allowed("microbatches", [m for m in _divisors(local) if m <= 4 * pp * v or m == pp]):
                         if local % m:
                             continue
-                        try:
+                        try:  # each schedule's own minimum (dualpipev: m >= 2*pp; memory and time walk its lists)
                             check_schedule_config(schedule, pp, m, v)
                         except ValueError:
                             continue

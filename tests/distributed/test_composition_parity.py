@@ -2,8 +2,8 @@
 
 Every (pp, dp, tp) whose product is 1, 2, 4 or 8, tied and untied, FSDP over dp, interleaved 1F1B
 (the default schedule); DDP on every layout with dp > 1; 1F1B, GPipe, the zero-bubble schedules,
-other microbatch counts, activation checkpointing (selective too), reshard_after_forward=True and
-loss parallel on a subset. Each data-parallel
+DualPipeV, other microbatch counts, activation checkpointing (selective too), reshard_after_forward=True
+and loss parallel on a subset. Each data-parallel
 rank steps on its share of the global batch; the reference is one process on the whole batch.
 One process-group launch per world size (two for 8) runs all its cases.
 """
@@ -59,6 +59,8 @@ EXTRA = {
         ((2, 4, 1), True, {"schedule": "zbv", "dp_mode": "ddp"}),
         # Selective checkpointing with FSDP (resharded: parameters gathered again for the recompute) and TP.
         ((2, 2, 2), True, {"schedule": "zbv", "reshard_after_forward": True, "activation_checkpoint": "selective"}),
+        # DualPipeV (deferred W's over both stages of the V) with FSDP, TP, a tie on rank 0 and recompute at I.
+        ((2, 2, 2), True, {"schedule": "dualpipev", "microbatches": 4, "activation_checkpoint": "always"}),
         ((2, 2, 2), False, {"schedule": "1f1b", "microbatches": 4, "activation_checkpoint": "selective"}),
     ],
 }

@@ -27,6 +27,7 @@ def _bad_configs():
         "unknown schedule": lambda: mesh3d.parallelize(meta_model(False), layout, schedule="zero_bubble_v"),
         "too few microbatches": lambda: mesh3d.parallelize(meta_model(False), layout, schedule="1f1b", microbatches=3),
         "too few microbatches interleaved": lambda: mesh3d.parallelize(meta_model(False), layout, microbatches=2),
+        "dualpipev with the default microbatches": lambda: mesh3d.parallelize(meta_model(False), layout, schedule="dualpipev"),
         "more stages than layers": lambda: mesh3d.parallelize(meta_model(False, n_layers=6), layout, virtual_stages=2, microbatches=4),
         "no layers": lambda: mesh3d.parallelize(NoLayers(), layout, schedule="gpipe"),
         "virtual stages with one-stage schedule": lambda: mesh3d.parallelize(meta_model(False), layout, schedule="1f1b", virtual_stages=2, microbatches=4),
@@ -43,9 +44,11 @@ def _bad_configs():
 
 
 EXPECTED = {
-    "unknown schedule": "unknown pipeline schedule 'zero_bubble_v'; choose one of ['1f1b', 'gpipe', 'interleaved_1f1b', 'zbv', 'zero_bubble']",
+    "unknown schedule": "unknown pipeline schedule 'zero_bubble_v'; choose one of ['1f1b', 'dualpipev', 'gpipe', 'interleaved_1f1b', 'zbv', 'zero_bubble']",
     "too few microbatches": "schedule '1f1b' needs microbatches >= pp, got microbatches=3 with pp=4; use at least 4",
     "too few microbatches interleaved": "schedule 'interleaved_1f1b' needs microbatches >= pp, got microbatches=2 with pp=4",
+    "dualpipev with the default microbatches": "schedule 'dualpipev' needs microbatches >= 2*pp, got microbatches=4 with pp=4; "
+                                                "use at least 8 microbatches (or schedule='zbv', which needs microbatches >= pp)",
     "more stages than layers": "cannot split 6 layers into 8 pipeline stages (pp x virtual_stages)",
     "no layers": "NoLayers has no nn.ModuleDict attribute 'layers' (found nothing)",
     "virtual stages with one-stage schedule": "schedule '1f1b' runs one stage per rank, but virtual_stages=2; use virtual_stages=1",

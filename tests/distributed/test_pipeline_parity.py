@@ -3,8 +3,9 @@
 For pp in {2, 4}: every schedule (interleaved with 2 stages per rank), microbatches pp, 2*pp and
 pp+1, tied and untied, the activation-checkpoint modes never, always and except_last; the
 zero-bubble schedules (ZB-H1, interleaved zero bubble with 2 stages per rank, ZBV) with those modes
-spread over their cases; and "selective" once per schedule. ZBV puts both ends of a tie on rank 0,
-so no tie group is built. One process-group launch per pp runs all its cases; the single-process
+spread over their cases; "selective" once per schedule; DualPipeV at microbatches 2*pp (the fewest
+it takes) with each mode once. ZBV and DualPipeV put both ends of a tie on rank 0, so no tie group
+is built. One process-group launch per pp runs all its cases; the single-process
 references are computed once, here, and shipped to the ranks.
 Each rank also checks its runtime's peak live activations against the simulator's, and how many
 forwards it checkpointed: under the schedules with one backward, every block of every checkpointed
@@ -22,6 +23,9 @@ from pipeline_cases import TOLERANCE, batches, pipeline_run, reference_run, wors
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]  # (name, virtual stages)
 ZERO_BUBBLE = [("zero_bubble", 1), ("zero_bubble", 2), ("zbv", 2)]
+DUALPIPE_V = ("dualpipev", 2)  # needs microbatches >= 2*pp: runs at 2*pp only
+SPLIT_BACKWARD = ZERO_BUBBLE + [DUALPIPE_V]
+V_PLACEMENT = ("zbv", "dualpipev")  # both ends of the model on rank 0
 AC_MODES = ("never", "always", "except_last")
 MICROBATCH_SIZE = 2
 
@@ -33,7 +37,9 @@ def cases(pp):
               for i, (s, m, tied) in enumerate(itertools.product(ZERO_BUBBLE, counts, (False, True)))]
     # "selective" once per schedule (split backward included: its cache is read at I), ties alternating.
     selective = [(s, counts[i % 3], i % 2 == 1, "selective") for i, s in enumerate(SCHEDULES + ZERO_BUBBLE)]
-    return every + spread + selective
+    dualpipe_v = [(DUALPIPE_V, 2 * pp, tied, ac) for tied, ac in
+                  ((False, "never"), (True, "always"), (False, "except_last"), (True, "selective"))]
+    return every + spread + selective + dualpipe_v
 
 
 def _run_cases(pp, references):
@@ -69,8 +75,8 @@ def test_pipeline_matches_single_process(pp):
                 failures.append(f"{case}: relative error {error:.2e} at {where}")
             if peak != simulated:
                 failures.append(f"{case}: runtime peak live activations {peak}, simulator {simulated}")
-            if schedule == "zbv" and tie_groups:
-                failures.append(f"{case}: zbv holds both tie ends on rank 0, yet a tie group was built")
+            if schedule in V_PLACEMENT and tie_groups:
+                failures.append(f"{case}: {schedule} holds both tie ends on rank 0, yet a tie group was built")
             stage_forwards = v * m
             want_recomputed = {"never": 0, "always": stage_forwards, "except_last": stage_forwards - v,
                                "selective": stage_forwards}[ac]
@@ -78,7 +84,7 @@ def test_pipeline_matches_single_process(pp):
             if recomputed != want_recomputed:
                 failures.append(f"{case}: {recomputed} checkpointed forwards, expected {want_recomputed}")
             # Per block under a whole backward; a split backward checkpoints whole stages.
-            want_blocks = 0 if (schedule, v) in ZERO_BUBBLE else local_blocks * want_recomputed // v
+            want_blocks = 0 if (schedule, v) in SPLIT_BACKWARD else local_blocks * want_recomputed // v
             if checkpointed_blocks != want_blocks:
                 failures.append(f"{case}: {checkpointed_blocks} blocks checkpointed one by one, expected {want_blocks}")
     assert not failures, "\n".join(failures)

@@ -62,12 +62,21 @@ def tiny_model(n_layers: int) -> nn.Module:
     return model
 
 
-def resolved(schedule: str, pp: int, n_layers: int) -> PipelineConfig:
+def resolved(schedule: str, pp: int, n_layers: int, microbatches: int | None = None) -> PipelineConfig:
     model = tiny_model(n_layers)
     return PipelineConfig.resolve(
-        model, protocol_anatomy(model), pp, schedule=schedule, microbatches=None, virtual_stages=None,
+        model, protocol_anatomy(model), pp, schedule=schedule, microbatches=microbatches, virtual_stages=None,
         activation_checkpoint="never", layers_per_stage=None, stage_balance="layers", end_weight=0.0,
     )
+
+
+def least_microbatches(rule: str, pp: int) -> int:
+    """What a documented microbatch rule says is the fewest, read independently of the catalog's code."""
+    if rule == "any count":
+        return 1
+    match = re.fullmatch(r"at least (?:(\d+)\*)?pp", rule)
+    assert match, rule
+    return int(match.group(1) or 1) * pp
 
 
 def expected_virtual_stages(rule: str, pp: int, n_layers: int) -> int:
@@ -95,7 +104,7 @@ def test_every_schedule_is_documented_with_its_defaults(name):
 def test_no_other_schedule_is_documented():
     assert flag_choices("--schedule") == set(SCHEDULES)
     assert quoted(table_row("pipeline.md", "`schedule`")) == set(SCHEDULES)
-    listed = re.findall(r"^\| `(\w+)`[^|]*\|[^|]*\| [^|]+ \| (?:any count|at least pp) \|$",
+    listed = re.findall(r"^\| `(\w+)`[^|]*\|[^|]*\| [^|]+ \| (?:any count|at least (?:\d\*)?pp) \|$",
                         (DOCS / "pipeline.md").read_text(), re.M)
     assert sorted(listed) == sorted(SCHEDULES)
 
@@ -107,16 +116,22 @@ def test_documented_defaults_are_what_parallelize_picks(name):
     for n_layers in (4 * pp, 2 * pp - 1):
         if expected_virtual_stages(spec.virtual_stages_rule, pp, n_layers) * pp > n_layers:
             continue  # more stages than layers: refused, whatever the default
-        config = resolved(name, pp, n_layers)
+        least = least_microbatches(spec.microbatches_rule, pp)
+        assert DEFAULT_MICROBATCHES == "pp"
+        if least > pp:  # the default (pp) is too few: refused, naming the minimum
+            with pytest.raises(ValueError, match=rf"use at least {least} microbatches"):
+                resolved(name, pp, n_layers)
+        else:
+            assert resolved(name, pp, n_layers).schedule.microbatches == pp
+        config = resolved(name, pp, n_layers, microbatches=max(least, pp))
         assert config.schedule.virtual_stages == expected_virtual_stages(spec.virtual_stages_rule, pp, n_layers)
-        assert DEFAULT_MICROBATCHES == "pp" and config.schedule.microbatches == pp
-    fewer = pp - 1
-    if spec.microbatches_rule == "any count":
-        build_schedule(name, pp, fewer)
-    else:
-        assert spec.microbatches_rule == "at least pp"
-        with pytest.raises(ValueError, match="microbatches >= pp"):
-            build_schedule(name, pp, fewer, SCHEDULES[name].default_virtual_stages or 1)
+    v = SCHEDULES[name].default_virtual_stages or 1
+    build_schedule(name, pp, least_microbatches(spec.microbatches_rule, pp), v)
+    fewer = least_microbatches(spec.microbatches_rule, pp) - 1
+    if fewer > 0:
+        rule = spec.microbatches_rule.replace("at least ", "microbatches >= ")
+        with pytest.raises(ValueError, match=re.escape(rule)):
+            build_schedule(name, pp, fewer, v)
 
 
 def test_the_default_schedule_is_marked_where_the_schedules_are_listed():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mesh3d.pipeline import Action, Kind, Schedule, ScheduleError, build_schedule, lower, simulate
+from mesh3d.pipeline import SCHEDULES, Action, Kind, Schedule, ScheduleError, build_schedule, lower, simulate
 from mesh3d.pipeline.schedule.lower import LoweredSchedule, check_lowered
 from mesh3d.pipeline.schedule.timeline import timeline
 from mesh3d.pipeline.schedule.ir import stage_to_rank
@@ -141,8 +141,9 @@ def test_placements():
 @pytest.mark.parametrize(
     "args, match",
     [
-        (("dualpipe", 2, 4), r"unknown pipeline schedule 'dualpipe'; choose one of \['1f1b', 'gpipe', 'interleaved_1f1b', "
-                             r"'pipedream', 'pipedream_2bw', 'zbv', 'zero_bubble'\]"),
+        (("dualpipe", 2, 4), r"unknown pipeline schedule 'dualpipe'; choose one of \['1f1b', 'dualpipev', 'gpipe', "
+                             r"'interleaved_1f1b', 'pipedream', 'pipedream_2bw', 'zbv', 'zero_bubble'\]"),
+        (("dualpipev", 4, 7, 2), r"needs microbatches >= 2\*pp, got microbatches=7 with pp=4; use at least 8"),
         (("zbv", 4, 3, 2), "needs microbatches >= pp, got microbatches=3 with pp=4"),
         (("zbv", 2, 4, 3), "places exactly 2 stages per rank"),
         (("zero_bubble", 4, 2, 2), "needs microbatches >= pp"),
@@ -164,9 +165,10 @@ def test_gpipe_accepts_fewer_microbatches_than_stages():
 def test_every_builtin_schedule_passes_the_single_stream_check():
     """lower() runs check_lowered (each rank's communication completes in issue order)."""
     count = 0
-    for name, virtual in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved_1f1b", (1, 2, 3)), ("zero_bubble", (1, 2)), ("zbv", (2,))):
+    for name, virtual in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved_1f1b", (1, 2, 3)), ("zero_bubble", (1, 2)),
+                          ("zbv", (2,)), ("dualpipev", (2,))):
         for p in range(1, 9):
-            for m in range(1 if name == "gpipe" else p, 3 * p + 2):
+            for m in range(SCHEDULES[name].min_microbatches(p), 3 * p + 2):
                 for v in virtual:
                     lower(build_schedule(name, p, m, v))
                     count += 1

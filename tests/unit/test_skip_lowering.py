@@ -6,11 +6,12 @@ import itertools
 
 import pytest
 
-from mesh3d.pipeline import Kind, ScheduleError, build_schedule, lower
+from mesh3d.pipeline import SCHEDULES, Kind, ScheduleError, build_schedule, lower
 from mesh3d.pipeline.p2p import message_tag
 from mesh3d.pipeline.schedule.ir import COMPUTE
 
-FAMILIES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1), ("zero_bubble", 2), ("zbv", 2)]
+FAMILIES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1), ("zero_bubble", 2), ("zbv", 2),
+            ("dualpipev", 2)]
 
 
 def skip_messages(lowered, pair):
@@ -29,14 +30,15 @@ def skip_messages(lowered, pair):
 
 @pytest.mark.parametrize("name,v", FAMILIES)
 def test_a_skip_from_the_first_stage_to_the_last_is_sent_directly(name, v):
-    pp, m = 4, 5
+    pp = 4
+    m = max(5, SCHEDULES[name].min_microbatches(pp))
     schedule = build_schedule(name, pp, m, v)
     last = schedule.n_stages - 1
     lowered = lower(schedule, skips=[(0, last)])  # check_lowered inside: it can finish, both ends agree
     plain = lower(schedule)
     found = skip_messages(lowered, (0, last))
     first_rank, last_rank = schedule.stage_rank(0), schedule.stage_rank(last)
-    if first_rank == last_rank:  # ZBV holds both ends on rank 0: handed over in memory
+    if first_rank == last_rank:  # a V (zbv, dualpipev) holds both ends on rank 0: handed over in memory
         assert found == {}
     else:
         assert set(found) == {first_rank, last_rank}  # the ranks between see nothing of it
@@ -51,7 +53,7 @@ def test_a_skip_from_the_first_stage_to_the_last_is_sent_directly(name, v):
 
 @pytest.mark.parametrize("name,v", FAMILIES)
 def test_tags_stay_unique_with_several_skips(name, v):
-    schedule = build_schedule(name, 4, 4, v)
+    schedule = build_schedule(name, 4, max(4, SCHEDULES[name].min_microbatches(4)), v)
     n = schedule.n_stages
     skips = [(0, n - 1), (0, 2), (1, n - 1)] if n > 4 else [(0, 3), (0, 2), (1, 3)]
     lowered = lower(schedule, skips=skips)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mesh3d.pipeline.schedule.dualpipe_v import dualpipe_v
 from mesh3d.pipeline.schedule.generators import gpipe, interleaved_one_f_one_b, one_f_one_b
 from mesh3d.pipeline.schedule.ir import Schedule
 from mesh3d.pipeline.schedule.never_drain import never_drain
@@ -21,9 +22,12 @@ DEFAULT_MICROBATCHES = "pp"  # how the docs say it: microbatches=None means one 
 class ScheduleSpec:
     generator: Callable[[int, int, int], Schedule]
     multi_stage: bool  # may hold more than one stage per rank (virtual_stages > 1)
-    needs_pp_microbatches: bool  # deadlocks or idles with fewer microbatches than pp
+    # The fewest microbatches per pp rank it runs: 0 any count; 1 at least pp (the 1F1B family
+    # deadlocks or idles with fewer); 2 at least 2*pp (dualpipev: as many as its stages, as torch's
+    # ScheduleDualPipeV requires; its steady state has a negative length with fewer).
+    min_microbatches_per_rank: int
     default_virtual_stages: int | None  # None: 2 when the model has at least 2*pp layers, else 1
-    fixed_virtual_stages: int | None = None  # the only virtual_stages it takes (zbv: its V needs exactly 2)
+    fixed_virtual_stages: int | None = None  # the only virtual_stages it takes (zbv, dualpipev: a V needs exactly 2)
     never_drains: bool = False  # calls overlap; weights update inside the pipeline (never_drain.py)
 
     @property
@@ -38,21 +42,28 @@ class ScheduleSpec:
     @property
     def microbatches_rule(self) -> str:
         """Which microbatch counts it runs, as the docs state it."""
-        return "at least pp" if self.needs_pp_microbatches else "any count"
+        per_rank = self.min_microbatches_per_rank
+        return "any count" if per_rank == 0 else "at least pp" if per_rank == 1 else f"at least {per_rank}*pp"
+
+    def min_microbatches(self, pp: int) -> int:
+        """The fewest microbatches it runs at this pp (microbatches_rule, as a number)."""
+        return max(1, self.min_microbatches_per_rank * pp)
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
-    "gpipe": ScheduleSpec(gpipe, multi_stage=False, needs_pp_microbatches=False, default_virtual_stages=1),
-    "1f1b": ScheduleSpec(one_f_one_b, multi_stage=False, needs_pp_microbatches=True, default_virtual_stages=1),
+    "gpipe": ScheduleSpec(gpipe, multi_stage=False, min_microbatches_per_rank=0, default_virtual_stages=1),
+    "1f1b": ScheduleSpec(one_f_one_b, multi_stage=False, min_microbatches_per_rank=1, default_virtual_stages=1),
     "interleaved_1f1b": ScheduleSpec(
-        interleaved_one_f_one_b, multi_stage=True, needs_pp_microbatches=True, default_virtual_stages=None
+        interleaved_one_f_one_b, multi_stage=True, min_microbatches_per_rank=1, default_virtual_stages=None
     ),
-    "zero_bubble": ScheduleSpec(zero_bubble, multi_stage=True, needs_pp_microbatches=True, default_virtual_stages=1),
-    "zbv": ScheduleSpec(zero_bubble_v, multi_stage=True, needs_pp_microbatches=True, default_virtual_stages=2,
+    "zero_bubble": ScheduleSpec(zero_bubble, multi_stage=True, min_microbatches_per_rank=1, default_virtual_stages=1),
+    "zbv": ScheduleSpec(zero_bubble_v, multi_stage=True, min_microbatches_per_rank=1, default_virtual_stages=2,
                         fixed_virtual_stages=2),
-    "pipedream": ScheduleSpec(never_drain("pipedream"), multi_stage=False, needs_pp_microbatches=True,
+    "dualpipev": ScheduleSpec(dualpipe_v, multi_stage=True, min_microbatches_per_rank=2, default_virtual_stages=2,
+                              fixed_virtual_stages=2),
+    "pipedream": ScheduleSpec(never_drain("pipedream"), multi_stage=False, min_microbatches_per_rank=1,
                               default_virtual_stages=1, never_drains=True),
-    "pipedream_2bw": ScheduleSpec(never_drain("pipedream_2bw"), multi_stage=False, needs_pp_microbatches=True,
+    "pipedream_2bw": ScheduleSpec(never_drain("pipedream_2bw"), multi_stage=False, min_microbatches_per_rank=1,
                                   default_virtual_stages=1, never_drains=True),
 }
 
@@ -96,11 +107,24 @@ def check_schedule_config(schedule: str, pp: int, microbatches: int, virtual_sta
             f"r and 2*pp-1-r), got virtual_stages={virtual_stages}; leave virtual_stages out or pass "
             f"{spec.fixed_virtual_stages}"
         )
-    if spec.needs_pp_microbatches and microbatches < pp:
+    least = spec.min_microbatches(pp)
+    if microbatches < least:
+        rule = spec.microbatches_rule.replace("at least ", "microbatches >= ")
         raise ValueError(
-            f"schedule {schedule!r} needs microbatches >= pp, got microbatches={microbatches} with pp={pp}; "
-            f"use at least {pp} microbatches (or schedule='gpipe')"
+            f"schedule {schedule!r} needs {rule}, got microbatches={microbatches} with pp={pp}; "
+            f"use at least {least} microbatches (or {_takes_fewer_microbatches(schedule)})"
         )
+
+
+def _takes_fewer_microbatches(schedule: str) -> str:
+    """A schedule like `schedule` (the same fixed virtual_stages) that runs with fewer microbatches
+    per rank, as an error's suggestion: zbv for dualpipev, gpipe for the others."""
+    spec = SCHEDULES[schedule]
+    for name, other in SCHEDULES.items():
+        same_v = spec.fixed_virtual_stages is not None and other.fixed_virtual_stages == spec.fixed_virtual_stages
+        if same_v and other.min_microbatches_per_rank < spec.min_microbatches_per_rank:
+            return f"schedule={name!r}, which needs {other.microbatches_rule.replace('at least ', 'microbatches >= ')}"
+    return "schedule='gpipe'"
 
 
 def build_schedule(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:

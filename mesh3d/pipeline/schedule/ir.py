@@ -3,7 +3,7 @@
 A schedule is the intermediate representation (IR) every other part of the engine reads:
 `timeline.py` replays them with costs, `lower.py` adds the communication and checks the lists can
 finish, `simulate.py` reports what they cost, `runtime.py` executes them, `draw.py` draws them.
-The generators (`generators.py`: GPipe, 1F1B, interleaved 1F1B; `zero_bubble.py`) only decide the
+The generators (`generators.py`: GPipe, 1F1B, interleaved 1F1B; `zero_bubble.py`; `dualpipe_v.py`) only decide the
 order of compute on each rank; they know nothing about tensors or process groups. `catalog.py`
 names them.
 
@@ -73,7 +73,7 @@ def stage_to_rank(stage: int, pp: int, virtual_stages: int, placement: str = "lo
     """The pp rank that holds `stage`.
 
     "loop": stage s on rank s % pp (Megatron's interleaving). "v": for two stages per rank, rank r
-    holds r and 2*pp-1-r, so the first and last stage share rank 0 (zero-bubble V schedules).
+    holds r and 2*pp-1-r, so the first and last stage share rank 0 (the V schedules: zbv, dualpipev).
     """
     if placement == "loop":
         return stage % pp
