@@ -5,10 +5,13 @@ after each expected error every rank enters a barrier, so a rank that had starte
 before raising would hang the launch, which the harness turns into a failure within seconds.
 """
 
+import functools
+
 import torch
 from torch import nn
 
 import mesh3d
+from mesh3d.pipeline import SCHEDULES
 from multiprocess import run_on_ranks
 from pipeline_cases import batches, meta_model
 from rank_errors import assert_raised_on_every_rank, message_of, messages_of
@@ -34,6 +37,10 @@ def _bad_configs():
         "bad checkpoint mode": lambda: mesh3d.parallelize(meta_model(False), layout, schedule="gpipe", activation_checkpoint="sometimes"),
         "bad layers_per_stage": lambda: mesh3d.parallelize(meta_model(False), layout, schedule="gpipe", layers_per_stage=[4, 4]),
         "different configs on ranks": lambda: mesh3d.parallelize(meta_model(False), layout, schedule="gpipe", microbatches=4 + rank % 2),
+        "never-drain without an optimizer": lambda: mesh3d.parallelize(meta_model(False), layout, schedule="pipedream_2bw"),
+        "optimizer not callable": lambda: mesh3d.parallelize(meta_model(False), layout, schedule="1f1b", optimizer="adamw"),
+        "never-drain with a tie across stages": lambda: mesh3d.parallelize(
+            meta_model(True), layout, schedule="pipedream", optimizer=functools.partial(torch.optim.SGD, lr=0.1)),
     }
     messages = messages_of(cases, (ValueError, NotImplementedError))
     pm = mesh3d.parallelize(meta_model(False), layout, schedule="1f1b", microbatches=4)
@@ -44,7 +51,7 @@ def _bad_configs():
 
 
 EXPECTED = {
-    "unknown schedule": "unknown pipeline schedule 'zero_bubble_v'; choose one of ['1f1b', 'dualpipev', 'gpipe', 'interleaved_1f1b', 'zbv', 'zero_bubble']",
+    "unknown schedule": f"unknown pipeline schedule 'zero_bubble_v'; choose one of {sorted(SCHEDULES)}",
     "too few microbatches": "schedule '1f1b' needs microbatches >= pp, got microbatches=3 with pp=4; use at least 4",
     "too few microbatches interleaved": "schedule 'interleaved_1f1b' needs microbatches >= pp, got microbatches=2 with pp=4",
     "dualpipev with the default microbatches": "schedule 'dualpipev' needs microbatches >= 2*pp, got microbatches=4 with pp=4; "
@@ -55,6 +62,10 @@ EXPECTED = {
     "bad checkpoint mode": "activation_checkpoint='sometimes'; choose one of ['never', 'always', 'except_last', 'selective']",
     "bad layers_per_stage": "layers_per_stage=[4, 4] must list 4 positive counts",
     "different configs on ranks": "ranks were given different pipeline configurations",
+    "never-drain without an optimizer": "schedule 'pipedream_2bw' updates the weights inside the pipeline, stage by "
+                                        "stage, so mesh3d must own the optimizer: pass optimizer=functools.partial(",
+    "optimizer not callable": "optimizer='adamw' is not callable; pass a factory taking the parameters",
+    "never-drain with a tie across stages": "schedule 'pipedream' does not support a weight tied across pipeline stages yet",
     "batch does not split": "a batch of 6 samples does not split into microbatches=4 equal microbatches",
 }
 
