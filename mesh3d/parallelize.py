@@ -180,8 +180,7 @@ def parallelize(
     split = split_model(model, anatomy, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank), pipe.traced)
     stages = to_device(split.stages, layout.device, materialize=split.from_meta)
     ties = find_ties(model)
-    if never_drains:
-        _refuse_ties_across_stages(schedule, ties, split.meta_stages)
+    tie_holders = _ties_across_stages(schedule, ties, split.meta_stages) if never_drains else ()
     state = StateMap.from_stages(layout, split.meta_model, split.meta_stages, pipe.schedule.stage_rank, ties, stages)
     tied = TiedWeights(ties, split.meta_stages, pipe.schedule.stage_rank, layout, stages)
     tied.tie_locally()
@@ -203,7 +202,7 @@ def parallelize(
         before_backward=grad_sync.before_backward if grad_sync is not None else None,
         after_weight_backward=grad_sync.after_weight_backward if grad_sync is not None else None,
         fake_shape_run=anatomy.fake_shape_run, routes=pipe.routes, blocks=anatomy.blocks,
-        stream=never_drain_stream(schedule, layout.pp, pipe.schedule.microbatches) if never_drains else None,
+        stream=never_drain_stream(schedule, layout.pp, pipe.schedule.microbatches, tie_holders) if never_drains else None,
     )
     has_last_stage = pipe.schedule.n_stages - 1 in stages
     loss = GlobalLoss(
@@ -216,7 +215,7 @@ def parallelize(
     if optimizer is not None:
         pm._optimizer = _build_optimizer(optimizer, pm)
     if never_drains:
-        runtime.versions = WeightVersions(stages, runtime.stream.rule, pm.optimizer)
+        runtime.versions = WeightVersions(stages, runtime.stream.rule, pm.optimizer, _tied_copies(tied, stages, tie_holders))
     return pm
 
 
@@ -241,15 +240,33 @@ def _build_optimizer(factory, pm: ParallelModel) -> torch.optim.Optimizer:
     return built
 
 
-def _refuse_ties_across_stages(schedule: str, ties: list[list[str]], meta_stages: list[nn.Module]) -> None:
-    """Pure: every rank sees the same meta stages and raises the same error."""
+def _ties_across_stages(schedule: str, ties: list[list[str]], meta_stages: list[nn.Module]) -> tuple[tuple[int, ...], ...]:
+    """The stages holding each weight tied across stages (pure: every rank sees the same meta
+    stages and raises the same error). A never-drain schedule joins the copies' updates with one
+    collective per update (schedule/never_drain.py), for one such weight."""
+    across = []
     for names in ties:
-        holders = [s for s, stage in enumerate(meta_stages) if any(get_parameter(stage, n) is not None for n in names)]
+        holders = tuple(s for s, stage in enumerate(meta_stages) if any(get_parameter(stage, n) is not None for n in names))
         if len(holders) > 1:
-            raise ValueError(
-                f"schedule {schedule!r} does not support a weight tied across pipeline stages yet ({names} on stages "
-                f"{holders}); untie it (e.g. tie_word_embeddings=False), or use a schedule that drains"
-            )
+            across.append((names, holders))
+    if len(across) > 1:
+        raise ValueError(
+            f"schedule {schedule!r} supports one weight tied across pipeline stages, got {len(across)} "
+            f"({[names for names, _ in across]}); untie all but one, or use a schedule that drains"
+        )
+    return tuple(holders for _, holders in across)
+
+
+def _tied_copies(tied: TiedWeights, stages: dict[int, nn.Module], tie_holders) -> dict:
+    """Per stage of this rank holding the tie: (its copy, the tie's process group, the first stage holding it)."""
+    copies = {}
+    for holders in tie_holders:
+        tie = next(t for t in tied.ties if len(t.ranks) > 1)
+        for index in holders:
+            if index in stages:
+                param = next(p for p in (get_parameter(stages[index], n) for n in tie.names) if p is not None)
+                copies[index] = (param, tie.group, holders[0])
+    return copies
 
 
 def _resolve_layout(layout: Layout | None, pp: int | None, dp: int | None, tp: int | None) -> Layout:

@@ -301,6 +301,8 @@ class _Step:
                 versions.after_backward(action.stage, action.microbatch)
         elif kind == Kind.U:
             versions.update(action.stage, action.microbatch)
+        elif kind == Kind.TIE:
+            versions.tie(action.stage, action.microbatch)
         elif kind == Kind.I:
             self.backward_input(action.stage, action.microbatch)
         elif kind == Kind.W:

@@ -17,8 +17,10 @@ or values computed in the forward from the version it used.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -27,10 +29,12 @@ from mesh3d.pipeline.schedule.never_drain import UpdateRule
 
 
 class StageWeights:
-    """One stage's versions: `live` is in the parameters, `kept` holds copies of earlier ones."""
+    """Versions of some of a stage's parameters (all of them, or a tied weight's copy, which follows
+    another stage's rule): `live` is in the parameters, `kept` holds copies of earlier ones."""
 
-    def __init__(self, stage: nn.Module):
-        self.params = [p for p in stage.parameters()]
+    def __init__(self, stage: nn.Module, params: list[nn.Parameter], rule_stage: int):
+        self.params = params
+        self.rule_stage = rule_stage  # whose update rule gives the versions (a tie: its first stage)
         self.units = [m for m in stage.modules() if isinstance(m, FSDPModule)]
         self.live = 0  # the version the parameters hold
         self.latest = 0  # how many updates this stage has applied
@@ -80,38 +84,97 @@ class StageWeights:
         return sum(t.numel() * t.element_size() for copies in self.kept.values() for t in copies)
 
 
+@dataclass
+class TiedCopy:
+    """This rank's copy of a weight tied across stages (schedule/never_drain.py's TIE): on the
+    first stage holding it (`primary`) it updates with that stage; on any other it has versions of
+    its own, following the first stage's rule, and its gradients wait per update for the TIE."""
+
+    param: nn.Parameter
+    group: dist.ProcessGroup  # the pp ranks holding a copy (the same dp and tp coordinates)
+    primary: bool
+    weights: StageWeights | None = None  # a secondary copy's versions
+    pending: dict[int, torch.Tensor] = field(default_factory=dict)  # secondary: gradient per update
+
+
 class WeightVersions:
     """This rank's stages under a never-drain schedule: which version each action uses, and the
     updates, with the optimizer's hyperparameters as they were when the update's batch was handed
-    to `pm.step` (a learning-rate schedule stepped between calls then moves every stage alike)."""
+    to `pm.step` (a learning-rate schedule stepped between calls then moves every stage alike).
 
-    def __init__(self, stages: dict[int, nn.Module], rule: UpdateRule, optimizer: torch.optim.Optimizer):
+    `ties`: per stage of this rank, its copy of the weight tied across stages (param, the tie's
+    process group, the first stage holding it)."""
+
+    def __init__(self, stages: dict[int, nn.Module], rule: UpdateRule, optimizer: torch.optim.Optimizer,
+                 ties: dict[int, tuple[nn.Parameter, dist.ProcessGroup, int]] | None = None):
         self.rule = rule
         self.optimizer = optimizer
-        self.stages = {index: StageWeights(stage) for index, stage in stages.items()}
+        self.ties: dict[int, TiedCopy] = {}
+        self.stages: dict[int, StageWeights] = {}
+        for index, stage in stages.items():
+            params = list(stage.parameters())
+            if index in (ties or {}):
+                param, group, first = ties[index]
+                copy = self.ties[index] = TiedCopy(param, group, primary=first == index)
+                if not copy.primary:
+                    params = [p for p in params if p is not param]
+                    copy.weights = StageWeights(stage, [param], rule_stage=first)
+            self.stages[index] = StageWeights(stage, params, rule_stage=index)
         self.next_backward = {index: 0 for index in stages}  # per stage: the next microbatch to backward
         self.hyperparameters: dict[int, list[dict]] = {}  # per call: each param group's settings
 
     def begin_call(self, call: int) -> None:
         self.hyperparameters[call] = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
 
-    def oldest_needed(self, stage: int) -> int:
-        return self.rule.version(stage, self.next_backward[stage])
+    def _groups(self, stage: int) -> list[StageWeights]:
+        copy = self.ties.get(stage)
+        return [self.stages[stage]] + ([copy.weights] if copy is not None and copy.weights is not None else [])
+
+    def oldest_needed(self, stage: int, weights: StageWeights) -> int:
+        return self.rule.version(weights.rule_stage, self.next_backward[stage])
 
     def before_compute(self, stage: int, microbatch: int) -> None:
         """Before a forward or backward of `microbatch` on `stage`: its version in the parameters."""
-        self.stages[stage].use(self.rule.version(stage, microbatch), self.oldest_needed(stage))
+        for weights in self._groups(stage):
+            weights.use(self.rule.version(weights.rule_stage, microbatch), self.oldest_needed(stage, weights))
 
     def after_backward(self, stage: int, microbatch: int) -> None:
         self.next_backward[stage] = microbatch + 1
+        copy = self.ties.get(stage)
+        if copy is not None and not copy.primary and self.rule.completes_update(microbatch):
+            # The copy's share of this update waits for the TIE; the next update accumulates anew.
+            grad, copy.param.grad = copy.param.grad, None
+            if grad is not None:
+                copy.pending[self.rule.update_index(microbatch)] = grad
 
     def update(self, stage: int, microbatch: int) -> None:
         """U: the optimizer on `stage`'s accumulated gradients, from its newest version."""
         weights = self.stages[stage]
         call = microbatch // self.rule.microbatches
-        weights.update(lambda: self._step(weights.params, call), self.oldest_needed(stage))
+        weights.update(lambda: self._step(weights.params, call), self.oldest_needed(stage, weights))
         for old in [c for c in self.hyperparameters if c < call - 1]:
             del self.hyperparameters[old]
+
+    def tie(self, stage: int, microbatch: int) -> None:
+        """TIE: the tied weight's gradient for this update summed over every copy. The first stage's
+        copy then updates with its stage (the U that follows); any other copy updates here."""
+        copy = self.ties[stage]
+        if copy.primary:
+            grad = copy.param.grad if copy.param.grad is not None else torch.zeros_like(copy.param)
+        else:
+            grad = copy.pending.pop(self.rule.update_index(microbatch), None)
+            grad = grad if grad is not None else torch.zeros_like(copy.param)
+        dist.all_reduce(local_tensor(grad), group=copy.group)
+        if copy.primary:
+            copy.param.grad = grad
+            return
+        call = microbatch // self.rule.microbatches
+
+        def step() -> None:
+            copy.param.grad = grad
+            self._step([copy.param], call)
+
+        copy.weights.update(step, self.oldest_needed(stage, copy.weights))
 
     def _step(self, params: list[nn.Parameter], call: int) -> None:
         """optimizer.step() on `params` only (others' gradients set aside), with call's settings;
@@ -139,8 +202,9 @@ class WeightVersions:
     def settle(self) -> None:
         """After a flush: every stage's newest weights in its parameters (evaluation, saving and
         the user see them); the versions the next calls still need stay kept."""
-        for index, weights in self.stages.items():
-            weights.use(weights.latest, self.oldest_needed(index))
+        for index in self.stages:
+            for weights in self._groups(index):
+                weights.use(weights.latest, self.oldest_needed(index, weights))
 
     def kept_bytes(self) -> int:
-        return sum(w.kept_bytes() for w in self.stages.values())
+        return sum(w.kept_bytes() for index in self.stages for w in self._groups(index))

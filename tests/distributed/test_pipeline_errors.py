@@ -39,8 +39,9 @@ def _bad_configs():
         "different configs on ranks": lambda: mesh3d.parallelize(meta_model(False), layout, schedule="gpipe", microbatches=4 + rank % 2),
         "never-drain without an optimizer": lambda: mesh3d.parallelize(meta_model(False), layout, schedule="pipedream_2bw"),
         "optimizer not callable": lambda: mesh3d.parallelize(meta_model(False), layout, schedule="1f1b", optimizer="adamw"),
-        "never-drain with a tie across stages": lambda: mesh3d.parallelize(
-            meta_model(True), layout, schedule="pipedream", optimizer=functools.partial(torch.optim.SGD, lr=0.1)),
+        "never-drain with two stages per rank": lambda: mesh3d.parallelize(
+            meta_model(True), layout, schedule="pipedream", virtual_stages=2, microbatches=4,
+            optimizer=functools.partial(torch.optim.SGD, lr=0.1)),
     }
     messages = messages_of(cases, (ValueError, NotImplementedError))
     pm = mesh3d.parallelize(meta_model(False), layout, schedule="1f1b", microbatches=4)
@@ -65,7 +66,7 @@ EXPECTED = {
     "never-drain without an optimizer": "schedule 'pipedream_2bw' updates the weights inside the pipeline, stage by "
                                         "stage, so mesh3d must own the optimizer: pass optimizer=functools.partial(",
     "optimizer not callable": "optimizer='adamw' is not callable; pass a factory taking the parameters",
-    "never-drain with a tie across stages": "schedule 'pipedream' does not support a weight tied across pipeline stages yet",
+    "never-drain with two stages per rank": "schedule 'pipedream' runs one stage per rank, but virtual_stages=2",
     "batch does not split": "a batch of 6 samples does not split into microbatches=4 equal microbatches",
 }
 

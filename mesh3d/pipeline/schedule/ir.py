@@ -29,6 +29,7 @@ class Kind(str, enum.Enum):
     SEND_B = "SEND_B"  # send an input gradient to the previous stage's rank
     RECV_B = "RECV_B"  # post the receive of an output gradient from the next stage's rank
     U = "U"  # never-drain schedules: the optimizer update of a stage, after the backward completing it
+    TIE = "TIE"  # never-drain schedules: a tied weight's update, joined by every rank holding a copy
 
     def __str__(self) -> str:
         return self.value

@@ -127,7 +127,9 @@ def check_lists(schedule: Schedule, actions_per_rank, skips: tuple[tuple[int, in
                 done: set[Action] | None = None, completed: set[Message] | None = None) -> None:
     """check_lowered's replay over any per-rank lists of `schedule`'s actions (a never-drain
     schedule's one call among several: `done` and `completed` carry the compute actions and
-    messages earlier calls finished, and gain this one's). An update (U) runs whenever reached."""
+    messages earlier calls finished, and gain this one's). An update (U) runs whenever reached; a
+    tied weight's update (TIE) is a collective: it completes once every rank listing a TIE of the
+    same microbatch has reached it."""
     n_stages = schedule.n_stages
     pair_order: dict[tuple[int, int], list[list[Message]]] = defaultdict(lambda: [[], []])
     for rank, actions in enumerate(actions_per_rank):
@@ -139,6 +141,12 @@ def check_lists(schedule: Schedule, actions_per_rank, skips: tuple[tuple[int, in
         if seen_low != seen_high:
             raise ScheduleError(f"ranks {low} and {high} list their messages in different orders")
 
+    collective: dict[int, set[int]] = defaultdict(set)  # TIE microbatch -> the ranks that list it
+    for rank, actions in enumerate(actions_per_rank):
+        for action in actions:
+            if action.kind == Kind.TIE:
+                collective[action.microbatch].add(rank)
+    arrived: dict[int, set[int]] = defaultdict(set)
     issued: list[list[Action]] = [[] for _ in range(schedule.pp)]
     head = [0] * schedule.pp  # per rank: the first issued operation not yet completed
     completed = set() if completed is None else completed
@@ -169,6 +177,9 @@ def check_lists(schedule: Schedule, actions_per_rank, skips: tuple[tuple[int, in
             done.add(action)
         elif action.kind in COMMUNICATION:
             issued[rank].append(action)
+        elif action.kind == Kind.TIE:
+            arrived[action.microbatch].add(rank)  # waiting in the collective
+            return arrived[action.microbatch] == collective[action.microbatch]
         return True
 
     # Matching after every rank's turn lets the next rank see the messages this one just issued.

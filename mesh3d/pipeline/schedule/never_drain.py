@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 from mesh3d.pipeline.schedule.generators import one_f_one_b
 from mesh3d.pipeline.schedule.ir import COMPUTE, Action, Kind, Schedule, ScheduleError
 from mesh3d.pipeline.schedule.lower import Message, _message_of, check_lists, lower
+from mesh3d.pipeline.schedule.timeline import timeline
 
 NEVER_DRAIN = ("pipedream", "pipedream_2bw")
 
@@ -114,9 +115,11 @@ class StreamLowering:
     segments: tuple[tuple[tuple[Action, ...], ...], ...]
 
 
-def lower_stream(rule: UpdateRule, calls: int) -> StreamLowering:
+def lower_stream(rule: UpdateRule, calls: int, ties: tuple[tuple[int, ...], ...] = ()) -> StreamLowering:
     """Lower `calls` calls in a row, add the updates, cut per call, and check the cut lists finish
-    call by call (each call's messages complete within it; compute may use what earlier calls did)."""
+    call by call (each call's messages complete within it; compute may use what earlier calls did).
+
+    `ties`: the stages holding a copy of each tied weight (see `_add_tie_updates`)."""
     schedule = continuous_schedule(rule.schedule, rule.pp, rule.microbatches, calls)
     lowered = lower(schedule)
     n = calls * rule.microbatches
@@ -150,10 +153,43 @@ def lower_stream(rule: UpdateRule, calls: int) -> StreamLowering:
                     parts[current].append(action)
             else:
                 parts[current].append(action)
-        segments.append(tuple(tuple(early[c] + _updates_after_sends(parts[c])) for c in range(calls + 1)))
-    stream = StreamLowering(rule, calls, tuple(segments))
+        segments.append([early[c] + _updates_after_sends(parts[c]) for c in range(calls + 1)])
+    if ties:
+        timed = timeline(schedule)
+        starts = {t.action: t.start for t in timed}
+        ends = {t.action: t.end for t in timed}
+        for holders in ties:
+            _add_tie_updates(segments, sorted(holders), starts, ends)
+    stream = StreamLowering(rule, calls, tuple(tuple(tuple(part) for part in parts) for parts in segments))
     _check_call_by_call(schedule, stream)
     return stream
+
+
+def _add_tie_updates(segments: list[list[list[Action]]], holders: list[int], start: dict[Action, float],
+                     end: dict[Action, float]) -> None:
+    """A weight tied across stages follows the rule of its first stage (the primary), on every copy
+    at once: a TIE joins the primary's update (right before its U, which then applies the summed
+    gradient) with each other holder's update of its copy. Every holder reaches it at the moment
+    the primary finishes the backward completing the update (in the simulated timeline, `start` and
+    `end` of each compute action), in the primary's call: by then each holder's own share of the
+    gradient is done, none of its forwards needing the new version has started, and every list
+    stays in time order, which is what makes the lowering finish. (Stage s runs on pp rank s:
+    these schedules hold one stage per rank.)"""
+    primary, secondaries = holders[0], holders[1:]
+    moments: list[tuple[int, float, int]] = []  # (call, moment, microbatch) of each update
+    for call, part in enumerate(segments[primary]):
+        updated = []
+        for action in part:
+            if action.kind == Kind.U:
+                moments.append((call, end[Action(primary, Kind.B, action.microbatch)], action.microbatch))
+                updated.append(Action(primary, Kind.TIE, action.microbatch))
+            updated.append(action)
+        part[:] = updated
+    for stage in secondaries:
+        for call, moment, microbatch in moments:
+            part = segments[stage][call]
+            later = next((i for i, a in enumerate(part) if a.kind in COMPUTE and start[a] >= moment), len(part))
+            part.insert(later, Action(stage, Kind.TIE, microbatch))
 
 
 def _updates_after_sends(actions: list[Action]) -> list[Action]:
@@ -196,10 +232,11 @@ def shifted(actions: tuple[Action, ...], microbatches: int) -> tuple[Action, ...
 class NeverDrainStream:
     """Call t's actions on one rank, from two small lowerings (see the module docstring)."""
 
-    def __init__(self, rule: UpdateRule):
+    def __init__(self, rule: UpdateRule, ties: tuple[tuple[int, ...], ...] = ()):
         self.rule = rule
-        self.alone = lower_stream(rule, 1)  # a call from an empty pipeline, then its flush
-        self.pair = lower_stream(rule, 2)  # ... and a call behind another
+        self.ties = ties
+        self.alone = lower_stream(rule, 1, ties)  # a call from an empty pipeline, then its flush
+        self.pair = lower_stream(rule, 2, ties)  # ... and a call behind another
 
     def call(self, rank: int, index: int, behind_another: bool) -> tuple[Action, ...]:
         """Rank's actions for call `index` (microbatches index*m ...), filling the pipeline, or
@@ -218,9 +255,11 @@ class NeverDrainStream:
 
 
 @functools.lru_cache(maxsize=32)
-def never_drain_stream(schedule: str, pp: int, microbatches: int) -> NeverDrainStream:
-    """The stream of a never-drain schedule (cached: every rank and every parallelize reuses it)."""
-    return NeverDrainStream(UpdateRule(schedule, pp, microbatches))
+def never_drain_stream(schedule: str, pp: int, microbatches: int,
+                       ties: tuple[tuple[int, ...], ...] = ()) -> NeverDrainStream:
+    """The stream of a never-drain schedule (cached: every rank and every parallelize reuses it);
+    `ties`: the stages holding a copy of each weight tied across stages."""
+    return NeverDrainStream(UpdateRule(schedule, pp, microbatches), ties)
 
 
 __all__ = ["NEVER_DRAIN", "NeverDrainStream", "UpdateRule", "continuous_schedule", "lower_stream",
