@@ -17,12 +17,16 @@ SIZES = [(pp, m) for pp in range(1, 9) for m in sorted({pp, pp + 1, 2 * pp})]
 
 @pytest.mark.parametrize("schedule", NEVER_DRAIN)
 @pytest.mark.parametrize("pp,m", SIZES)
-def test_stream_repeats_call_after_call(schedule, pp, m):
+@pytest.mark.parametrize("tied", [False, True])
+def test_stream_repeats_call_after_call(schedule, pp, m, tied):
     """Four calls lowered in one piece cut into the same lists the runtime builds from two small
-    lowerings (a call from an empty pipeline, a call behind another, the flush), shifted."""
+    lowerings (a call from an empty pipeline, a call behind another, the flush), shifted; with a
+    weight tied between the first and the last stage (and, from pp = 3, a middle one too), the
+    TIE collectives included."""
     rule = UpdateRule(schedule, pp, m)
-    four = lower_stream(rule, 4)  # raises if any call's lists could not finish
-    stream = NeverDrainStream(rule)
+    ties = () if not tied or pp == 1 else ((0, pp // 2, pp - 1),) if pp >= 3 else ((0, 1),)
+    four = lower_stream(rule, 4, ties)  # raises if any call's lists could not finish
+    stream = NeverDrainStream(rule, ties)
     for rank in range(pp):
         assert four.segments[rank][0] == stream.call(rank, 0, behind_another=False)
         for call in (1, 2, 3):
@@ -62,6 +66,30 @@ def test_pipedream_versions_are_the_updates_before_the_forward(pp):
                 applied += 1
             elif action.kind == Kind.F:
                 assert rule.version(rank, action.microbatch) == applied
+
+
+def test_tie_updates_pair_up_between_the_updates_they_join():
+    """Each update of the first stage has one TIE on every holder, in the same call; a secondary's
+    TIE comes after its own backward of the completing microbatch and before any forward that
+    needs the new version."""
+    pp, m = 4, 4
+    for schedule in NEVER_DRAIN:
+        rule = UpdateRule(schedule, pp, m)
+        stream = lower_stream(rule, 3, ((0, pp - 1),))
+        for call in range(4):
+            first = [a.microbatch for a in stream.segments[0][call] if a.kind == Kind.TIE]
+            last = [a.microbatch for a in stream.segments[pp - 1][call] if a.kind == Kind.TIE]
+            assert first == last
+        applied = 0
+        done_backwards = set()
+        for action in (a for part in stream.segments[pp - 1] for a in part):
+            if action.kind == Kind.B:
+                done_backwards.add(action.microbatch)
+            elif action.kind == Kind.TIE:
+                assert action.microbatch in done_backwards
+                applied += 1
+            elif action.kind == Kind.F:
+                assert rule.version(0, action.microbatch) <= applied
 
 
 def test_two_bw_rule_and_versions():
