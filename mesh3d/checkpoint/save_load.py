@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 
 from mesh3d.checkpoint import directories
 from mesh3d.checkpoint.integrity import read_whole
+from mesh3d.checkpoint.kept_versions import kept_entries, kept_targets, restore_kept, resume_problem, rule_state
 from mesh3d.checkpoint.checksums import sums_of, write_manifest
 from mesh3d.checkpoint.flat_state import (
     apply_loaded,
@@ -68,6 +69,10 @@ def save(
 ) -> str:
     """Save model, optimizer and train state to the directory `path`, atomically. Call on every rank.
 
+    Under a never-drain schedule it flushes first (`pm.flush()`), and saves the weight versions the
+    update rule still names for the next calls (checkpoint/kept_versions.py): a resume continues
+    with exactly the losses of an uninterrupted run (pipedream_2bw under any layout).
+
     Args:
         path: the checkpoint directory, e.g. "ckpt/step100". It appears only once complete; an
             existing checkpoint of that name is replaced (any other existing directory is refused).
@@ -101,6 +106,7 @@ def save(
     """
     path = Path(path)
     layout = pm.layout
+    pm.flush()  # a never-drain schedule: every update in flight applied (it changes no update rule)
     # Every check first, on every rank; one all-gather then shows each rank what all found, so a
     # problem on any rank is raised on all of them before anything is written.
     state = data_json = error = None
@@ -112,6 +118,7 @@ def save(
         if layout.rank == 0:
             check_json(extra, "extra")  # rank 0's is the one saved
         state = flat_state(pm, optimizer)
+        state.entries.update(kept_entries(pm))
         _check_finite(pm, layout)
     except ValueError as problem:
         error = str(problem)
@@ -161,6 +168,7 @@ def save(
             "schedule": pm.schedule.name,
             "virtual_stages": pm.schedule.virtual_stages,
             "tied": [tie.names for tie in pm.tied.ties],
+            "never_drain": rule_state(pm),
             "mesh3d_version": _installed_version(),
             "torch_version": torch.__version__,
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -276,6 +284,7 @@ def load(
     """
     path = Path(path)
     layout = pm.layout
+    pm.flush()  # nothing may stay in flight under the weights loaded next
     train_state, metadata = read_whole(path)  # DamagedCheckpoint on every rank before any tensor is read
     created, state, error = [], None, None
     try:
@@ -288,7 +297,7 @@ def load(
             state = flat_state(pm, optimizer)
         error = check_against_checkpoint(
             pm, state, metadata, str(path), train_state.get("optimizer"), type(optimizer).__name__ if optimizer else None
-        )
+        ) or resume_problem(pm, train_state.get("never_drain"), metadata, str(path))
     except ValueError as problem:
         error = str(problem)
     try:
@@ -299,6 +308,7 @@ def load(
         raise
 
     to_load = targets(state, metadata)
+    to_load.update(kept_targets(pm, train_state.get("never_drain")))
     dcp.load(
         to_load,
         storage_reader=FileSystemReader(path),
@@ -306,6 +316,7 @@ def load(
     )
     apply_loaded(state, to_load)
     pm.tied.sync_values()
+    restore_kept(pm, train_state.get("never_drain"), to_load)
 
     saved = train_state.get("layout", {})
     same_layout = (saved.get("pp"), saved.get("dp"), saved.get("tp")) == (layout.pp, layout.dp, layout.tp)

@@ -208,3 +208,29 @@ class WeightVersions:
 
     def kept_bytes(self) -> int:
         return sum(w.kept_bytes() for index in self.stages for w in self._groups(index))
+
+    def groups(self) -> list[StageWeights]:
+        """Every group of versioned parameters on this rank (each stage's, each secondary tied copy's)."""
+        return [w for index in self.stages for w in self._groups(index)]
+
+    def updates(self) -> int:
+        """Updates every group has applied; only meaningful after a flush (then they agree)."""
+        counts = {w.latest for w in self.groups()}
+        if len(counts) != 1:
+            raise RuntimeError(f"weight groups at different update counts {sorted(counts)}: flush() first")
+        return counts.pop()
+
+    def needed_versions(self, next_microbatch: int, updates: int) -> list[tuple[StageWeights, list[int]]]:
+        """After a flush with `updates` applied and `next_microbatch` next: the earlier versions
+        each group must keep (those the next microbatches' rule still names)."""
+        return [(w, list(range(self.rule.version(w.rule_stage, next_microbatch), updates))) for w in self.groups()]
+
+    def restore(self, next_microbatch: int, updates: int, kept: dict[int, dict[int, list[torch.Tensor]]]) -> None:
+        """A resumed state: `updates` applied (the parameters hold the newest version), microbatches
+        numbered from `next_microbatch`, and each group's kept versions (by position in `groups`)."""
+        for position, weights in enumerate(self.groups()):
+            weights.latest = weights.live = updates
+            weights.kept = dict(kept.get(position, {}))
+        for index in self.next_backward:
+            self.next_backward[index] = next_microbatch
+        self.hyperparameters = {}

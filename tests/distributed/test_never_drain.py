@@ -1,21 +1,26 @@
 """The never-drain schedules equal a one-process reference of their update rules.
 
 For pipedream and pipedream_2bw at (4,1,1), (2,2,1) FSDP, (2,1,2) and (2,2,2), with SGD (momentum)
-and AdamW, with a tied embedding and output head in half the cases: the loss every call returns and every weight after 6 calls and a
-flush equal tests/never_drain_cases.py's reference (fp32, relative 1e-5), which applies the rules
-with torch's own optimizer on the whole model. One launch per layout runs its cases.
+and AdamW, with a tied embedding and output head in half the cases: the loss every call returns
+and every weight after 6 calls and a flush equal tests/never_drain_cases.py's reference (fp32,
+relative 1e-5), which applies the rules with torch's own optimizer on the whole model. One launch
+per layout runs its cases.
+
+Also: pipedream_2bw saved after call 3 at (2,2,2) and resumed at (4,1,2) (from other initial
+weights, with other microbatches) continues with calls 4-6 exactly as the reference's
+uninterrupted run.
 """
 
 import pytest
 
 import mesh3d
 from multiprocess import run_on_ranks
-from never_drain_cases import MICROBATCH_SIZE, call_batches, mesh3d_run, reference, worst
+from never_drain_cases import OPTIMIZERS, MICROBATCH_SIZE, call_batches, mesh3d_run, reference, worst
+from pipeline_cases import TOLERANCE, meta_model
 
 pytestmark = pytest.mark.distributed
 
 LAYOUTS = {(4, 1, 1): 5, (2, 2, 1): 3, (2, 1, 2): 4, (2, 2, 2): 2}  # layout: microbatches per call
-TOLERANCE = 1e-5
 
 
 def cases(layout):
@@ -52,3 +57,35 @@ def test_never_drain_matches_its_update_rule(layout):
         if error > TOLERANCE:
             failures.append(f"{case}: relative error {error:.2e} at {where}")
     assert not failures, "\n".join(failures)
+
+
+def _save_then_resume(root):
+    saved_at, resumed_at = mesh3d.build_mesh(2, 2, 2), mesh3d.build_mesh(4, 1, 2)
+    data = call_batches(MICROBATCH_SIZE * 2 * 2)
+    losses = []
+    pm = mesh3d.parallelize(meta_model(True), saved_at, schedule="pipedream_2bw", microbatches=2,
+                            optimizer=OPTIMIZERS["adamw"])
+    for inputs, targets in data[:3]:
+        share = inputs.chunk(2)[saved_at.dp_rank], targets.chunk(2)[saved_at.dp_rank]
+        losses.append(pm.step(*share).item())
+    mesh3d.checkpoint.save(f"{root}/step3", pm, pm.optimizer)
+    kept_after_save = pm.runtime.versions.kept_bytes()
+    resumed = mesh3d.parallelize(meta_model(True), resumed_at, schedule="pipedream_2bw", microbatches=4,
+                                 optimizer=OPTIMIZERS["adamw"], seed=1)
+    mesh3d.checkpoint.load(f"{root}/step3", resumed, resumed.optimizer)
+    for inputs, targets in data[3:]:
+        losses.append(resumed.step(inputs, targets).item())
+    resumed.flush()
+    state = {k: v.numpy().copy() for k, v in resumed.full_state_dict().items()}
+    owners = {name: resumed.state_owner_pp_rank(name) for name in state}
+    return losses, state if resumed_at.rank == 0 else None, owners, kept_after_save
+
+
+def test_two_bw_resumes_under_another_layout(tmp_path):
+    per_rank = run_on_ranks(_save_then_resume, 8, str(tmp_path), timeout=300)
+    losses, state, owners, kept = per_rank[0]
+    assert kept > 0, "after a flush pipedream_2bw still keeps W(t) for the next batch"
+    assert all(r[0] == losses for r in per_rank)
+    ref_losses, ref_state = reference("pipedream_2bw", 4, 4, 1, True, call_batches(MICROBATCH_SIZE * 2 * 2), "adamw", owners)
+    error, where = worst(losses, state, ref_losses, ref_state)
+    assert error <= TOLERANCE, f"relative error {error:.2e} at {where}"
