@@ -112,7 +112,7 @@ def restore_kept(pm: ParallelModel, saved: dict | None, loaded: dict[str, torch.
     versions = pm.runtime.versions
     if versions is None:
         return
-    pm.runtime.in_flight = None
+    pm.runtime.restart_from_checkpoint()
     if saved is None:
         pm.runtime.calls = 0
         versions.restore(0, 0, {})
@@ -126,5 +126,4 @@ def restore_kept(pm: ParallelModel, saved: dict | None, loaded: dict[str, torch.
             for version in needed
         }
     pm.runtime.calls = saved["calls"]
-    pm.runtime.last_call_behind = False
     versions.restore(next_microbatch, saved["updates"], kept)

@@ -284,7 +284,8 @@ def load(
     """
     path = Path(path)
     layout = pm.layout
-    pm.flush()  # nothing may stay in flight under the weights loaded next
+    if pm.runtime.failed is None:
+        pm.flush()  # nothing may stay in flight under the weights loaded next (after a failure: dropped)
     train_state, metadata = read_whole(path)  # DamagedCheckpoint on every rank before any tensor is read
     created, state, error = [], None, None
     try:

@@ -127,6 +127,7 @@ class PipelineRuntime:
         self.in_flight: _Step | None = None  # never-drain: the calls whose backwards are not all done
         self.calls = 0  # never-drain: calls run so far (microbatches are numbered across them)
         self.last_call_behind = False  # whether the last call ran behind another still in flight
+        self.failed: str | None = None  # never-drain: a call that raised half-way (what it was)
         self.routes = routes if routes is not None else StageRoutes.chain(len(meta_stages))
         if self.routes.skips != training.skips or self.routes.skips != evaluation.skips:
             raise ValueError(f"the schedules were lowered with skips {training.skips}, the routes have {self.routes.skips}")
@@ -213,6 +214,7 @@ class PipelineRuntime:
         """One call of a never-drain schedule: this batch's forwards, the backwards the stream puts
         in this call (some of the previous call's), and the updates they complete."""
         m = self.microbatches
+        self._refuse_after_failure()
         if self.in_flight is not None and self.in_flight.specs != boundaries.specs:
             self.flush()  # new boundary shapes: the messages in flight were sized for the old ones
         behind = self.in_flight is not None
@@ -229,24 +231,44 @@ class PipelineRuntime:
         actions = self.stream.call(self.peers.pp_rank, self.calls, behind)
         self.calls += 1
         self.last_call_behind = behind
-        return self._execute_call(step, actions)
+        return self._execute_call(step, actions, f"call {self.calls - 1}")
 
-    def _execute_call(self, step: _Step, actions: tuple[Action, ...]) -> torch.Tensor:
-        step.mailbox.post_receives_ahead(actions)
-        for action in actions:
-            step.execute(action, is_last_backward=False)  # a never-drain step asks its update rule
-        return step.end_call()
+    def _execute_call(self, step: _Step, actions: tuple[Action, ...], what: str) -> torch.Tensor:
+        try:
+            step.mailbox.post_receives_ahead(actions)
+            for action in actions:
+                step.execute(action, is_last_backward=False)  # a never-drain step asks its update rule
+            return step.end_call()
+        except BaseException as error:
+            # Half the updates of the call ran, the weight versions and the messages in flight are
+            # out of step with the rule: nothing can continue it exactly but a checkpoint.
+            self.in_flight, self.failed = None, f"{what} raised {type(error).__name__}"
+            raise
+
+    def _refuse_after_failure(self) -> None:
+        if self.failed is not None:
+            raise RuntimeError(
+                f"a never-drain {self.failed} half-way through the pipeline: the weights, their kept versions and "
+                "the updates in flight no longer follow the update rule; load a checkpoint (mesh3d.checkpoint.load) "
+                "to continue"
+            )
+
+    def restart_from_checkpoint(self) -> None:
+        """After a checkpoint was loaded: nothing in flight, any earlier failure forgotten."""
+        self.in_flight, self.failed, self.last_call_behind = None, None, False
 
     def flush(self) -> None:
         """Never-drain schedules: finish every backward and update still in flight, then put each
         stage's newest weights in its parameters. Nothing to do for the other schedules."""
         if self.stream is None:
             return
+        self._refuse_after_failure()
         if self.in_flight is not None:
             step, self.in_flight = self.in_flight, None
             step.counters = self.counters  # the flush's traffic counts to the last call
             step.mailbox.traffic = self.counters
-            self._execute_call(step, self.stream.flush(self.peers.pp_rank, self.calls - 1, self.last_call_behind))
+            self._execute_call(step, self.stream.flush(self.peers.pp_rank, self.calls - 1, self.last_call_behind),
+                               "flush")
         self.versions.settle()
 
 

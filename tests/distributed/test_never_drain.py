@@ -128,3 +128,37 @@ def test_two_bw_resumes_under_another_layout(tmp_path):
     ref_losses, ref_state = reference("pipedream_2bw", 4, 4, 1, True, call_batches(MICROBATCH_SIZE * 2 * 2), "adamw", owners)
     error, where = worst(losses, state, ref_losses, ref_state)
     assert error <= TOLERANCE, f"relative error {error:.2e} at {where}"
+
+
+def _fail_then_reload(root):
+    layout = mesh3d.build_mesh(pp=1, dp=1, tp=1)
+    data = call_batches(MICROBATCH_SIZE * 2)
+    pm = mesh3d.parallelize(meta_model(False), layout, schedule="pipedream_2bw", microbatches=2,
+                            optimizer=OPTIMIZERS["sgd"])
+    pm.step(*data[0])
+    mesh3d.checkpoint.save(f"{root}/step1", pm, pm.optimizer)
+
+    def broken(module, inputs):
+        raise RuntimeError("injected")
+
+    hook = pm.runtime.stages[0].layers["0"].register_forward_pre_hook(broken)
+    messages = []
+    for attempt in (lambda: pm.step(*data[1]), lambda: pm.step(*data[1]), pm.flush):
+        try:
+            attempt()
+        except RuntimeError as error:
+            messages.append(str(error))
+    hook.remove()
+    mesh3d.checkpoint.load(f"{root}/step1", pm, pm.optimizer)
+    losses = [pm.step(*batch).item() for batch in data[1:3]]
+    return messages, losses
+
+
+def test_a_failed_call_is_refused_until_a_checkpoint_is_loaded(tmp_path):
+    messages, losses = run_on_ranks(_fail_then_reload, 1, str(tmp_path), timeout=120)[0]
+    assert messages[0] == "injected"
+    assert all("call 1 raised RuntimeError half-way through the pipeline" in m and "load a checkpoint" in m
+               for m in messages[1:]), messages
+    reference_losses, _ = reference("pipedream_2bw", 1, 2, 1, False, call_batches(MICROBATCH_SIZE * 2)[:3], "sgd",
+                                    {n: 0 for n in meta_model(False).state_dict()})
+    assert max(abs(a - b) / b for a, b in zip(losses, reference_losses[1:])) <= TOLERANCE
