@@ -113,9 +113,9 @@ class ParallelModel:
     def flush(self) -> None:
         """Finish every backward and update still in flight (never-drain schedules; nothing to do
         for the others). Call it before reading or saving the weights and at the end of training;
-        `evaluate` and `mesh3d.checkpoint.save` flush by themselves. A flush changes no update
+        `evaluate`, `full_state_dict` and the checkpoint functions flush by themselves. A flush changes no update
         rule: the next calls see the weight versions they would have seen without it."""
-        with self._peer_failures("pm.flush"):
+        with self._peer_failures("pm.flush"), torch.enable_grad():  # backwards, even if called under no_grad
             self.runtime.flush()
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -167,9 +167,7 @@ class ParallelModel:
         """The loss of a forward pass only (no gradients, modules in eval mode), the same on every
         rank: the global token mean for a (loss_sum, count) loss, else the mean of microbatch means.
         Under a never-drain schedule it flushes first (`flush`), so it sees every update in flight."""
-        if self.never_drains:
-            with torch.enable_grad():
-                self.flush()
+        self.flush()
         with self._peer_failures("pm.evaluate"):
             boundaries, kind = self._check(inputs, targets, "pm.evaluate")
         loss = self.global_loss.for_evaluation(kind)
@@ -262,14 +260,19 @@ class ParallelModel:
         return self.state.local()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsplit model's state_dict (both names of a tied weight), full tensors on CPU, on every rank."""
+        """The unsplit model's state_dict (both names of a tied weight), full tensors on CPU, on every
+        rank; a never-drain schedule flushes first."""
+        self.flush()
         return self.state.full_state_dict()
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load the unsplit model's state_dict (every rank passes all of it; each keeps its part)."""
+        """Load the unsplit model's state_dict (every rank passes all of it; each keeps its part).
+        Under a never-drain schedule the update rule then starts afresh from these weights."""
         self.state.check_full_state_dict(state_dict)
+        self.runtime.flush_unless_failed()
         self.state.load_by_slice(lambda name, window: state_dict[name][window])
         self.tied.sync_values()
+        self.runtime.restart_rule()
 
     def __repr__(self) -> str:
         s = self.schedule

@@ -112,11 +112,10 @@ def restore_kept(pm: ParallelModel, saved: dict | None, loaded: dict[str, torch.
     versions = pm.runtime.versions
     if versions is None:
         return
-    pm.runtime.restart_from_checkpoint()
     if saved is None:
-        pm.runtime.calls = 0
-        versions.restore(0, 0, {})
+        pm.runtime.restart_rule()
         return
+    pm.runtime.restart_from_checkpoint()
     names = _names(pm)
     next_microbatch = _next_microbatch(saved, versions.rule.microbatches)
     kept: dict[int, dict[int, list[torch.Tensor]]] = {}

@@ -111,6 +111,7 @@ def export_safetensors(
     """
     out_dir = Path(out_dir)
     layout = pm.layout
+    pm.flush()  # a never-drain schedule: every update in flight applied first
     adapter = _adapter(pm)
     config = as_config_dict(config) if config is not None else adapter.hf_config()
     if config is None:
@@ -234,8 +235,10 @@ def import_safetensors(pm: ParallelModel, in_dir: str | os.PathLike) -> None:
                 f"import_safetensors: {source[name]} has shape {shapes[source[name]]} in {in_dir}, but this model's "
                 f"{name} is {tuple(shape)}; build the model from the checkpoint's config"
             )
+    pm.runtime.flush_unless_failed()
     raise_if_any(attempt(lambda: _read_local_slices(pm, files, source)))
     pm.tied.sync_values()
+    pm.runtime.restart_rule()  # a never-drain schedule's rule starts afresh from these weights
 
 
 def _checksum_problem(in_dir: Path, rank: int, world_size: int) -> str | None:

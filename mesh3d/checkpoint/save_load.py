@@ -284,8 +284,7 @@ def load(
     """
     path = Path(path)
     layout = pm.layout
-    if pm.runtime.failed is None:
-        pm.flush()  # nothing may stay in flight under the weights loaded next (after a failure: dropped)
+    pm.runtime.flush_unless_failed()  # nothing may stay in flight under the weights loaded next
     train_state, metadata = read_whole(path)  # DamagedCheckpoint on every rank before any tensor is read
     created, state, error = [], None, None
     try:

@@ -257,6 +257,20 @@ class PipelineRuntime:
         """After a checkpoint was loaded: nothing in flight, any earlier failure forgotten."""
         self.in_flight, self.failed, self.last_call_behind = None, None, False
 
+    def flush_unless_failed(self) -> None:
+        """`flush`, except after a failed call (whatever it left is about to be replaced)."""
+        if self.failed is None:
+            self.flush()
+
+    def restart_rule(self) -> None:
+        """After weights were replaced from outside the rule (a full state dict, safetensors): the
+        update rule starts afresh from them, as at the first call (their one version is all there is)."""
+        if self.versions is None:
+            return
+        self.restart_from_checkpoint()
+        self.calls = 0
+        self.versions.restore(0, 0, {})
+
     def flush(self) -> None:
         """Never-drain schedules: finish every backward and update still in flight, then put each
         stage's newest weights in its parameters. Nothing to do for the other schedules."""
