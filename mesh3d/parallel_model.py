@@ -233,6 +233,11 @@ class ParallelModel:
         too, and a weight replicated over tp or dp ranks), over all of pp, dp and tp, and is the
         same on every rank. Returns the norm before clipping.
         """
+        if self.never_drains:
+            raise ValueError(
+                f"pm.clip_grad_norm_ under schedule {self.schedule.name!r}: its updates run inside the pipeline, stage by "
+                "stage, so no whole gradient is ever there to clip by its global norm; train without clipping"
+            )
         counted = lambda param: not self.tied.is_secondary_copy(param)  # noqa: E731
         with self._peer_failures("pm.clip_grad_norm_ (the gradient-norm all-reduce)"):
             return clip_grad_norm_(self.parameters(), max_norm, norm_type, self.layout, counted)

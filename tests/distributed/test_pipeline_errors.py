@@ -44,6 +44,9 @@ def _bad_configs():
             optimizer=functools.partial(torch.optim.SGD, lr=0.1)),
     }
     messages = messages_of(cases, (ValueError, NotImplementedError))
+    never_drain = mesh3d.parallelize(meta_model(False), layout, schedule="pipedream_2bw", microbatches=4,
+                                     optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    messages["clipping under a never-drain schedule"] = message_of(lambda: never_drain.clip_grad_norm_(1.0))
     pm = mesh3d.parallelize(meta_model(False), layout, schedule="1f1b", microbatches=4)
     messages["batch does not split"] = message_of(lambda: pm.step(*batches(6)[0]))
     inputs, targets = batches(8)[0]
@@ -67,6 +70,8 @@ EXPECTED = {
                                         "stage, so mesh3d must own the optimizer: pass optimizer=functools.partial(",
     "optimizer not callable": "optimizer='adamw' is not callable; pass a factory taking the parameters",
     "never-drain with two stages per rank": "schedule 'pipedream' runs one stage per rank, but virtual_stages=2",
+    "clipping under a never-drain schedule": "pm.clip_grad_norm_ under schedule 'pipedream_2bw': its updates run inside "
+                                             "the pipeline",
     "batch does not split": "a batch of 6 samples does not split into microbatches=4 equal microbatches",
 }
 
