@@ -1,13 +1,13 @@
 """The never-drain schedules equal a one-process reference of their update rules.
 
 For pipedream and pipedream_2bw at (4,1,1), (2,2,1) FSDP, (2,1,2) and (2,2,2), with SGD (momentum)
-and AdamW, with a tied embedding and output head in half the cases: the loss every call returns
+and AdamW, with a tied embedding and output head: the loss every call returns
 and every weight after 6 calls and a flush equal tests/never_drain_cases.py's reference (fp32,
 relative 1e-5), which applies the rules with torch's own optimizer on the whole model. One launch
 per layout runs its cases.
 
-At (2,2,1) they compose exactly with every activation-checkpoint mode, DDP and compile; bf16
-mixed precision runs, its losses within bf16's reach of the fp32 reference.
+At (2,2,1) they compose exactly with every activation-checkpoint mode, DDP and compile, tied and
+untied; bf16 mixed precision runs, its losses within bf16's reach of the fp32 reference.
 
 Also: pipedream_2bw saved after call 3 at (2,2,2) and resumed at (4,1,2) (from other initial
 weights, with other microbatches) continues with calls 4-6 exactly as the reference's
@@ -29,8 +29,8 @@ LAYOUTS = {(4, 1, 1): 5, (2, 2, 1): 3, (2, 1, 2): 4, (2, 2, 2): 2}  # layout: mi
 
 def cases(layout):
     m = LAYOUTS[layout]
-    return [("pipedream_2bw", m, "sgd", True), ("pipedream_2bw", m, "adamw", False),
-            ("pipedream", m, "sgd", False), ("pipedream", m, "adamw", True)]
+    return [("pipedream_2bw", m, "sgd", True), ("pipedream_2bw", m, "adamw", True),
+            ("pipedream", m, "sgd", True), ("pipedream", m, "adamw", True)]
 
 
 def _run(pp, dp, tp):
