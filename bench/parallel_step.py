@@ -34,8 +34,9 @@ import statistics
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
@@ -167,60 +168,59 @@ def measure(cases: dict[str, Case], batch: int, seq_len: int, steps: int, model_
     """On each rank: run `steps` + 1 AdamW steps (the first warms up) of each case; this rank's figures.
     A never-drain case's optimizer runs inside `pm.step`, and a flush ends its run."""
     torch.set_num_threads(1)
-    results = {}
-    for name, case in cases.items():
-        layout = mesh3d.build_mesh(pp=case.pp, dp=case.dp, tp=case.tp)
-        model = debug_model(seq_len, tie_embeddings=case.tie_embeddings, **(model_overrides or {}))
-        inside = functools.partial(torch.optim.AdamW, lr=1e-3) if case.never_drains else None
-        pm = mesh3d.parallelize(model, layout, schedule=case.schedule, microbatches=case.m, loss_fn=loss_fn,
-                                dp_mode=case.dp_mode, activation_checkpoint=case.activation_checkpoint,
-                                optimizer=inside)
-        optimizer = pm.optimizer if case.never_drains else torch.optim.AdamW(pm.parameters(), lr=1e-3)
-        generator = torch.Generator().manual_seed(0)
-        times, meter, kept_peak, grads, versions = [], SavedBytesMeter(), 0, 0, 0
+    return {name: _measure_case(case, batch, seq_len, steps, model_overrides) for name, case in cases.items()}
 
-        def sample_grads() -> None:  # never-drain: each update consumes its gradients within the call
-            nonlocal grads
-            grads = max(grads, _local_bytes(p.grad for p in pm.parameters()))
 
-        def measured(run) -> None:
-            nonlocal kept_peak
-            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack), \
-                    kept_between_actions(meter, sample_grads if case.never_drains else None) as kept:
-                run()
-            kept_peak = max(kept_peak, kept[0])
+def _measure_case(case: Case, batch: int, seq_len: int, steps: int, model_overrides: dict | None) -> Measured:
+    layout = mesh3d.build_mesh(pp=case.pp, dp=case.dp, tp=case.tp)
+    model = debug_model(seq_len, tie_embeddings=case.tie_embeddings, **(model_overrides or {}))
+    inside = functools.partial(torch.optim.AdamW, lr=1e-3) if case.never_drains else None
+    pm = mesh3d.parallelize(model, layout, schedule=case.schedule, microbatches=case.m, loss_fn=loss_fn,
+                            dp_mode=case.dp_mode, activation_checkpoint=case.activation_checkpoint, optimizer=inside)
+    optimizer = pm.optimizer if case.never_drains else torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(0)
+    times, meter, kept_peak, grads, versions = [], SavedBytesMeter(), 0, 0, 0
 
-        def kept_versions() -> int:
-            return pm.runtime.versions.kept_bytes() if pm.runtime.versions is not None else 0
+    def sample_grads() -> None:  # never-drain: each update consumes its gradients within the call
+        nonlocal grads
+        grads = max(grads, _local_bytes(p.grad for p in pm.parameters()))
 
-        share = batch // case.dp
-        for _ in range(steps + 1):
-            tokens = torch.randint(0, 256, (batch, seq_len + 1), generator=generator)
-            # the rank's own share, as its loader gives it (a view would keep the global batch alive)
-            tokens = tokens[layout.dp_rank * share:(layout.dp_rank + 1) * share].clone()
-            start = time.perf_counter()
-            # contiguous, as a copy to the device makes them (a view would keep seq_len + 1 ids a row)
-            measured(lambda: pm.step(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
-            if case.never_drains:
-                versions = max(versions, kept_versions())
-            else:
-                pm.clip_grad_norm_(1.0)
-                optimizer.step()
-                grads = _local_bytes(p.grad for p in pm.parameters())  # before zero_grad
-                optimizer.zero_grad()
-            times.append(time.perf_counter() - start)
-        p2p_sent = pm.runtime.counters.bytes_sent  # the last call's (a flush's traffic would count to it)
+    def metered(run: Callable, *args) -> None:
+        nonlocal kept_peak
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack), \
+                kept_between_actions(meter, sample_grads if case.never_drains else None) as kept:
+            run(*args)
+        kept_peak = max(kept_peak, kept[0])
+
+    def kept_versions() -> int:
+        return pm.runtime.versions.kept_bytes() if pm.runtime.versions is not None else 0
+
+    share = batch // case.dp
+    for _ in range(steps + 1):
+        tokens = torch.randint(0, 256, (batch, seq_len + 1), generator=generator)
+        # the rank's own share, as its loader gives it (a view would keep the global batch alive)
+        tokens = tokens[layout.dp_rank * share:(layout.dp_rank + 1) * share].clone()
+        start = time.perf_counter()
+        # contiguous, as a copy to the device makes them (a view would keep seq_len + 1 ids a row)
+        metered(pm.step, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
         if case.never_drains:
-            measured(pm.flush)  # the backwards and updates still in flight
             versions = max(versions, kept_versions())
-        params = _local_bytes(pm.parameters())
-        adam = _local_bytes(t for s in optimizer.state.values() for t in s.values()
-                            if isinstance(t, torch.Tensor) and t.dim() > 0)
-        step = statistics.median(times[1:]) if steps else times[0]
-        activations = kept_peak if case.activation_checkpoint == "selective" else meter.peak
-        results[name] = Measured(step, params, grads, adam, activations, versions, p2p_sent, layout.pp_rank)
-        del pm, optimizer
-    return results
+        else:
+            pm.clip_grad_norm_(1.0)
+            optimizer.step()
+            grads = _local_bytes(p.grad for p in pm.parameters())  # before zero_grad
+            optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    p2p_sent = pm.runtime.counters.bytes_sent  # the last call's (a flush's traffic would count to it)
+    if case.never_drains:
+        metered(pm.flush)  # the backwards and updates still in flight
+        versions = max(versions, kept_versions())
+    params = _local_bytes(pm.parameters())
+    adam = _local_bytes(t for s in optimizer.state.values() for t in s.values()
+                        if isinstance(t, torch.Tensor) and t.dim() > 0)
+    step = statistics.median(times[1:]) if steps else times[0]
+    activations = kept_peak if case.activation_checkpoint == "selective" else meter.peak
+    return Measured(step, params, grads, adam, activations, versions, p2p_sent, layout.pp_rank)
 
 
 def predict(case: Case, world: int, batch: int, seq_len: int, model_overrides: dict | None = None):
@@ -276,12 +276,12 @@ def main() -> None:
           f"{args.schedule} with microbatches = {m}, activation_checkpoint={args.activation_checkpoint}, gloo on CPU; "
           "memory figures: max over ranks, MiB")
     print("layout (pp,dp,tp)  step ms  tokens/s  params  grads  adam  saved-activations  versions  p2p-sent/step")
-    for name in cases:
+    for name, case in cases.items():
         got = worst(per_rank, name)
         print(f"{name:>17}  {got.step_seconds * 1000:7.0f}  {tokens / got.step_seconds:8,.0f}  "
               f"{got.parameters / MIB:6.3f}  {got.gradients / MIB:5.3f}  {got.optimizer / MIB:5.3f}  "
               f"{got.activations / MIB:17.3f}  {got.weight_versions / MIB:8.3f}  {got.p2p_sent / MIB:13.2f}")
-        if cases[name].never_drains:
+        if case.never_drains:
             kept = ", ".join(f"{r[name].weight_versions / MIB:.3f}" for r in per_rank)
             pp_ranks = ", ".join(str(r[name].pp_rank) for r in per_rank)
             print(f"{'':>17}  weight versions kept, peak MiB per rank: [{kept}] (pp ranks [{pp_ranks}])")
