@@ -7,20 +7,34 @@ For each layout (FSDP unless the layout ends in ",ddp"; --schedule, default inte
 --microbatches, default 2*pp) prints the median step time, tokens/s, and, as the max over ranks:
 the bytes of parameters, gradients and AdamW state a rank holds (local shards), the peak bytes
 autograd saved for backward (mesh3d.planner.probe.SavedBytesMeter, the planner's own meter:
-distinct storages, parameters not counted) and the P2P bytes sent per step. With --predict, the
-row below each layout is what mesh3d.plan predicts for the fullest rank of that same layout
-(every choice pinned, fp32 as the run). On a machine with fewer cores than ranks the times measure
-contention; the memory and traffic figures do not depend on it.
+distinct storages, parameters not counted), the peak bytes of weight versions kept and the P2P
+bytes sent per step. With --predict, the row below each layout is what mesh3d.plan predicts for
+the fullest rank of that same layout (every choice pinned, fp32 as the run). On a machine with
+fewer cores than ranks the times measure contention; the memory and traffic figures do not depend
+on it.
+
+    python bench/parallel_step.py --world 2 --layouts 2,1,1 --schedule pipedream_2bw --steps 3
+
+The never-drain schedules ("pipedream", "pipedream_2bw") take the optimizer at parallelize
+(`optimizer=`, AdamW at the same settings) and update inside `pm.step`, so their run has no
+gradient clipping and ends with `pm.flush()` (untimed; its backwards count to the activations).
+For them "versions" is the peak over the run of `pm.runtime.versions.kept_bytes()` (the copies of
+earlier weight versions this rank keeps besides its parameters; sampled after every `pm.step` and
+after the flush), printed per rank below the layout's row; 0 for every other schedule. Their
+gradients are consumed by each update inside the call, so the bytes in `.grad` are sampled after
+every action of the run (peak), not after the step.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -34,6 +48,7 @@ from examples.llama.config import get_config  # noqa: E402
 from examples.llama.model import Transformer, loss_fn  # noqa: E402
 from mesh3d.distributed.shards import local_tensor  # noqa: E402
 from mesh3d.pipeline.schedule.catalog import default_virtual_stages  # noqa: E402
+from mesh3d.pipeline.schedule.never_drain import NEVER_DRAIN  # noqa: E402
 from mesh3d.pipeline import block_checkpoint, runtime as pipeline_runtime  # noqa: E402
 from mesh3d.planner.probe import SavedBytesMeter  # noqa: E402
 from multiprocess import run_on_ranks  # noqa: E402
@@ -60,6 +75,11 @@ class Case(NamedTuple):
     def virtual_stages(self, n_layers: int) -> int:
         return default_virtual_stages(self.schedule, self.pp, n_layers)
 
+    @property
+    def never_drains(self) -> bool:
+        """Whether the schedule updates inside the pipeline (optimizer at parallelize, a flush at the end)."""
+        return self.schedule in NEVER_DRAIN
+
 
 class Measured(NamedTuple):
     """One rank's figures for one case (bytes; seconds)."""
@@ -69,6 +89,7 @@ class Measured(NamedTuple):
     gradients: int
     optimizer: int
     activations: int  # peak bytes kept for backward (kept_between_actions under "selective")
+    weight_versions: int  # peak bytes of kept weight versions (never-drain schedules; 0 otherwise)
     p2p_sent: int
     pp_rank: int
 
@@ -107,14 +128,15 @@ def _held_outside_autograd(step, meter: SavedBytesMeter, block_caches=()) -> int
 
 
 @contextlib.contextmanager
-def kept_between_actions(meter: SavedBytesMeter):
+def kept_between_actions(meter: SavedBytesMeter, after_action: Callable[[], None] | None = None):
     """The peak, over the moments between a training step's actions, of what the rank keeps for its
     backwards: the meter's live bytes plus what `_held_outside_autograd` finds in the interpreter.
 
     Under "selective" the forward's graph is dropped (autograd's hooks see nothing of it) and the
     stage is rebuilt inside its backward action; the meter's own peak is that rebuild, while what
     stays from a forward to its backward is the input and the cache. Yields a one-element list that
-    holds the peak; wraps the interpreter's `_Step.execute` for the duration (this process only)."""
+    holds the peak; wraps the interpreter's `_Step.execute` for the duration (this process only).
+    `after_action`, if given, runs after each training action too (another figure sampled there)."""
     execute = pipeline_runtime._Step.execute
     contexts = block_checkpoint.selective_contexts
     block_caches = weakref.WeakSet()  # the caches of blocks checkpointed one by one, while torch holds them
@@ -124,6 +146,8 @@ def kept_between_actions(meter: SavedBytesMeter):
         execute(step, action, is_last_backward)
         if step.train:
             peak[0] = max(peak[0], meter.now + _held_outside_autograd(step, meter, list(block_caches)))
+            if after_action is not None:
+                after_action()
 
     def recorded_contexts():
         caching, cached = contexts()
@@ -141,42 +165,62 @@ def kept_between_actions(meter: SavedBytesMeter):
 
 def measure(cases: dict[str, Case], batch: int, seq_len: int, steps: int, model_overrides: dict | None = None,
             ) -> dict[str, Measured]:
-    """On each rank: run `steps` + 1 AdamW steps (the first warms up) of each case; this rank's figures."""
+    """On each rank: run `steps` + 1 AdamW steps (the first warms up) of each case; this rank's figures.
+    A never-drain case's optimizer runs inside `pm.step`, and a flush ends its run."""
     torch.set_num_threads(1)
-    results = {}
-    for name, case in cases.items():
-        layout = mesh3d.build_mesh(pp=case.pp, dp=case.dp, tp=case.tp)
-        model = debug_model(seq_len, tie_embeddings=case.tie_embeddings, **(model_overrides or {}))
-        pm = mesh3d.parallelize(model, layout, schedule=case.schedule, microbatches=case.m, loss_fn=loss_fn,
-                                dp_mode=case.dp_mode, activation_checkpoint=case.activation_checkpoint)
-        optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-        generator = torch.Generator().manual_seed(0)
-        times, meter, kept_peak = [], SavedBytesMeter(), 0
-        share = batch // case.dp
-        for _ in range(steps + 1):
-            tokens = torch.randint(0, 256, (batch, seq_len + 1), generator=generator)
-            # the rank's own share, as its loader gives it (a view would keep the global batch alive)
-            tokens = tokens[layout.dp_rank * share:(layout.dp_rank + 1) * share].clone()
-            start = time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack), \
-                    kept_between_actions(meter) as kept:
-                # contiguous, as a copy to the device makes them (a view would keep seq_len + 1 ids a row)
-                pm.step(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
-            kept_peak = max(kept_peak, kept[0])
+    return {name: _measure_case(case, batch, seq_len, steps, model_overrides) for name, case in cases.items()}
+
+
+def _measure_case(case: Case, batch: int, seq_len: int, steps: int, model_overrides: dict | None) -> Measured:
+    layout = mesh3d.build_mesh(pp=case.pp, dp=case.dp, tp=case.tp)
+    model = debug_model(seq_len, tie_embeddings=case.tie_embeddings, **(model_overrides or {}))
+    inside = functools.partial(torch.optim.AdamW, lr=1e-3) if case.never_drains else None
+    pm = mesh3d.parallelize(model, layout, schedule=case.schedule, microbatches=case.m, loss_fn=loss_fn,
+                            dp_mode=case.dp_mode, activation_checkpoint=case.activation_checkpoint, optimizer=inside)
+    optimizer = pm.optimizer if case.never_drains else torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(0)
+    times, meter, kept_peak, grads, versions = [], SavedBytesMeter(), 0, 0, 0
+
+    def sample_grads() -> None:  # never-drain: each update consumes its gradients within the call
+        nonlocal grads
+        grads = max(grads, _local_bytes(p.grad for p in pm.parameters()))
+
+    def metered(run: Callable, *args) -> None:
+        nonlocal kept_peak
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack), \
+                kept_between_actions(meter, sample_grads if case.never_drains else None) as kept:
+            run(*args)
+        kept_peak = max(kept_peak, kept[0])
+
+    def kept_versions() -> int:
+        return pm.runtime.versions.kept_bytes() if pm.runtime.versions is not None else 0
+
+    share = batch // case.dp
+    for _ in range(steps + 1):
+        tokens = torch.randint(0, 256, (batch, seq_len + 1), generator=generator)
+        # the rank's own share, as its loader gives it (a view would keep the global batch alive)
+        tokens = tokens[layout.dp_rank * share:(layout.dp_rank + 1) * share].clone()
+        start = time.perf_counter()
+        # contiguous, as a copy to the device makes them (a view would keep seq_len + 1 ids a row)
+        metered(pm.step, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        if case.never_drains:
+            versions = max(versions, kept_versions())
+        else:
             pm.clip_grad_norm_(1.0)
             optimizer.step()
             grads = _local_bytes(p.grad for p in pm.parameters())  # before zero_grad
             optimizer.zero_grad()
-            times.append(time.perf_counter() - start)
-        params = _local_bytes(pm.parameters())
-        adam = _local_bytes(t for s in optimizer.state.values() for t in s.values()
-                            if isinstance(t, torch.Tensor) and t.dim() > 0)
-        step = statistics.median(times[1:]) if steps else times[0]
-        activations = kept_peak if case.activation_checkpoint == "selective" else meter.peak
-        results[name] = Measured(step, params, grads, adam, activations, pm.runtime.counters.bytes_sent,
-                                 layout.pp_rank)
-        del pm, optimizer
-    return results
+        times.append(time.perf_counter() - start)
+    p2p_sent = pm.runtime.counters.bytes_sent  # the last call's (a flush's traffic would count to it)
+    if case.never_drains:
+        metered(pm.flush)  # the backwards and updates still in flight
+        versions = max(versions, kept_versions())
+    params = _local_bytes(pm.parameters())
+    adam = _local_bytes(t for s in optimizer.state.values() for t in s.values()
+                        if isinstance(t, torch.Tensor) and t.dim() > 0)
+    step = statistics.median(times[1:]) if steps else times[0]
+    activations = kept_peak if case.activation_checkpoint == "selective" else meter.peak
+    return Measured(step, params, grads, adam, activations, versions, p2p_sent, layout.pp_rank)
 
 
 def predict(case: Case, world: int, batch: int, seq_len: int, model_overrides: dict | None = None):
@@ -216,6 +260,9 @@ def main() -> None:
     parser.add_argument("--activation-checkpoint", default="never")
     parser.add_argument("--predict", action="store_true", help="also print mesh3d.plan's prediction per layout")
     args = parser.parse_args()
+    if args.predict and args.schedule in NEVER_DRAIN:
+        parser.error(f"--predict: mesh3d.plan does not model the never-drain schedules ({args.schedule}); "
+                     "drop --predict or choose a schedule that drains")
     cases = {text: parse_layout(text, args) for text in args.layouts}
     for text, case in cases.items():
         if case.pp * case.dp * case.tp != args.world:
@@ -228,12 +275,16 @@ def main() -> None:
     print(f"debug config, {args.world} ranks, global batch {args.batch} x {args.seq_len} tokens, FSDP unless noted, "
           f"{args.schedule} with microbatches = {m}, activation_checkpoint={args.activation_checkpoint}, gloo on CPU; "
           "memory figures: max over ranks, MiB")
-    print("layout (pp,dp,tp)  step ms  tokens/s  params  grads  adam  saved-activations  p2p-sent/step")
-    for name in cases:
+    print("layout (pp,dp,tp)  step ms  tokens/s  params  grads  adam  saved-activations  versions  p2p-sent/step")
+    for name, case in cases.items():
         got = worst(per_rank, name)
         print(f"{name:>17}  {got.step_seconds * 1000:7.0f}  {tokens / got.step_seconds:8,.0f}  "
               f"{got.parameters / MIB:6.3f}  {got.gradients / MIB:5.3f}  {got.optimizer / MIB:5.3f}  "
-              f"{got.activations / MIB:17.3f}  {got.p2p_sent / MIB:13.2f}")
+              f"{got.activations / MIB:17.3f}  {got.weight_versions / MIB:8.3f}  {got.p2p_sent / MIB:13.2f}")
+        if case.never_drains:
+            kept = ", ".join(f"{r[name].weight_versions / MIB:.3f}" for r in per_rank)
+            pp_ranks = ", ".join(str(r[name].pp_rank) for r in per_rank)
+            print(f"{'':>17}  weight versions kept, peak MiB per rank: [{kept}] (pp ranks [{pp_ranks}])")
         if name in predicted:
             p = predicted[name].memory_per_rank
             print(f"{'predicted':>17}  {'':7}  {'':8}  {p.parameters / MIB:6.3f}  {p.gradients / MIB:5.3f}  "

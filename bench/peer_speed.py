@@ -30,6 +30,18 @@ and its final division of the gradients by m; mesh3d's F/B/I/W less the time in 
 The rest of the step is the step time less the busiest rank's compute: waits, messages, the
 interpreter. No schedule can take less than its busiest rank's compute, so the compute column
 bounds what a better engine could gain on the same stages.
+
+Each engine's peak saved activations per rank are measured the same way for all four: its step
+runs inside `torch.autograd.graph.saved_tensors_hooks` with a SavedBytesMeter of its own
+(mesh3d.planner.probe, the planner's meter: distinct storages at their allocated size, released
+when autograd drops its last saved reference, parameters and views of them not counted; both
+engines' stages hold plain Parameters here, no FSDP). One round after the timed ones, untimed, is
+metered, so the hooks' cost stays out of the timings (not the warm-up: torch's first step also
+runs each stage's forward once more, autograd on, to infer the messages' shapes). The meter sees
+what autograd saves for backward inside the step, the loss's included, and nothing else:
+not what an engine holds outside autograd for its backwards (each stage-microbatch's output,
+kept to start the backward from: torch's forward cache, mesh3d's step state), receive buffers
+that no op saved, gradients, parameters, or a tensor that lives only inside one action.
 """
 
 from __future__ import annotations
@@ -55,6 +67,7 @@ import mesh3d  # noqa: E402
 from examples.llama.config import get_config  # noqa: E402
 from examples.llama.model import Transformer  # noqa: E402
 from mesh3d.pipeline import runtime as mesh3d_runtime  # noqa: E402
+from mesh3d.planner.probe import SavedBytesMeter  # noqa: E402
 from multiprocess import run_on_ranks  # noqa: E402
 
 TORCH_SCHEDULES = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble}
@@ -132,7 +145,7 @@ class _Engines:
         for schedule in TORCH_SCHEDULES:
             pm = mesh3d.parallelize(copy.deepcopy(model), layout, schedule=schedule, microbatches=m, virtual_stages=2,
                                     layers_per_stage=[args.layers // (2 * pp)] * (2 * pp), loss_fn=_cross_entropy)
-            self.steps[f"mesh3d {schedule}"] = (pm.step, pm.parameters())
+            self.steps[f"mesh3d {schedule}"] = (pm.step, list(pm.parameters()))  # a list: cleared every step
             stages = [PipelineStage(_torch_stage(model, s, 2 * pp), s, 2 * pp, torch.device("cpu"), group=layout.group("pp"))
                       for s in _stage_indices(schedule, pp, layout.pp_rank)]
             runner = TORCH_SCHEDULES[schedule](stages, n_microbatches=m, loss_fn=_cross_entropy, scale_grads=True)
@@ -172,7 +185,9 @@ def _bench(args):
     times = {name: [] for name in [*engines.steps, "one process", "one process, microbatched"]}
     compute = {name: [] for name in engines.steps}
     losses = {name: [] for name in engines.steps}
-    for step_index in range(args.steps + 1):  # the first step of each warms up
+    meters = {name: SavedBytesMeter() for name in engines.steps}  # fed in the last round only
+    for step_index in range(args.steps + 2):  # the first round warms up, the last is metered (both untimed)
+        timed, metered = 0 < step_index <= args.steps, step_index == args.steps + 1
         tokens = torch.randint(0, 256, (args.batch, args.seq_len + 1), generator=generator)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         names = list(engines.steps)
@@ -181,22 +196,29 @@ def _bench(args):
             dist.barrier()
             clock.reset()
             start = time.perf_counter()
-            loss = step(inputs, targets)
+            if metered:
+                with torch.autograd.graph.saved_tensors_hooks(meters[name].pack, meters[name].unpack):
+                    loss = step(inputs, targets)
+            else:
+                loss = step(inputs, targets)
             dist.barrier()
             elapsed = time.perf_counter() - start
             for p in params:
                 p.grad = None
-            if step_index:
+            if timed:
                 times[name].append(elapsed)
                 compute[name].append(clock.seconds)
             if loss is not None:
                 losses[name].append(float(loss))
+        if metered:
+            continue
         seconds = engines.one_process(inputs, targets)
         microbatched = engines.one_process(inputs, targets, args.microbatches)
-        if step_index:
+        if timed:
             times["one process"].append(seconds)
             times["one process, microbatched"].append(microbatched)
-    return {name: statistics.median(t) for name, t in times.items()}, losses, times, compute
+    saved = {name: meter.peak for name, meter in meters.items()}
+    return {name: statistics.median(t) for name, t in times.items()}, losses, times, compute, saved
 
 
 def main() -> None:
@@ -232,6 +254,7 @@ def main() -> None:
               f"first losses {[round(v, 5) for v in losses.get(name, [])[:2]]}")
         print(f"{'':>28}compute per rank {[round(c * 1e3, 1) for c in compute[name]]} ms, "
               f"rest of the step {rest[name] * 1e3:.1f} ms ({rest[name] / seconds:.1%})")
+        print(f"{'':>28}peak saved activations MiB per rank {[round(rank[4][name] / 2**20, 2) for rank in per_rank]}")
     best = {side: min((s, n) for n, s in medians.items() if n.startswith(side)) for side in ("mesh3d", "torch")}
     print(f"best: mesh3d {best['mesh3d'][1]} {best['mesh3d'][0] * 1e3:.1f} ms, torch {best['torch'][1]} "
           f"{best['torch'][0] * 1e3:.1f} ms, ratio {best['mesh3d'][0] / best['torch'][0]:.3f}")
