@@ -115,6 +115,15 @@ def mesh3d_run(layout, schedule: str, m: int, tied: bool, data, optimizer: str, 
     return losses, state, owners, pm
 
 
+def reference_evaluation(tied: bool, state: dict[str, torch.Tensor], tokens, targets) -> float:
+    """The token-mean loss of the model at `state` (the reference's final weights), one process."""
+    model = Transformer(tiny_args(tied))
+    model.load_state_dict({n: torch.as_tensor(v) for n, v in state.items()})
+    with torch.no_grad():
+        loss_sum, count = _loss_sum_count(model, dict(model.named_parameters()), tokens, targets)
+    return loss_sum.item() / count
+
+
 def worst(losses, state, ref_losses, ref_state) -> tuple[float, str]:
     errors = [(abs(a - b) / max(abs(b), 1e-12), f"loss of call {i}") for i, (a, b) in enumerate(zip(losses, ref_losses))]
     for name, want in ref_state.items():

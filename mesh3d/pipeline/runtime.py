@@ -325,7 +325,9 @@ class _Step:
 
     def execute(self, action: Action, is_last_backward: bool) -> None:
         kind = action.kind
-        versions = self.rt.versions
+        # An evaluation runs after a flush, on the newest weights the parameters hold: no update
+        # rule applies to its microbatches (numbered from 0, they would ask for long-gone versions).
+        versions = self.rt.versions if self.train else None
         if versions is not None and kind in (Kind.F, Kind.B):
             versions.before_compute(action.stage, action.microbatch)
             is_last_backward = versions.rule.completes_update(action.microbatch)

@@ -3,8 +3,9 @@
 For pipedream and pipedream_2bw at (4,1,1), (2,2,1) FSDP, (2,1,2) and (2,2,2), with SGD (momentum)
 and AdamW, with a tied embedding and output head: the loss every call returns
 and every weight after 6 calls and a flush equal tests/never_drain_cases.py's reference (fp32,
-relative 1e-5), which applies the rules with torch's own optimizer on the whole model. One launch
-per layout runs its cases.
+relative 1e-5), which applies the rules with torch's own optimizer on the whole model; so does
+pm.evaluate after them (the newest weights, not a version of the rule). One launch per layout
+runs its cases.
 
 At (2,2,1) they compose exactly with every activation-checkpoint mode, DDP and compile, tied and
 untied; bf16 mixed precision runs, its losses within bf16's reach of the fp32 reference.
@@ -19,7 +20,9 @@ import torch
 
 import mesh3d
 from multiprocess import run_on_ranks
-from never_drain_cases import OPTIMIZERS, MICROBATCH_SIZE, call_batches, mesh3d_run, reference, worst
+from never_drain_cases import (
+    OPTIMIZERS, MICROBATCH_SIZE, call_batches, mesh3d_run, reference, reference_evaluation, worst,
+)
 from pipeline_cases import TOLERANCE, meta_model
 
 pytestmark = pytest.mark.distributed
@@ -40,7 +43,10 @@ def _run(pp, dp, tp):
         data = call_batches(MICROBATCH_SIZE * m * dp)
         losses, state, owners, pm = mesh3d_run(layout, schedule, m, tied, data, optimizer)
         kept = pm.runtime.versions.kept_bytes()
-        out[(schedule, m, optimizer, tied)] = (losses, state if layout.rank == 0 else None, owners, kept)
+        inputs, targets = data[0]
+        share = slice(layout.dp_rank * len(inputs) // dp, (layout.dp_rank + 1) * len(inputs) // dp)
+        evaluated = pm.evaluate(inputs[share], targets[share]).item()
+        out[(schedule, m, optimizer, tied)] = (losses, state if layout.rank == 0 else None, owners, kept, evaluated)
     return out
 
 
@@ -51,7 +57,7 @@ def test_never_drain_matches_its_update_rule(layout):
     failures = []
     for case in cases(layout):
         schedule, m, optimizer, tied = case
-        losses, state, owners, _ = per_rank[0][case]
+        losses, state, owners, _, evaluated = per_rank[0][case]
         for rank, outcome in enumerate(per_rank):
             if outcome[case][0] != losses:
                 failures.append(f"{case}: rank {rank} returned losses {outcome[case][0]}, rank 0 {losses}")
@@ -60,6 +66,9 @@ def test_never_drain_matches_its_update_rule(layout):
         error, where = worst(losses, state, ref_losses, ref_state)
         if error > TOLERANCE:
             failures.append(f"{case}: relative error {error:.2e} at {where}")
+        want = reference_evaluation(tied, ref_state, *call_batches(MICROBATCH_SIZE * m * dp)[0])
+        if abs(evaluated - want) > TOLERANCE * abs(want):
+            failures.append(f"{case}: pm.evaluate gave {evaluated}, the final weights' loss is {want}")
     assert not failures, "\n".join(failures)
 
 
