@@ -5,7 +5,8 @@
 - resume.py: the newest undamaged checkpoint under a root, agreed by every rank
   (`resume_latest`), or exactly the checkpoint asked for (`resume_from`);
 - nonfinite_steps.py: skip an optimizer step whose gradient norm is NaN or Inf, stop after
-  `max_bad_steps` in a row (`BadStepGuard`, `TooManyBadSteps`);
+  `max_bad_steps` in a row (`BadStepGuard`, `TooManyBadSteps`); for the never-drain schedules,
+  which update inside `pm.step`, stop after `max_bad_steps` non-finite losses in a row (`BadLossGuard`);
 - heldout_eval.py: the held-out loss on the same fixed batches at every evaluation
   (`HeldOutEvaluator`, `due`);
 - flops.py: FLOPs per token counted over one forward and backward of the model, the device's
@@ -20,11 +21,12 @@ imports them (only the package face, `mesh3d.train`).
 
 from mesh3d.train.flops import flops_per_token, mfu, peak_flops
 from mesh3d.train.heldout_eval import HeldOutEvaluator, due
-from mesh3d.train.nonfinite_steps import BadStepGuard, TooManyBadSteps
+from mesh3d.train.nonfinite_steps import BadLossGuard, BadStepGuard, TooManyBadSteps
 from mesh3d.train.progress import Progress, human_count, human_duration
 from mesh3d.train.resume import checkpoints_newest_first, resume_from, resume_latest
 
 __all__ = [
+    "BadLossGuard",
     "BadStepGuard",
     "HeldOutEvaluator",
     "Progress",

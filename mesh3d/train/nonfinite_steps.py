@@ -10,6 +10,17 @@ A NaN or Inf anywhere in the gradients makes the global gradient norm (`pm.clip_
 the same value on every rank) NaN or Inf, so every rank reaches the same verdict from it with no
 extra communication. Skipping the update keeps the weights (and the optimizer's moments) finite;
 a run whose steps keep failing is stopped instead of burning its budget on skipped steps.
+
+The never-drain schedules ("pipedream", "pipedream_2bw") update the weights inside `pm.step`,
+stage by stage, with no moment at which the whole gradient exists: there is no norm to test
+before the update and no update left to skip. `BadLossGuard` is their guard: it counts the steps
+in a row whose loss (the same on every rank) is NaN or Inf and stops the run after
+`max_bad_steps` of them, through the same TooManyBadSteps.
+
+    guard = BadLossGuard(max_bad_steps=3)
+    loss = pm.step(inputs, targets).item()   # the updates ran inside
+    guard.observe(loss)
+    guard.raise_if_too_many(step, loss)      # after logging the step
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ import math
 
 
 class TooManyBadSteps(RuntimeError):
-    """`max_bad_steps` optimizer steps in a row had a non-finite gradient norm."""
+    """`max_bad_steps` optimizer steps in a row had a non-finite gradient norm (or, never-drain, loss)."""
 
 
 class BadStepGuard:
@@ -50,4 +61,35 @@ class BadStepGuard:
                 f"(max_bad_steps={self.max_bad_steps}); their optimizer steps were skipped and the weights are "
                 "those before them. Lower the learning rate, check the data of these steps, or resume from an "
                 "earlier checkpoint"
+            )
+
+
+class BadLossGuard:
+    """Counts consecutive steps with a non-finite loss, for schedules that update inside `pm.step`
+    (never-drain): `observe(loss)` every step, `raise_if_too_many(step, loss)` (once the step is
+    logged) stops the run. Nothing is skipped: those updates have happened."""
+
+    def __init__(self, max_bad_steps: int = 3) -> None:
+        if max_bad_steps < 1:
+            raise ValueError(f"max_bad_steps must be >= 1, got {max_bad_steps}")
+        self.max_bad_steps = max_bad_steps
+        self.consecutive = 0
+        self.bad = 0  # over the whole run
+
+    def observe(self, loss: float) -> None:
+        """Count a non-finite loss; a finite one starts the count of bad steps in a row again."""
+        if math.isfinite(loss):
+            self.consecutive = 0
+        else:
+            self.consecutive += 1
+            self.bad += 1
+
+    def raise_if_too_many(self, step: int, loss: float) -> None:
+        """Raise TooManyBadSteps once max_bad_steps non-finite losses came in a row."""
+        if self.consecutive >= self.max_bad_steps:
+            raise TooManyBadSteps(
+                f"step {step}: the loss was {loss} (non-finite) in {self.consecutive} steps in a row "
+                f"(max_bad_steps={self.max_bad_steps}); a never-drain schedule updates inside the pipeline, so "
+                "these updates were applied, not skipped. Lower the learning rate, check the data of these "
+                "steps, or resume from an earlier checkpoint"
             )

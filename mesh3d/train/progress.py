@@ -94,11 +94,13 @@ class Progress:
             return None
         return mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.world_size)
 
-    def line(self, step: int, loss: float, lr: float, grad_norm: float, step_seconds: float) -> str:
-        """The progress line after `step` (counted from 1), which took `step_seconds`."""
+    def line(self, step: int, loss: float, lr: float, grad_norm: float | None, step_seconds: float) -> str:
+        """The progress line after `step` (counted from 1), which took `step_seconds`; without a
+        grad_norm column when `grad_norm` is None (a never-drain schedule has no whole gradient)."""
         tokens_per_s = self.tokens_per_step / step_seconds if step_seconds > 0 else math.inf
+        norm = "" if grad_norm is None else f"grad_norm {grad_norm:.3f}  "
         text = (
-            f"step {step:5d}  loss {loss:.4f}  lr {lr:.2e}  grad_norm {grad_norm:.3f}  "
+            f"step {step:5d}  loss {loss:.4f}  lr {lr:.2e}  {norm}"
             f"elapsed {human_duration(self.elapsed())}  eta {human_duration(self.eta(step))}  "
             f"tokens/s {human_count(tokens_per_s)}"
         )

@@ -79,3 +79,5 @@ def test_the_progress_line():
     progress.peak_flops = 1e9  # 1000 tokens/s * 6e6 FLOPs over 8 devices of 1 GFLOP/s each
     assert progress.line(50, 2.5, 1e-3, 0.5, 2.048).endswith("tokens/s 1.0k  MFU 75.0%")
     assert "MFU" not in Progress(10, 2048).line(1, 2.5, 1e-3, 0.5, 1.0)  # no FLOP count: no MFU
+    # A never-drain schedule has no whole gradient: no grad_norm column.
+    assert Progress(10, 2048).line(1, 2.5, 1e-3, None, 1.0).startswith("step     1  loss 2.5000  lr 1.00e-03  elapsed")
