@@ -70,7 +70,9 @@ def build_parser(description: str | None = None) -> Parser:
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of the peak")
     p.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
     p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm; 0 disables clipping")
+    p.add_argument("--grad-clip", type=float, default=None,
+                   help="max global grad norm; 0 disables clipping (default 1.0; off, and refused, with the "
+                        "never-drain schedules pipedream and pipedream_2bw)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
     p.add_argument("--data", nargs="*", default=None,
                    help=".txt/.jsonl/.parquet files, directories and globs (default: the stdlib corpus)")
@@ -132,6 +134,7 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         p.error("--init-from-hf takes the model's shape from its config.json; drop --n-layers/--tied/--vocab-size")
     if args.hf_model:
         _check_hf_model(p, args)
+    args.grad_clip = _grad_clip(p, args)
     if args.eval_every < 0 or args.eval_batches < 1:
         p.error("--eval-every must be >= 0 and --eval-batches >= 1")
     if args.token_file and (args.tokenizer or args.data):
@@ -139,6 +142,22 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     if args.tensorboard and not tensorboard_available():
         p.error("--tensorboard needs the tensorboard package: pip install tensorboard")
     return args
+
+
+def never_drains(schedule: str) -> bool:
+    """Whether the schedule updates the weights inside the pipeline (pipedream, pipedream_2bw)."""
+    return mesh3d.pipeline.SCHEDULES[schedule].never_drains
+
+
+def _grad_clip(p: Parser, args: argparse.Namespace) -> float:
+    """--grad-clip, its default resolved by the schedule: 1.0 where a step drains, 0 (off) where it never does."""
+    if not never_drains(args.schedule):
+        return 1.0 if args.grad_clip is None else args.grad_clip
+    if args.grad_clip is not None and args.grad_clip > 0:
+        p.error(f"--grad-clip {args.grad_clip} cannot apply with --schedule {args.schedule}: its stages update at "
+                "different times, so no whole gradient exists to clip by its global norm; leave --grad-clip out "
+                "(or pass --grad-clip 0)")
+    return 0.0
 
 
 def _check_hf_model(p: Parser, args: argparse.Namespace) -> None:

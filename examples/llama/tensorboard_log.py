@@ -31,7 +31,7 @@ class TensorBoardLog:
 
     def write(self, record: dict) -> None:
         for key, tag in SCALARS.items():
-            if key in record:
+            if record.get(key) is not None:  # grad_norm is None under a never-drain schedule
                 self.writer.add_scalar(tag, record[key], global_step=record["step"])
         self.writer.flush()
 

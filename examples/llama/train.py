@@ -23,10 +23,16 @@ each with the model's tensor-parallel plan and FSDP2 (or DDP) over the data-para
 mesh3d.train brings the resume, the skipping of non-finite steps, the held-out evaluation and the
 progress line. AdamW, linear warmup then cosine decay, gradient clipping over all of pp, dp and
 tp; rank 0 prints a progress line every --log-every steps and writes one JSON line per step.
+
+With a never-drain schedule (--schedule pipedream or pipedream_2bw) the optimizer lives inside the
+pipeline: parallelize builds it (`optimizer=`) and pm.step updates each stage when the schedule's
+rule says; the loop only sets the LR. No gradient clipping (no whole gradient exists at any one
+moment), and the non-finite guard counts non-finite losses instead of skipping updates.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -50,7 +56,9 @@ from examples.llama.tensorboard_log import TensorBoardLog  # noqa: E402
 from examples.llama.text_data import build_datasets, build_tokenizer, check_fits, fit_vocab  # noqa: E402
 from mesh3d.data import DistributedLoader  # noqa: E402
 from mesh3d.distributed.rendezvous import restart_count  # noqa: E402
-from mesh3d.train import BadStepGuard, HeldOutEvaluator, Progress, due, resume_from, resume_latest  # noqa: E402
+from mesh3d.train import (  # noqa: E402
+    BadLossGuard, BadStepGuard, HeldOutEvaluator, Progress, due, resume_from, resume_latest,
+)
 from mesh3d.train.flops import device_name, flops_per_token, peak_flops  # noqa: E402
 
 
@@ -66,9 +74,10 @@ def lr_at(step: int, *, peak: float, warmup: int, total: int, min_ratio: float) 
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def build_optimizer(model: mesh3d.ParallelModel, args) -> torch.optim.AdamW:
-    """AdamW; matrices decay, norm gains (1-D) do not."""
-    params = list(model.parameters())
+def build_optimizer(params: list[torch.nn.Parameter], args) -> torch.optim.AdamW:
+    """AdamW over this rank's parameters; matrices decay, norm gains (1-D) do not. A never-drain
+    schedule gets it as parallelize's `optimizer=` factory (it steps inside the pipeline)."""
+    params = list(params)
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
@@ -112,16 +121,18 @@ def set_up(args):
     tokenizer = build_tokenizer(args)
     model, described = build_model(args, tokenizer)
     n_params, per_token = count_parameters(model), flops_per_token(model, args.seq_len)
+    # A never-drain schedule updates inside pm.step, so parallelize builds the optimizer (pm.optimizer).
+    inside = functools.partial(build_optimizer, args=args) if arguments.never_drains(args.schedule) else None
     pm = mesh3d.parallelize(
         model, layout, schedule=args.schedule, microbatches=args.microbatches, virtual_stages=args.virtual_stages,
         activation_checkpoint=args.activation_checkpoint, dp_mode=args.dp_mode,
         # A Hugging Face model's plan is its own (its config's base_model_tp_plan)
         tp_plan=None if args.hf_model else llama_tp_plan(loss_parallel=args.loss_parallel), loss_parallel=args.loss_parallel,
-        param_dtype=arguments.PARAM_DTYPES[args.param_dtype], compile=args.compile, seed=args.seed,
+        param_dtype=arguments.PARAM_DTYPES[args.param_dtype], compile=args.compile, seed=args.seed, optimizer=inside,
     )  # the default loss: next-token cross-entropy over the global batch's counted tokens, any layout
     dataset, heldout = build_datasets(args, tokenizer)
     loader = DistributedLoader.for_layout(dataset, args.global_batch, layout, seed=args.seed)
-    optimizer = build_optimizer(pm, args)
+    optimizer = pm.optimizer if pm.never_drains else build_optimizer(pm.parameters(), args)
     say = (lambda line: print(line, flush=True)) if layout.rank == 0 else (lambda line: None)
     start_step, origin, state = 0, f"initialized with seed {args.seed}", None
     if args.resume_from:  # weights, optimizer state, RNG and the data position, saved under any layout
@@ -166,7 +177,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         # With --resume the log goes on, also when no checkpoint was there yet (a restart before the first save).
         metrics_file = open(args.metrics, "a" if args.resume or args.resume_from else "w")
     tensorboard = TensorBoardLog(args.tensorboard) if args.tensorboard and is_main else None
-    history, guard, restart = [], BadStepGuard(args.max_bad_steps), restart_count()  # which torchrun attempt
+    # A never-drain step's updates have happened when its loss is known: count bad losses, skip nothing.
+    guard = BadLossGuard(args.max_bad_steps) if pm.never_drains else BadStepGuard(args.max_bad_steps)
+    history, restart = [], restart_count()  # which torchrun attempt
     last_saved = progress.start_step if resumed else None
     for step in range(progress.start_step, args.steps):
         step_start = time.perf_counter()
@@ -176,14 +189,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for group in optimizer.param_groups:
             group["lr"] = lr
         inputs, targets = next(loader)
-        optimizer.zero_grad(set_to_none=True)
-        loss = pm.step(inputs, targets)  # the global token-mean loss, on every rank
-        grad_norm = pm.clip_grad_norm_(args.grad_clip if args.grad_clip > 0 else math.inf)  # NaN/Inf on every rank alike
-        stepped = guard.allows(grad_norm.item())
-        if stepped:
-            optimizer.step()
+        if pm.never_drains:  # the updates run inside pm.step, each with the lr set above for this batch
+            loss, grad_norm, stepped = pm.step(inputs, targets).item(), None, True
+            guard.observe(loss)
+        else:
+            optimizer.zero_grad(set_to_none=True)
+            loss = pm.step(inputs, targets).item()  # the global token-mean loss, on every rank
+            grad_norm = pm.clip_grad_norm_(args.grad_clip if args.grad_clip > 0 else math.inf).item()  # NaN/Inf alike
+            stepped = guard.allows(grad_norm)
+            if stepped:
+                optimizer.step()
         seconds = time.perf_counter() - step_start
-        record = {"step": step + 1, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
+        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": progress.tokens_per_step / seconds, "elapsed_s": progress.elapsed(),
                   "param_dtype": args.param_dtype, "compile": args.compile, "restart": restart,
                   "skipped": not stepped, "tokens": (step + 1) * progress.tokens_per_step}
@@ -200,10 +217,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          if "eval_loss" in record else "")
             print(progress.line(step + 1, record["loss"], lr, record["grad_norm"], seconds) + evaluated
                   + ("  SKIPPED (non-finite gradient norm)" if not stepped else ""), flush=True)
-        guard.raise_if_too_many(step + 1, record["grad_norm"])
+        guard.raise_if_too_many(step + 1, loss if pm.never_drains else grad_norm)
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             save_checkpoint(pm, optimizer, loader, step + 1, args, is_main, fault)
             last_saved = step + 1
+    pm.flush()  # a never-drain schedule's last updates (save and export would flush too); nothing otherwise
     if args.checkpoint_dir and last_saved != max(args.steps, progress.start_step):
         save_checkpoint(pm, optimizer, loader, max(args.steps, progress.start_step), args, is_main, fault)
     for log in (metrics_file, tensorboard):

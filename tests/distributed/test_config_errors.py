@@ -1,6 +1,7 @@
 """A bad configuration at 8 ranks under torchrun: its message printed once, by rank 0, in flags; every rank exits 2.
 
-Both kinds: one argparse finds (`--resume` without `--checkpoint-dir`) and one mesh3d.parallelize
+Both kinds: ones argparse finds (`--resume` without `--checkpoint-dir`; `--grad-clip` given with a
+never-drain schedule, which has no whole gradient to clip) and one mesh3d.parallelize
 raises on every rank before any collective (a 1F1B schedule with fewer microbatches than pp
 stages), whose `schedule=`/`microbatches=`/`pp=` the trainer writes as the flags the user typed.
 """
@@ -21,6 +22,10 @@ TRAIN = ["examples/llama/train.py", "--pp", "2", "--dp", "2", "--tp", "2", "--se
     (["--resume"], "train.py: error: --resume needs --checkpoint-dir", None),
     (["--schedule", "1f1b", "--microbatches", "1"],
      "got --microbatches 1 with --pp 2; use at least 2 microbatches (or --schedule gpipe)", "microbatches=1"),
+    (["--schedule", "pipedream_2bw", "--grad-clip", "1.0"],
+     "train.py: error: --grad-clip 1.0 cannot apply with --schedule pipedream_2bw: its stages update at different "
+     "times, so no whole gradient exists to clip by its global norm; leave --grad-clip out (or pass --grad-clip 0)",
+     None),
 ])
 def test_a_bad_configuration_at_8_ranks_is_said_once(flags, message, not_said):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8", *TRAIN, *flags]

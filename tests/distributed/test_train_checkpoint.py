@@ -6,6 +6,11 @@ another layout), --export-hf and --init-from-hf.
   losses as the uninterrupted run, and appends them to its metrics file.
 - `--steps 0 --export-hf` exports the initial weights; `--init-from-hf` of that export trains
   with the same losses as the run initialized by seed.
+- `--schedule pipedream_2bw` at pp=2 under torchrun (the optimizer inside the pipeline): evaluating,
+  saving every 2 steps and exporting on the way; its step-2 checkpoint resumed by `--resume` (in
+  one process: PipeDream-2BW's rule does not depend on the layout, and one launch is cheaper) gives
+  steps 3-4 and the step-4 eval loss of the uninterrupted run: the checkpoint keeps the weight
+  versions the update rule still needs.
 Relative error <= 1e-4 (fp32; the pp=2 run sums in another order), as in test_torchrun.py.
 """
 
@@ -76,3 +81,26 @@ def test_resume_from_a_chosen_checkpoint(tmp_path):
                              text=True, timeout=TIMEOUT_S)
     assert missing.returncode == 2 and f"no checkpoint at {ckpt / 'step3'}" in missing.stderr, missing.stderr[-3000:]
     assert "Traceback" not in missing.stderr
+
+
+def test_pipedream_2bw_resumes_exactly(tmp_path):
+    flags = ["--schedule", "pipedream_2bw", "--n-layers", "2", "--steps", "4", "--eval-every", "2", "--eval-batches", "1"]
+    ckpt, metrics, exported = tmp_path / "ckpt", tmp_path / "straight.jsonl", tmp_path / "hf"
+    done = _run(*flags, "--pp", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--metrics", str(metrics),
+                "--export-hf", str(exported), torchrun=2)
+    straight = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [(r["step"], r["grad_norm"], r["skipped"]) for r in straight] == [(s, None, False) for s in (1, 2, 3, 4)]
+    assert [("eval_loss" in r) for r in straight] == [False, True, False, True]
+    assert "step     4  loss" in done.stdout and "grad_norm" not in done.stdout  # no whole gradient, no norm
+    assert done.stdout.count("saved checkpoint") == 2 and (exported / "model.safetensors").is_file()
+    assert json.loads((ckpt / "step2" / "train_state.json").read_text())["extra"]["args"]["grad_clip"] == 0.0
+
+    resume_dir, resumed_metrics = tmp_path / "resume", tmp_path / "resumed.jsonl"
+    resume_dir.mkdir()
+    shutil.copytree(ckpt / "step2", resume_dir / "step2")
+    done = _run(*flags, "--checkpoint-dir", str(resume_dir), "--resume", "--metrics", str(resumed_metrics))
+    assert f"resumed from {resume_dir / 'step2'} (step 2)" in done.stdout
+    resumed = [json.loads(line) for line in resumed_metrics.read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [3, 4]
+    _assert_close([r["loss"] for r in resumed] + [resumed[-1]["eval_loss"]],
+                  [r["loss"] for r in straight[2:]] + [straight[-1]["eval_loss"]])

@@ -54,3 +54,17 @@ def test_bad_settings_name_the_problem(tmp_path, capsys, toml, message):
     with pytest.raises(SystemExit):
         parse_args(["--config-file", str(tmp_path / "run.toml")])
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_the_grad_clip_default_follows_the_schedule(tmp_path):
+    """1.0 where a step drains; off with a never-drain schedule (no whole gradient), whose effective
+    config (grad_clip = 0.0) reads back as the same run; an explicit clip with it is refused."""
+    assert parse_args([]).grad_clip == 1.0 and parse_args(["--grad-clip", "0.5"]).grad_clip == 0.5
+    args = parse_args(["--schedule", "pipedream", "--pp", "2"])
+    assert args.grad_clip == 0.0 and parse_args(["--schedule", "pipedream", "--grad-clip", "0"]).grad_clip == 0.0
+    (tmp_path / "effective.toml").write_text(effective_config_toml(args))
+    assert vars(parse_args(["--config-file", str(tmp_path / "effective.toml")])) == {
+        **vars(args), "config_file": str(tmp_path / "effective.toml")}
+    (tmp_path / "clip.toml").write_text("grad_clip = 1.0")
+    with pytest.raises(SystemExit):
+        parse_args(["--config-file", str(tmp_path / "clip.toml"), "--schedule", "pipedream"])
