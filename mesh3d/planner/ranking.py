@@ -29,6 +29,7 @@ from mesh3d.planner import constants as C
 from mesh3d.planner.hardware import Hardware, resolve_hardware
 from mesh3d.planner.memory import MemoryBreakdown, StagePlacement, rank_activations, rank_memory
 from mesh3d.planner.model_source import max_sequence_length, meta_model
+from mesh3d.planner.data_parallel_timing import time_data_parallel
 from mesh3d.planner.part_timing import time_model
 from mesh3d.planner.probe import ModelCosts, measure_model_anywhere
 from mesh3d.planner.step_time import Links, StepTime, step_time
@@ -119,6 +120,10 @@ def plan(
     # A measured machine times the model's parts at each microbatch size it plans (step_time.py).
     timed = functools.cache(lambda tp, dtype, mbs: time_model(
         model, anatomy, measure(tp, dtype), tp_plan=plan_tp, microbatch_size=mbs, param_dtype=dtype))
+    # ... and what data parallelism's wrapping adds to a block there, per dp degree and mode.
+    dp_timed = functools.cache(lambda dp, mode, tp, dtype, mbs: time_data_parallel(
+        model, anatomy, dp=dp, dp_mode=mode, tp=tp, tp_plan=plan_tp, microbatch_size=mbs, seq_len=seq_len,
+        param_dtype=dtype))
     # Many candidates share a schedule, a split and a walk of the action lists: each is built once.
     schedule_of = functools.cache(build_schedule)
     layers_of = functools.cache(lambda n_stages: stage_layer_ranges(model, anatomy, n_stages, "layers", 0.0, None))
@@ -144,7 +149,9 @@ def plan(
         links = Links.of(hw, cand["pp"], cand["dp"], cand["tp"], gpus_per_node)
         fp32 = cand["param_dtype"] is None or cand["param_dtype"] == torch.float32
         step_costs = timed(cand["tp"], cand["param_dtype"], cand["microbatch_size"]) if hw.times_the_model else costs
-        time = step_time(step_costs, place, hw, links, compile=cand["compile"], fp32_compute=fp32)
+        overhead = (dp_timed(cand["dp"], cand["dp_mode"], cand["tp"], cand["param_dtype"], cand["microbatch_size"])
+                    if hw.times_the_model and cand["dp"] > 1 else None)
+        time = step_time(step_costs, place, hw, links, compile=cand["compile"], fp32_compute=fp32, dp_overhead=overhead)
         tokens = global_batch * seq_len / time.seconds / gpus
         model_flops = _model_flops_per_token(costs, n_blocks)
         mfu = model_flops * tokens / hw.peak_for(fp32)

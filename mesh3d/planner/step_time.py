@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mesh3d.pipeline.schedule.simulate import simulate_schedule
+from mesh3d.planner.data_parallel_timing import DataParallelOverhead
 from mesh3d.planner import constants as C
 from mesh3d.planner.hardware import Hardware
 from mesh3d.planner.memory import StagePlacement, rank_parameter_elements, _stage_parts
@@ -59,8 +60,11 @@ class StepTime:
 
 
 def step_time(costs: ModelCosts, place: StagePlacement, hardware: Hardware, links: Links, *,
-              compile: bool, fp32_compute: bool) -> StepTime:
-    """Predicted seconds of one training step (forward, backward, gradient sync, AdamW)."""
+              compile: bool, fp32_compute: bool, dp_overhead: DataParallelOverhead | None = None) -> StepTime:
+    """Predicted seconds of one training step (forward, backward, gradient sync, AdamW).
+
+    `dp_overhead`: what FSDP/DDP's wrapping added to a block, timed on this machine
+    (data_parallel_timing.py); None: the copies are estimated as memory-bound."""
     achieved = C.ACHIEVABLE_COMPUTE_FRACTION if hardware.achievable_fraction is None else hardware.achievable_fraction
     rate = hardware.peak_for(fp32_compute) * achieved * (C.COMPILE_SPEEDUP if compile else 1.0)
     mbs, mode = place.microbatch_size, place.activation_checkpoint
@@ -98,7 +102,7 @@ def step_time(costs: ModelCosts, place: StagePlacement, hardware: Hardware, link
     p2p = costs.message_bytes * mbs / links.pp + hardware.collective_latency if place.schedule.pp > 1 else 0.0
     report = simulate_schedule(place.schedule, f_cost=forward, b_cost=backward, w_cost=w, comm_cost=p2p)
     busy = max(report.busy)
-    dp_s = _dp_seconds(costs, place, links, hardware.collective_latency, hardware.memory_bandwidth)
+    dp_s = _dp_seconds(costs, place, links, hardware.collective_latency, hardware.memory_bandwidth, dp_overhead)
     if hardware.overlaps_communication:
         exposed = max(0.0, dp_s - busy) + C.DP_UNHIDDEN_FRACTION * dp_s
     else:
@@ -120,7 +124,7 @@ def _rank_parameter_tensors(costs: ModelCosts, rank: int, place: StagePlacement)
 
 
 def _dp_seconds(costs: ModelCosts, place: StagePlacement, links: Links, latency: float,
-                memory_bandwidth: float) -> float:
+                memory_bandwidth: float, overhead: DataParallelOverhead | None = None) -> float:
     """FSDP: gather the parameters and reduce-scatter the gradients; DDP: all-reduce the gradients.
     Ring traffic per rank, plus `latency` per collective: one per wrapped module (each block, and
     each stage's root for the ends) and pass. With pp > 1 FSDP gathers once per step (the
@@ -135,10 +139,20 @@ def _dp_seconds(costs: ModelCosts, place: StagePlacement, links: Links, latency:
                       if place.schedule.stage_rank(s) == r) for r in range(pp))
     share = (dp - 1) / dp
     grad_bytes = 4  # reduce_dtype fp32
+    if overhead is not None:  # timed: hooks, copies and accumulation, per microbatch, scaled by the rank's parameters
+        m, scale = place.schedule.microbatches, unsharded / overhead.elements
+        if place.dp_mode == "fsdp" and pp == 1:
+            wrapped = m * overhead.regathered
+        else:  # kept gathered (pp > 1: reshard_after_forward False) or replicated; the first gather once
+            wrapped = m * overhead.gathered + (overhead.regathered - overhead.gathered) / 2
+        wrapped = scale * (wrapped + overhead.reduced)
     if place.dp_mode == "ddp":
-        return 2 * share * unsharded * grad_bytes / links.dp + modules * latency
+        moved = 2 * share * unsharded * grad_bytes / links.dp + modules * latency
+        return moved + (wrapped if overhead is not None else 0.0)
     gathers = 1 if pp > 1 else 2 * place.schedule.microbatches
     traffic = share * unsharded * (gathers * place.compute_bytes + grad_bytes) / links.dp
+    if overhead is not None:
+        return traffic + wrapped + modules * (gathers + 1) * latency
     # Each gather copies the shards into the flat buffer and the gathered buffer out into the
     # parameters; the reduce-scatter copies the gradients in: read and write, memory-bound.
     copies = 2 * unsharded * (gathers * place.compute_bytes + grad_bytes) / memory_bandwidth
