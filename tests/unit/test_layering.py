@@ -70,3 +70,12 @@ def test_no_module_imports_upward_or_the_face():
 def test_at_most_five_loose_modules_at_the_top():
     loose = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(loose) <= 5, loose
+
+
+def test_test_file_names_are_unique_across_folders():
+    """pytest imports test files by their basename (docs/testing.md): a name in both folders stops
+    the whole collection."""
+    tests = Path(__file__).resolve().parents[1]
+    unit = {p.name for p in (tests / "unit").glob("test_*.py")}
+    distributed = {p.name for p in (tests / "distributed").glob("test_*.py")}
+    assert not unit & distributed, f"rename one of each: {sorted(unit & distributed)}"
