@@ -42,7 +42,8 @@ class ParallelModel:
         state: the whole-model state map.
         stage_layers: the layer range of every stage, in stage order.
         tensor_parallel: the resolved tensor-parallel configuration.
-        grad_sync: the once-per-step dp gradient reduction; None when dp == 1.
+        grad_sync: the once-per-step dp gradient reduction; None when the stages are not wrapped
+            (dp == 1 without mixed precision or a never-drain schedule).
         vocab_size: the vocabulary the model declared; token ids and targets are checked against it.
         optimizer: the optimizer parallelize built from its `optimizer=` factory, or None.
     """
@@ -142,7 +143,14 @@ class ParallelModel:
     def _step(self, inputs: torch.Tensor, targets: torch.Tensor, boundaries: Boundaries, kind: str) -> torch.Tensor:
         loss = self.global_loss.for_step(boundaries, kind, targets)
         if self.never_drains:
-            return self.global_loss.total(self.runtime.run(inputs, targets, boundaries, loss, train=True), loss)
+            try:
+                return self.global_loss.total(self.runtime.run(inputs, targets, boundaries, loss, train=True), loss)
+            except BaseException as error:
+                # Here or on another rank, part of the call's updates ran: refused until a
+                # checkpoint is loaded (every rank marks it, whichever raised first).
+                self._drop_partial_state()
+                self.runtime.mark_failed(f"call {self.runtime.calls - 1} raised {type(error).__name__}")
+                raise
         self.tied.set_aside_grads()
         try:
             totals = self.runtime.run(inputs, targets, boundaries, loss, train=True)
@@ -272,12 +280,40 @@ class ParallelModel:
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load the unsplit model's state_dict (every rank passes all of it; each keeps its part).
-        Under a never-drain schedule the update rule then starts afresh from these weights."""
+        Under a never-drain schedule the work in flight is dropped and the update rule starts
+        afresh from these weights."""
         self.state.check_full_state_dict(state_dict)
-        self.runtime.flush_unless_failed()
+        self.discard_in_flight()
         self.state.load_by_slice(lambda name, window: state_dict[name][window])
         self.tied.sync_values()
         self.runtime.restart_rule()
+
+    def discard_in_flight(self) -> None:
+        """Before weights are replaced under a never-drain schedule: drop what the calls left in
+        flight (backwards not run, gradients not applied: the weights coming in replace them) and
+        forget an earlier failure. Local to each rank: no message is pending between calls. After a
+        failed call with pp > 1 it raises instead: that call's posted receives and sends between the
+        pipeline ranks stay in the process group (neither gloo nor NCCL withdraws them) and would
+        take the next run's messages."""
+        if not self.never_drains:
+            return
+        if self.runtime.failed is not None and self.layout.pp > 1:
+            raise RuntimeError(
+                f"a never-drain {self.runtime.failed} with messages in flight between pipeline ranks, which the process "
+                "group cannot withdraw: restart the processes (torchrun restarts them with --max-restarts) and resume "
+                "from the checkpoint there"
+            )
+        self._drop_partial_state()
+        self.runtime.discard_in_flight()
+
+    def _drop_partial_state(self) -> None:
+        """What a call that stopped half-way leaves in data parallelism (unreduced gradients,
+        gathered parameters), in `.grad` and in tied copies' pending gradients."""
+        if self.grad_sync is not None:
+            self.grad_sync.abort()
+        self.zero_grad(set_to_none=True)
+        if self.runtime.versions is not None:
+            self.runtime.versions.drop_pending()
 
     def __repr__(self) -> str:
         s = self.schedule

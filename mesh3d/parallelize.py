@@ -175,6 +175,11 @@ def parallelize(
     )
     never_drains = SCHEDULES[schedule].never_drains
     _check_optimizer(schedule, never_drains, optimizer)
+    if never_drains and pipe.routes.skips:
+        raise ValueError(
+            f"schedule {schedule!r} does not run a model with skip connections between stages yet (this split has "
+            f"{list(pipe.routes.skips)}); use a schedule that drains, or split points that keep each skip within a stage"
+        )
     _check_same_config_everywhere(f"{pipe} {data} {tensor} compile={compile_backend}")
 
     split = split_model(model, anatomy, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank), pipe.traced)

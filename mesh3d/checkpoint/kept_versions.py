@@ -115,7 +115,6 @@ def restore_kept(pm: ParallelModel, saved: dict | None, loaded: dict[str, torch.
     if saved is None:
         pm.runtime.restart_rule()
         return
-    pm.runtime.restart_from_checkpoint()
     names = _names(pm)
     next_microbatch = _next_microbatch(saved, versions.rule.microbatches)
     kept: dict[int, dict[int, list[torch.Tensor]]] = {}

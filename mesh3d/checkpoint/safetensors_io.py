@@ -235,7 +235,7 @@ def import_safetensors(pm: ParallelModel, in_dir: str | os.PathLike) -> None:
                 f"import_safetensors: {source[name]} has shape {shapes[source[name]]} in {in_dir}, but this model's "
                 f"{name} is {tuple(shape)}; build the model from the checkpoint's config"
             )
-    pm.runtime.flush_unless_failed()
+    pm.discard_in_flight()
     raise_if_any(attempt(lambda: _read_local_slices(pm, files, source)))
     pm.tied.sync_values()
     pm.runtime.restart_rule()  # a never-drain schedule's rule starts afresh from these weights

@@ -284,7 +284,7 @@ def load(
     """
     path = Path(path)
     layout = pm.layout
-    pm.runtime.flush_unless_failed()  # nothing may stay in flight under the weights loaded next
+    pm.discard_in_flight()  # a never-drain schedule: what is in flight is replaced by what is loaded
     train_state, metadata = read_whole(path)  # DamagedCheckpoint on every rank before any tensor is read
     created, state, error = [], None, None
     try:

@@ -1,6 +1,7 @@
 """Point-to-point traffic between pipeline stages: the only place that talks to peers.
 
-A `Mailbox` lives for one step. A stage's output (or input gradient) is handed over in memory
+A `Mailbox` lives for one step (under a never-drain schedule, for every call until the flush:
+each call receives everything sent to it, and what a later call consumes waits in the inbox). A stage's output (or input gradient) is handed over in memory
 when the consuming stage sits on this rank, and goes out with `isend` otherwise; a receive is
 posted early (`irecv` into a buffer shaped from the meta run) and waited on only when the compute
 that consumes it starts. Every message has a tag unique within the step, so gloo (which matches

@@ -240,34 +240,39 @@ class PipelineRuntime:
                 step.execute(action, is_last_backward=False)  # a never-drain step asks its update rule
             return step.end_call()
         except BaseException as error:
-            # Half the updates of the call ran, the weight versions and the messages in flight are
-            # out of step with the rule: nothing can continue it exactly but a checkpoint.
-            self.in_flight, self.failed = None, f"{what} raised {type(error).__name__}"
+            self.mark_failed(f"{what} raised {type(error).__name__}")
             raise
+
+    def mark_failed(self, what: str) -> None:
+        """A never-drain call (or its closing loss) raised: part of its updates ran, and the weight
+        versions and the work in flight are out of step with the rule; nothing can continue it
+        exactly but a checkpoint (`discard_in_flight` once one is loaded)."""
+        self.in_flight = None
+        self.failed = self.failed or what
 
     def _refuse_after_failure(self) -> None:
         if self.failed is not None:
             raise RuntimeError(
                 f"a never-drain {self.failed} half-way through the pipeline: the weights, their kept versions and "
                 "the updates in flight no longer follow the update rule; load a checkpoint (mesh3d.checkpoint.load) "
-                "to continue"
+                "to continue (with pp > 1: restart the processes and resume from one)"
             )
 
-    def restart_from_checkpoint(self) -> None:
-        """After a checkpoint was loaded: nothing in flight, any earlier failure forgotten."""
+    def discard_in_flight(self) -> None:
+        """Before weights are replaced (a checkpoint, a state dict): the runtime's part of what the
+        calls left in flight is dropped, and any earlier failure forgotten. No message is pending
+        between calls (each call receives everything it sends), so this needs no communication;
+        ParallelModel.discard_in_flight drops data parallelism's part (and refuses after a failure
+        with pipeline ranks: the messages the failed call left posted cannot be withdrawn)."""
         self.in_flight, self.failed, self.last_call_behind = None, None, False
 
-    def flush_unless_failed(self) -> None:
-        """`flush`, except after a failed call (whatever it left is about to be replaced)."""
-        if self.failed is None:
-            self.flush()
-
     def restart_rule(self) -> None:
-        """After weights were replaced from outside the rule (a full state dict, safetensors): the
-        update rule starts afresh from them, as at the first call (their one version is all there is)."""
+        """After weights were replaced from outside the rule (a full state dict, safetensors, a
+        checkpoint of a schedule that drains): the update rule starts afresh from them, as at the
+        first call (their one version is all there is)."""
         if self.versions is None:
             return
-        self.restart_from_checkpoint()
+        self.discard_in_flight()
         self.calls = 0
         self.versions.restore(0, 0, {})
 

@@ -28,6 +28,16 @@ from mesh3d.distributed.shards import local_tensor
 from mesh3d.pipeline.schedule.never_drain import UpdateRule
 
 
+def _set_settings(group: dict, settings: dict) -> None:
+    """Put hyperparameters back into an optimizer's param group (a tensor in place, as schedulers keep it)."""
+    for key, value in settings.items():
+        current = group.get(key)
+        if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor) and current.shape == value.shape:
+            current.copy_(value)
+        else:
+            group[key] = value
+
+
 class StageWeights:
     """Versions of some of a stage's parameters (all of them, or a tied weight's copy, which follows
     another stage's rule): `live` is in the parameters, `kept` holds copies of earlier ones."""
@@ -124,7 +134,9 @@ class WeightVersions:
         self.hyperparameters: dict[int, list[dict]] = {}  # per call: each param group's settings
 
     def begin_call(self, call: int) -> None:
-        self.hyperparameters[call] = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        # A copy: a scheduler may change a tensor-valued lr in place before this call's updates run.
+        self.hyperparameters[call] = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items()
+                                       if k != "params"} for g in self.optimizer.param_groups]
 
     def _groups(self, stage: int) -> list[StageWeights]:
         copy = self.ties.get(stage)
@@ -155,10 +167,17 @@ class WeightVersions:
         for old in [c for c in self.hyperparameters if c < call - 1]:
             del self.hyperparameters[old]
 
+    def drop_pending(self) -> None:
+        """After a failed call, or before weights are replaced: tied copies' gradients waiting for a TIE."""
+        for copy in self.ties.values():
+            copy.pending.clear()
+
     def tie(self, stage: int, microbatch: int) -> None:
         """TIE: the tied weight's gradient for this update summed over every copy. The first stage's
-        copy then updates with its stage (the U that follows); any other copy updates here."""
+        copy then updates with its stage (the U that follows); any other copy updates here. A frozen
+        weight joins the sum (every holder must) and stays as it is."""
         copy = self.ties[stage]
+        frozen = not copy.param.requires_grad
         if copy.primary:
             grad = copy.param.grad if copy.param.grad is not None else torch.zeros_like(copy.param)
         else:
@@ -166,13 +185,14 @@ class WeightVersions:
             grad = grad if grad is not None else torch.zeros_like(copy.param)
         dist.all_reduce(local_tensor(grad), group=copy.group)
         if copy.primary:
-            copy.param.grad = grad
+            copy.param.grad = None if frozen else grad
             return
         call = microbatch // self.rule.microbatches
 
         def step() -> None:
-            copy.param.grad = grad
-            self._step([copy.param], call)
+            if not frozen:
+                copy.param.grad = grad
+                self._step([copy.param], call)
 
         copy.weights.update(step, self.oldest_needed(stage, copy.weights))
 
@@ -186,14 +206,15 @@ class WeightVersions:
                 if id(p) not in mine and p.grad is not None:
                     aside[p] = p.grad
                     p.grad = None
-        now = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        now = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
+               for g in self.optimizer.param_groups]
         for group, settings in zip(self.optimizer.param_groups, self.hyperparameters.get(call, now)):
-            group.update(settings)
+            _set_settings(group, settings)
         try:
             self.optimizer.step()
         finally:
             for group, settings in zip(self.optimizer.param_groups, now):
-                group.update(settings)
+                _set_settings(group, settings)
             for p, grad in aside.items():
                 p.grad = grad
         for p in params:

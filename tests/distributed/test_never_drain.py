@@ -171,3 +171,44 @@ def test_a_failed_call_is_refused_until_a_checkpoint_is_loaded(tmp_path):
     reference_losses, _ = reference("pipedream_2bw", 1, 2, 1, False, call_batches(MICROBATCH_SIZE * 2)[:3], "sgd",
                                     {n: 0 for n in meta_model(False).state_dict()})
     assert max(abs(a - b) / b for a, b in zip(losses, reference_losses[1:])) <= TOLERANCE
+
+
+def _fail_mid_batch_then_refuse(root):
+    """pp=2, dp=2, pipedream_2bw, m=2: call 1 stops on rank 0 at the backward of microbatch 2 (its
+    forward of 3 sent) and on rank 1 at the forward of microbatch 3 (its backward of 2 done, its
+    gradients accumulated unreduced in FSDP): neither waits on the other. Every later step, and
+    loading a checkpoint into this process, is refused on every rank, without a hang."""
+    layout = mesh3d.build_mesh(pp=2, dp=2, tp=1)
+    data = call_batches(MICROBATCH_SIZE * 2 * 2)
+    share = lambda batch: tuple(t.chunk(2)[layout.dp_rank] for t in batch)  # noqa: E731
+    pm = mesh3d.parallelize(meta_model(True), layout, schedule="pipedream_2bw", microbatches=2,
+                            optimizer=OPTIMIZERS["adamw"])
+    pm.step(*share(data[0]))
+    mesh3d.checkpoint.save(f"{root}/step1", pm, pm.optimizer)
+    versions = pm.runtime.versions
+    original = versions.before_compute
+    backwards = set()
+
+    def broken(stage, microbatch):
+        first_time = (stage, microbatch) not in backwards
+        backwards.add((stage, microbatch))
+        if (stage, microbatch) == ((0, 2) if stage == 0 else (1, 3)) and (stage == 1 or not first_time):
+            raise RuntimeError("injected")
+        return original(stage, microbatch)
+
+    versions.before_compute = broken
+    messages = []
+    for attempt in (lambda: pm.step(*share(data[1])), lambda: pm.step(*share(data[1])), pm.flush,
+                    lambda: mesh3d.checkpoint.load(f"{root}/step1", pm, pm.optimizer)):
+        try:
+            attempt()
+        except RuntimeError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_a_call_failed_between_pipeline_ranks_is_refused_everywhere(tmp_path):
+    for messages in run_on_ranks(_fail_mid_batch_then_refuse, 4, str(tmp_path), timeout=120):
+        assert messages[0] == "injected", messages
+        assert all("half-way through the pipeline" in m for m in messages[1:3]), messages
+        assert "restart the processes" in messages[3], messages

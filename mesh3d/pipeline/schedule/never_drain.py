@@ -27,8 +27,8 @@ returns) makes the earlier ranks wait for it: (p-1)*f per call, where a flush co
 `simulate(..., calls=K)` shows the stream without that wait, as PipeDream runs with the next batch
 already at hand.
 
-`NeverDrainStream` lowers the stream once (a call from an empty pipeline, a call behind another,
-the flush), cuts it per call, and hands out call t's actions with their microbatches shifted:
+`NeverDrainStream` lowers the stream twice, small (one call from an empty pipeline and its flush;
+two calls in a row and their flush), cuts it per call, and hands out call t's actions with their microbatches shifted:
 the steady call repeats with period m (a test holds that against a longer lowering). Every
 message is received in the call that sends it: a gradient sent across a call's end is posted for
 receipt at the end of the sender's call, and consumed in the next.
@@ -93,7 +93,7 @@ def never_drain(schedule: str):
     return generate
 
 
-def _call_of_compute(rule: UpdateRule, rank: int, action: Action, n_microbatches: int) -> int:
+def _call_of_compute(rule: UpdateRule, rank: int, action: Action) -> int:
     """The call a compute action of rank `rank` runs in; a backward past its call's cut belongs to
     the next call (or, after the last call, to the flush: index `calls`)."""
     m, pp = rule.microbatches, rule.pp
@@ -122,14 +122,13 @@ def lower_stream(rule: UpdateRule, calls: int, ties: tuple[tuple[int, ...], ...]
     `ties`: the stages holding a copy of each tied weight (see `_add_tie_updates`)."""
     schedule = continuous_schedule(rule.schedule, rule.pp, rule.microbatches, calls)
     lowered = lower(schedule)
-    n = calls * rule.microbatches
     # Which call each message belongs to: its sender's.
     message_call: dict[Message, int] = {}
     for rank, actions in enumerate(lowered.actions):
         current = 0
         for action in actions:
             if action.kind in COMPUTE:
-                current = _call_of_compute(rule, rank, action, n)
+                current = _call_of_compute(rule, rank, action)
             elif action.kind in (Kind.SEND_F, Kind.SEND_B):
                 message_call[_message_of(action)] = current
     segments = []
@@ -139,7 +138,7 @@ def lower_stream(rule: UpdateRule, calls: int, ties: tuple[tuple[int, ...], ...]
         early: list[list[Action]] = [[] for _ in range(calls + 1)]  # receives moved to their call's start
         for action in actions:
             if action.kind in COMPUTE:
-                current = _call_of_compute(rule, rank, action, n)
+                current = _call_of_compute(rule, rank, action)
                 parts[current].append(action)
                 if action.kind == Kind.B and rule.completes_update(action.microbatch):
                     parts[current].append(Action(action.stage, Kind.U, action.microbatch))
