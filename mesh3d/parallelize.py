@@ -151,7 +151,8 @@ def parallelize(
         optimizer: a callable taking this rank's parameters and returning a torch optimizer, e.g.
             functools.partial(torch.optim.AdamW, lr=3e-4); the result is `pm.optimizer`.
             Required by the never-drain schedules, whose updates happen inside the pipeline;
-            with any other schedule `pm.step` then also steps and zeroes it.
+            with any other schedule `pm.step` then also steps and zeroes it (so there is no
+            moment to clip the gradients: to clip, leave it out and step your own optimizer).
         seed: seeds the initialization of a model given on meta: `init_weights(seed=seed)` when
             the model's init_weights takes a seed (a model that seeds by parameter name then gets
             the same weights under every layout), and the global RNG per stage; a Hugging Face
