@@ -7,7 +7,7 @@ by the unsplit model's names and the version's update count:
 
     versions.<v>.<fqn>      parameter <fqn> after <v> updates (this rank's shard, as the parameter is)
 
-and the train state records where the rule stands ({"schedule", "next_microbatch", "updates", ...}),
+and the train state records where the rule stands ({"schedule", "calls", "updates", ...}),
 so a resume continues with exactly the losses of an uninterrupted run. PipeDream-2BW's rule does not
 depend on the layout: it resumes under any (pp, dp, tp) and microbatch count. PipeDream's versions
 differ per stage (stage s keeps p-s): it resumes with the pp and microbatches it was saved with.
@@ -45,7 +45,7 @@ def rule_state(pm: ParallelModel) -> dict | None:
         return None
     rule = versions.rule
     return {"schedule": rule.schedule, "pp": rule.pp, "microbatches": rule.microbatches,
-            "next_microbatch": pm.runtime.calls * rule.microbatches, "calls": pm.runtime.calls,
+            "calls": pm.runtime.calls,
             "updates": versions.updates()}
 
 
