@@ -14,6 +14,7 @@ so rank r holds stages r, r+pp, r+2pp, ... (its "chunks" 0..v-1).
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 
@@ -107,9 +108,10 @@ class Schedule:
     def stage_rank(self, stage: int) -> int:
         return stage_to_rank(stage, self.pp, self.virtual_stages, self.placement)
 
-    @property
+    @functools.cached_property
     def splits_backward(self) -> bool:
-        """Whether backwards run as I and W (zero-bubble schedules) rather than as B."""
+        """Whether backwards run as I and W (zero-bubble schedules) rather than as B (asked per
+        action by the planner's walks: computed once)."""
         return any(a.kind == Kind.I for acts in self.actions for a in acts)
 
     def local_stages(self, rank: int) -> list[int]:

@@ -107,7 +107,9 @@ def timeline(
     one number for every stage, or one per stage (stages differ: the ends carry the embedding and
     the output layer).
     """
-    _check_complete(schedule)
+    if not schedule.__dict__.get("_checked_complete"):  # a planner replays one schedule at many costs
+        _check_complete(schedule)
+        object.__setattr__(schedule, "_checked_complete", True)  # a frozen dataclass: a memo, not a field
     n = schedule.n_stages
     per_stage = [_per_stage(c, n, name) for c, name in ((f_cost, "f_cost"), (b_cost, "b_cost"), (w_cost, "w_cost"))]
     for f, b, w in zip(*per_stage):

@@ -107,6 +107,14 @@ def _follow_then_inputs_first(pp: int, microbatches: int, patterns: list[list[Ac
     """Each rank runs its pattern in order (waiting when the next cannot start); after it, the
     ready I of the earliest microbatch (later stage first), else a waiting W."""
     position = [0] * pp
+    # A stage runs its inputs' backwards in microbatch order, so the only I of a stage that can be
+    # ready is the one after those it ran: counted here (every action a rank runs comes from here).
+    inputs_run = [0] * (2 * pp)
+
+    def run(action: Action) -> Action:
+        if action.kind == Kind.I:
+            inputs_run[action.stage] += 1
+        return action
 
     def policy(rank: int, now: float, ready, live: int, waiting: list) -> Action | None:
         pattern = patterns[rank]
@@ -114,18 +122,15 @@ def _follow_then_inputs_first(pp: int, microbatches: int, patterns: list[list[Ac
             nxt = pattern[position[rank]]
             if nxt in waiting if nxt.kind == Kind.W else ready(nxt):
                 position[rank] += 1
-                return nxt
+                return run(nxt)
             return None
-        earliest_input = _earliest_ready_input((rank, 2 * pp - 1 - rank), microbatches, ready)
-        return earliest_input or (waiting[0] if waiting else None)
+        candidates = [Action(s, Kind.I, inputs_run[s]) for s in (rank, 2 * pp - 1 - rank) if inputs_run[s] < microbatches]
+        ready_inputs = [a for a in candidates if ready(a)]
+        if ready_inputs:
+            return run(min(ready_inputs, key=lambda a: (a.microbatch, -a.stage)))
+        return waiting[0] if waiting else None
 
     return policy
-
-
-def _earliest_ready_input(stages, microbatches: int, ready) -> Action | None:
-    """The ready I of the earliest microbatch among `stages` (the later stage first), or None."""
-    inputs = [Action(s, Kind.I, j) for s in stages for j in range(microbatches) if ready(Action(s, Kind.I, j))]
-    return min(inputs, key=lambda a: (a.microbatch, -a.stage)) if inputs else None
 
 
 def _follow(base: Schedule, limits: list[int]) -> Policy:
