@@ -9,10 +9,43 @@ hardware's. `hardware="this-machine"` measures the machine the planner runs on i
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 GIB = 2**30
 GB = 10**9
+
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+@dataclass(frozen=True)
+class CollectiveTimes:
+    """Seconds each collective took on a machine, measured at several sizes (machine_bench.py).
+
+    A size is the bytes each rank sends by the ring algorithm (an all-gather of a local shard s over
+    n ranks sends (n-1)s, a reduce-scatter of S sends (n-1)S/n, an all-reduce twice that), so one
+    table serves any number of ranks. Between measured sizes the time is interpolated linearly;
+    below the smallest it is the smallest's (a fixed cost); above the largest it grows at the
+    largest segment's rate."""
+
+    points: dict[str, tuple[tuple[float, float], ...]]  # collective -> ((sent bytes, seconds), ...), by size
+
+    def __post_init__(self):
+        for kind in COLLECTIVES:
+            points = self.points.get(kind, ())
+            if len(points) < 2 or any(b <= a for (a, _), (b, _) in zip(points, points[1:])):
+                raise ValueError(f"CollectiveTimes: {kind!r} needs at least two sizes in increasing order, got {points!r}")
+
+    def seconds(self, kind: str, sent_bytes: float) -> float:
+        """Seconds of one `kind` collective in which each rank sends `sent_bytes`."""
+        points = self.points[kind]
+        sizes = [size for size, _ in points]
+        at = min(max(bisect.bisect_left(sizes, sent_bytes), 1), len(points) - 1)
+        (x0, y0), (x1, y1) = points[at - 1], points[at]
+        if sent_bytes <= x0:
+            return y0
+        return max(y0, y0 + (y1 - y0) * (sent_bytes - x0) / (x1 - x0))
 
 
 @dataclass(frozen=True)
@@ -44,6 +77,10 @@ class Hardware:
     # DDP, tensor parallelism): DTensor's dispatch per op. 0 for the GPU presets, whose updates are
     # a few kernels per tensor group.
     dtensor_update_overhead: float = 0.0
+    # Each collective's measured time by size (a measured machine: gloo's all-gather and
+    # reduce-scatter on a CPU reach a fraction of its send/receive rate, and differ from each
+    # other); None: bytes over the link plus `collective_latency`, as a ring on NCCL runs.
+    collective_times: CollectiveTimes | None = None
 
     def peak_for(self, fp32: bool) -> float:
         """The peak the compute dtype runs at."""

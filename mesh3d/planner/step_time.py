@@ -14,6 +14,7 @@ collective and pipeline message, and communication that does not overlap the com
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from mesh3d.pipeline.schedule.simulate import simulate_schedule
@@ -102,7 +103,7 @@ def step_time(costs: ModelCosts, place: StagePlacement, hardware: Hardware, link
     p2p = costs.message_bytes * mbs / links.pp + hardware.collective_latency if place.schedule.pp > 1 else 0.0
     report = simulate_schedule(place.schedule, f_cost=forward, b_cost=backward, w_cost=w, comm_cost=p2p)
     busy = max(report.busy)
-    dp_s = _dp_seconds(costs, place, links, hardware.collective_latency, hardware.memory_bandwidth, dp_overhead)
+    dp_s = _dp_seconds(costs, place, links, hardware, dp_overhead)
     if hardware.overlaps_communication:
         exposed = max(0.0, dp_s - busy) + C.DP_UNHIDDEN_FRACTION * dp_s
     else:
@@ -123,22 +124,24 @@ def _rank_parameter_tensors(costs: ModelCosts, rank: int, place: StagePlacement)
                if place.schedule.stage_rank(stage) == rank for part, count in _stage_parts(costs, stage, place))
 
 
-def _dp_seconds(costs: ModelCosts, place: StagePlacement, links: Links, latency: float,
-                memory_bandwidth: float, overhead: DataParallelOverhead | None = None) -> float:
+def _dp_seconds(costs: ModelCosts, place: StagePlacement, links: Links, hardware: Hardware,
+                overhead: DataParallelOverhead | None = None) -> float:
     """FSDP: gather the parameters and reduce-scatter the gradients; DDP: all-reduce the gradients.
-    Ring traffic per rank, plus `latency` per collective: one per wrapped module (each block, and
-    each stage's root for the ends) and pass. With pp > 1 FSDP gathers once per step (the
-    parameters stay gathered until the last backward); with pp = 1 it reshards after each
-    forward, so every microbatch's forward and backward gathers again (data_parallel/wrap.py)."""
+    One collective per wrapped module (each block, and each stage's root for the ends) and pass.
+    With pp > 1 FSDP gathers once per step (the parameters stay gathered until the last backward);
+    with pp = 1 it reshards after each forward, so every microbatch's forward and backward gathers
+    again (data_parallel/wrap.py). A machine with measured collectives (`Hardware.collective_times`)
+    gives each its measured time at its size; otherwise ring traffic per rank over the link, plus
+    the latency per collective."""
     dp = place.dp
     if dp == 1:
         return 0.0
     pp = place.schedule.pp
-    unsharded = max(rank_parameter_elements(costs, r, place, sharded=False) for r in range(pp))
-    modules = max(sum(len(place.stage_layers[s]) + 1 for s in range(len(place.stage_layers))
-                      if place.schedule.stage_rank(s) == r) for r in range(pp))
-    share = (dp - 1) / dp
+    gathers = 1 if pp > 1 else 2 * place.schedule.microbatches
     grad_bytes = 4  # reduce_dtype fp32
+    share = (dp - 1) / dp
+    wrapped = 0.0
+    unsharded = max(rank_parameter_elements(costs, r, place, sharded=False) for r in range(pp))
     if overhead is not None:  # timed: hooks, copies and accumulation, per microbatch, scaled by the rank's parameters
         m, scale = place.schedule.microbatches, unsharded / overhead.elements
         if place.dp_mode == "fsdp" and pp == 1:
@@ -146,14 +149,36 @@ def _dp_seconds(costs: ModelCosts, place: StagePlacement, links: Links, latency:
         else:  # kept gathered (pp > 1: reshard_after_forward False) or replicated; the first gather once
             wrapped = m * overhead.gathered + (overhead.regathered - overhead.gathered) / 2
         wrapped = scale * (wrapped + overhead.reduced)
+    if hardware.collective_times is not None:
+        times = hardware.collective_times
+
+        def moved(elements: int) -> float:  # one module's collectives in a step, as measured
+            if place.dp_mode == "ddp":
+                return times.seconds("all_reduce", 2 * share * elements * grad_bytes)
+            return (gathers * times.seconds("all_gather", share * elements * place.compute_bytes)
+                    + times.seconds("reduce_scatter", share * elements * grad_bytes))
+
+        return wrapped + max(sum(moved(e) for e in _rank_module_elements(costs, r, place) if e) for r in range(pp))
+    latency = hardware.collective_latency
+    modules = max(len(_rank_module_elements(costs, r, place)) for r in range(pp))
     if place.dp_mode == "ddp":
-        moved = 2 * share * unsharded * grad_bytes / links.dp + modules * latency
-        return moved + (wrapped if overhead is not None else 0.0)
-    gathers = 1 if pp > 1 else 2 * place.schedule.microbatches
+        return 2 * share * unsharded * grad_bytes / links.dp + modules * latency + wrapped
     traffic = share * unsharded * (gathers * place.compute_bytes + grad_bytes) / links.dp
     if overhead is not None:
         return traffic + wrapped + modules * (gathers + 1) * latency
     # Each gather copies the shards into the flat buffer and the gathered buffer out into the
     # parameters; the reduce-scatter copies the gradients in: read and write, memory-bound.
-    copies = 2 * unsharded * (gathers * place.compute_bytes + grad_bytes) / memory_bandwidth
+    copies = 2 * unsharded * (gathers * place.compute_bytes + grad_bytes) / hardware.memory_bandwidth
     return traffic + copies + modules * (gathers + 1) * latency
+
+
+def _rank_module_elements(costs: ModelCosts, rank: int, place: StagePlacement) -> list[int]:
+    """Unsharded parameter elements of each module pp rank `rank` wraps for data parallelism: every
+    block of its stages, and each stage's root (which holds the ends' parameters, if any)."""
+    block = sum(math.prod(shape) for shape in costs.block.param_shapes)
+    modules = []
+    for stage in place.schedule.local_stages(rank):
+        modules += [block] * len(place.stage_layers[stage])
+        modules.append(sum(count * sum(math.prod(shape) for shape in part.param_shapes)
+                           for part, count in _stage_parts(costs, stage, place) if part is not costs.block))
+    return modules

@@ -51,6 +51,32 @@ def test_fsdp_without_pipeline_gathers_every_microbatch_and_reduces_once():
     assert ddp.time.exposed_dp_seconds == pytest.approx((BLOCKS + 1) * LATENCY, rel=1e-6)
 
 
+def flat_collectives(all_gather, reduce_scatter, all_reduce):
+    """A CollectiveTimes whose every size takes the same seconds: each collective's count shows."""
+    flat = lambda seconds: ((1.0, seconds), (2.0**40, seconds))  # noqa: E731
+    return mesh3d.planner.CollectiveTimes({"all_gather": flat(all_gather), "reduce_scatter": flat(reduce_scatter),
+                                           "all_reduce": flat(all_reduce)})
+
+
+def test_measured_collectives_are_counted_per_module_at_their_own_time():
+    machine = latency_only(collective_times=flat_collectives(1e-3, 5e-3, 7e-3))
+    fsdp = one_plan(machine, pp=1, dp=2, tp=1, dp_mode="fsdp")  # each module: 2 x 4 gathers, 1 reduce-scatter
+    assert fsdp.time.exposed_dp_seconds == pytest.approx((BLOCKS + 1) * (8 * 1e-3 + 5e-3), rel=1e-6)
+    ddp = one_plan(machine, pp=1, dp=2, tp=1, dp_mode="ddp")  # each module: one all-reduce
+    assert ddp.time.exposed_dp_seconds == pytest.approx((BLOCKS + 1) * 7e-3, rel=1e-6)
+
+
+def test_collective_times_interpolate_between_measured_sizes():
+    times = mesh3d.planner.CollectiveTimes({kind: ((100.0, 1.0), (300.0, 2.0), (500.0, 4.0))
+                                            for kind in ("all_gather", "reduce_scatter", "all_reduce")})
+    assert times.seconds("all_gather", 10.0) == 1.0  # below the smallest: its fixed cost
+    assert times.seconds("reduce_scatter", 200.0) == pytest.approx(1.5)
+    assert times.seconds("all_reduce", 700.0) == pytest.approx(6.0)  # beyond: the last segment's rate
+    with pytest.raises(ValueError, match="'all_reduce' needs at least two sizes in increasing order"):
+        mesh3d.planner.CollectiveTimes({"all_gather": ((1.0, 1.0), (2.0, 1.0)),
+                                        "reduce_scatter": ((1.0, 1.0), (2.0, 1.0)), "all_reduce": ((1.0, 1.0),)})
+
+
 def test_communication_that_overlaps_hides_behind_compute():
     hidden = one_plan(latency_only(overlaps_communication=True), pp=1, dp=2, tp=1, dp_mode="fsdp")
     exposed = one_plan(latency_only(), pp=1, dp=2, tp=1, dp_mode="fsdp")
