@@ -186,7 +186,7 @@ def plan(
                           (token_ids(cand["microbatch_size"], seq_len),) if anatomy.traced is not None else None,
                           None if split_points is None else tuple(split_points)))
     if not plans:
-        raise ValueError(_nothing_fits(gpus, limit, smallest_need, fix, global_batch))
+        raise ValueError(_nothing_fits(gpus, limit, smallest_need, fix, global_batch, split_counts))
     return sorted(plans, key=lambda p: -p.tokens_per_second_per_gpu)
 
 
@@ -290,11 +290,14 @@ def _memory_limit(limit: int | str | None, hardware: Hardware) -> int:
     return int(limit)
 
 
-def _nothing_fits(gpus, limit, smallest_need, fix, global_batch) -> str:
+def _nothing_fits(gpus, limit, smallest_need, fix, global_batch, split_counts=None) -> str:
     gib = 2**30
     if smallest_need is None:
+        stages = ("" if split_counts is None else
+                  f", and split_points make {len(split_counts)} stages, so pp * virtual_stages must be {len(split_counts)}")
         return (f"plan: no layout of {gpus} GPUs matches these sizes (global_batch={global_batch}, fix={fix}); "
-                "global_batch must divide over dp, microbatches over each dp rank's batch, tp the model's head counts")
+                "global_batch must divide over dp, microbatches over each dp rank's batch, tp the model's head "
+                f"counts{stages}")
     need = math.ceil(smallest_need / limit)
     return (f"plan: no layout fits in {limit / gib:.1f} GiB per GPU on {gpus} GPUs (fix={fix}); the leanest "
             f"needs {smallest_need / gib:.1f} GiB. Try about {need}x the GPUs ({gpus * need}), a smaller "

@@ -20,6 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import mesh3d
 from mesh3d.model.anatomy import anatomy_of
 from mesh3d.model.cut import meta_copy
+from mesh3d.planner.data_parallel_timing import time_data_parallel
 from mesh3d.planner.measured_stages import planner_anatomy, token_ids
 from mesh3d.planner.probe import measure_model
 from pipeline_cases import TOLERANCE, relative
@@ -128,6 +129,8 @@ def test_split_points_pick_the_stages_and_are_passed_on():
                         split_points=["blocks.3"])
     assert plans and all(p.pp * p.virtual_stages == 2 for p in plans)
     assert all(p.parallelize_kwargs()["split_points"] == ["blocks.3"] for p in plans)
+    with pytest.raises(ValueError, match="split_points make 2 stages, so pp \\* virtual_stages must be 2"):
+        mesh3d.plan(meta_copy(SkipModel(tied=False)), **SIZES, split_points=["blocks.3"], fix={"pp": 4})
 
 
 def test_a_model_torch_export_cannot_capture_is_refused_with_the_anatomys_error():
@@ -140,8 +143,14 @@ def test_a_model_torch_export_cannot_capture_is_refused_with_the_anatomys_error(
 
 
 def test_a_traced_model_is_timed_on_this_machine():
-    """Its parts timed at each microbatch size (a capture each), data parallelism's wrapping too."""
+    """Its parts timed at the plan's microbatch size (a capture of its own: 2 rows, the probe's 1),
+    and data parallelism's wrapping of its middle stage, for FSDP and DDP."""
     plans = mesh3d.plan(meta_copy(SkipModel(tied=False)), gpus=2, gpus_per_node=2, hardware="this-machine",
-                        seq_len=SEQ, global_batch=4, fix={"param_dtype": None, "activation_checkpoint": "never"})
-    assert {p.microbatch_size for p in plans} >= {1, 2} and {p.dp for p in plans} == {1, 2}
-    assert all(p.step_seconds > 0 for p in plans)
+                        seq_len=SEQ, global_batch=4, fix={"pp": 1, "microbatches": 1, "param_dtype": None,
+                                                          "activation_checkpoint": "never"})
+    assert {(p.dp, p.microbatch_size) for p in plans} == {(2, 2)} and {p.dp_mode for p in plans} == {"fsdp", "ddp"}
+    assert all(p.step_seconds > 0 and p.time.exposed_dp_seconds > 0 for p in plans)
+    meta = meta_copy(SkipModel(tied=False))
+    overhead = time_data_parallel(meta, planner_anatomy(meta, SEQ), dp=2, dp_mode="fsdp", tp=1, tp_plan=None,
+                                  microbatch_size=2, seq_len=SEQ, param_dtype=None)
+    assert overhead.elements == sum(p.numel() for p in Residual().parameters()) and overhead.regathered > 0
