@@ -12,6 +12,7 @@ nothing: the planner adds their bytes and latency itself), and timed against the
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import time
 from collections.abc import Iterator
@@ -22,8 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from mesh3d.model.anatomy import Anatomy
-from mesh3d.model.cut import cut_stage
 from mesh3d.planner import constants as C
+from mesh3d.planner.measured_stages import MeasuredStages, StageFlow, measured_stages, token_ids
 
 
 @dataclass(frozen=True)
@@ -61,13 +62,14 @@ def time_data_parallel(model: nn.Module, anatomy: Anatomy, *, dp: int, dp_mode: 
     from mesh3d.model.initialize import initialize
     from mesh3d.tensor.apply import apply_tensor_parallel
 
-    n_blocks = len(anatomy.block_names(model))
+    on_meta = measured_stages(model, anatomy, microbatch_size, seq_len)
+    flow = _flow_to_the_middle(on_meta, microbatch_size, seq_len)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with fake_mesh(dp, tp) as mesh:
             def block_stage() -> nn.Module:
-                stage = cut_stage(model, anatomy, 1, 3, range(1, 2) if n_blocks > 1 else range(0, 1))
+                stage = copy.deepcopy(on_meta.stages["middle"])
                 stage.to_empty(device="cpu")
                 initialize(stage, 1, torch.device("cpu"), 0, anatomy.init_stage)
                 if tp > 1:
@@ -77,13 +79,13 @@ def time_data_parallel(model: nn.Module, anatomy: Anatomy, *, dp: int, dp_mode: 
             plain = block_stage()
             elements = sum(p.numel() for p in plain.parameters()) * tp
             precision = MixedPrecision(param_dtype, torch.float32)
-            x = torch.randn(_block_input_shape(model, anatomy, microbatch_size, seq_len))
-            base = _timed(plain, x, param_dtype)
+            x = torch.randn(flow.input("middle").shape)
+            base = _timed(plain, flow.called("middle", plain), x, param_dtype)
             runs = {}
             for reshard in (True, False):
                 wrapped = block_stage()
                 _wrap(wrapped, anatomy, mesh["dp"], dp_mode, reshard, precision)
-                runs[reshard] = _timed(wrapped, x, None, wrapped=True)
+                runs[reshard] = _timed(wrapped, flow.called("middle", wrapped), x, None, wrapped=True)
     finally:
         torch.set_num_threads(threads)
     regathered = max(0.0, runs[True]["unreduced"] - base["unreduced"])
@@ -92,11 +94,14 @@ def time_data_parallel(model: nn.Module, anatomy: Anatomy, *, dp: int, dp_mode: 
     return DataParallelOverhead(elements, regathered, gathered, reduced)
 
 
-def _block_input_shape(model: nn.Module, anatomy: Anatomy, batch: int, seq_len: int) -> torch.Size:
-    """What the first stage hands a block: its output on meta for `batch` x `seq_len` token ids."""
-    first = cut_stage(model, anatomy, 0, 3, range(0, 1))
-    out = first(torch.zeros(batch, seq_len, dtype=torch.long, device="meta"))
-    return (out[0] if isinstance(out, tuple) else out).shape
+def _flow_to_the_middle(measured: MeasuredStages, batch: int, seq_len: int) -> StageFlow:
+    """The walk of the stages on meta up to the middle one, whose input is then known: what the
+    first stage hands a block for `batch` x `seq_len` token ids (its shape, how it divides)."""
+    flow = StageFlow(measured, token_ids(batch, seq_len))
+    first, tokens = flow.stage_and_input("first")
+    flow.hand_on("first", first(tokens))
+    flow.input("middle")
+    return flow
 
 
 def _wrap(stage: nn.Module, anatomy: Anatomy, mesh, dp_mode: str, reshard: bool, precision) -> None:
@@ -113,8 +118,9 @@ def _wrap(stage: nn.Module, anatomy: Anatomy, mesh, dp_mode: str, reshard: bool,
     wrap(stage, mp_policy=precision.policy(root=True))
 
 
-def _timed(stage: nn.Module, x: torch.Tensor, param_dtype, wrapped: bool = False) -> dict[str, float]:
-    """Best seconds of a forward and backward with gradients left unreduced, and with them reduced."""
+def _timed(stage: nn.Module, call: nn.Module, x: torch.Tensor, param_dtype, wrapped: bool = False) -> dict[str, float]:
+    """Best seconds of a forward and backward with gradients left unreduced, and with them reduced;
+    `call`: the stage as the runtime calls it (measured_stages.py)."""
     from mesh3d.planner.probe import _computed
 
     if not wrapped:
@@ -129,7 +135,7 @@ def _timed(stage: nn.Module, x: torch.Tensor, param_dtype, wrapped: bool = False
             flush.zero_()
             inp = x.detach().requires_grad_(True)
             start = time.perf_counter()
-            out = stage(inp)
+            out = call(inp)
             out = out[0] if isinstance(out, tuple) else out
             torch.autograd.backward(out, torch.ones_like(out))
             seconds = time.perf_counter() - start

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from mesh3d.model.anatomy import Anatomy
-from mesh3d.model.cut import cut_stage
 from mesh3d.planner import constants as C
-from mesh3d.planner.probe import ModelCosts, PartCosts, _computed, _forward, _input, _local, fake_tp_mesh
+from mesh3d.planner.measured_stages import KINDS, MeasuredStages, StageFlow, measured_stages
+from mesh3d.planner.probe import ModelCosts, PartCosts, _computed, _forward, _input, fake_tp_mesh
 
 
 def time_model(
@@ -40,19 +40,17 @@ def time_model(
     from mesh3d.model.initialize import initialize
     from mesh3d.tensor.apply import apply_tensor_parallel
 
-    n_blocks = len(anatomy.block_names(model))
-    parts = {"first": (0, range(0, 1)), "middle": (1, range(1, 2)), "last": (2, range(n_blocks - 1, n_blocks))}
-    stages = {kind: cut_stage(model, anatomy, index, 3, layers) for kind, (index, layers) in parts.items()}
-    for index, stage in enumerate(stages.values()):
+    measured = measured_stages(model, anatomy, microbatch_size, costs.seq_len)
+    for kind, stage in measured.stages.items():
         stage.to_empty(device="cpu")
-        initialize(stage, index, torch.device("cpu"), 0, anatomy.init_stage)
+        initialize(stage, measured.indices[kind], torch.device("cpu"), 0, anatomy.init_stage)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with fake_tp_mesh(costs.tp) as mesh:
             if mesh is not None:
-                apply_tensor_parallel(stages.values(), tp_plan, mesh)
-            seconds = _time_chain(stages, microbatch_size, costs.seq_len, param_dtype)
+                apply_tensor_parallel(measured.stages.values(), tp_plan, mesh)
+            seconds = _time_chain(measured, microbatch_size, costs.seq_len, param_dtype)
     finally:
         torch.set_num_threads(threads)
     block = seconds["middle"]
@@ -68,13 +66,14 @@ def time_model(
                    last_end=timed(costs.last_end, end("last")))
 
 
-def _time_chain(stages: dict[str, nn.Module], batch: int, seq_len: int,
+def _time_chain(measured: MeasuredStages, batch: int, seq_len: int,
                 param_dtype: torch.dtype | None) -> dict[str, tuple[float, float, float, float]]:
-    """Per stage: the best forward, backward, split backward (I + W) and W seconds."""
+    """Per stage: the best forward, backward, split backward (I + W) and W seconds. A stage that
+    receives several tensors gets them joined into one, as the runtime does: its I ends there."""
     from mesh3d.pipeline.backward_halves import backward_input, backward_weight
 
     generator = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 2, (batch, seq_len), generator=generator)  # token ids every vocabulary has
+    tokens = torch.randint(0, 2, (batch, seq_len), generator=generator)  # token ids every vocabulary has
     targets = torch.randint(0, 2, (batch, seq_len), generator=generator)
     seconds = {}
     # In a step a part's weights and inputs come from memory, the other parts having run between
@@ -87,8 +86,11 @@ def _time_chain(stages: dict[str, nn.Module], batch: int, seq_len: int,
         fn()
         return time.perf_counter() - start
 
-    for kind, stage in stages.items():
-        stage = _computed(stage, param_dtype)
+    for stage in measured.stages.values():
+        _computed(stage, param_dtype)
+    flow = StageFlow(measured, tokens)
+    for kind in KINDS:
+        stage, x = flow.stage_and_input(kind)
         is_last = kind == "last"
         best = [float("inf")] * 4
         for repeat in range(C.TIMING_REPEATS + 1):
@@ -114,5 +116,5 @@ def _time_chain(stages: dict[str, nn.Module], batch: int, seq_len: int,
                 best = [min(b, r) for b, r in zip(best, runs)]
         seconds[kind] = tuple(best)
         if not is_last:
-            x = _local(out).detach()
+            flow.hand_on(kind, out)
     return seconds

@@ -2,10 +2,10 @@
 tensor-parallel traffic and the message it sends on, per microbatch, as one tp rank holds them.
 
 Nothing is estimated from a formula per architecture: the planner cuts three small stages from the
-model on meta with mesh3d's own cut (first: the first end and one block; middle: one block; last:
-one block, the last end and the loss), applies the model's own tensor-parallel plan with torch's
-DTensor styles over a fake process group of tp ranks (torch's "fake" backend: collectives that move
-nothing), and runs each forward and backward under FakeTensorMode on CPU-device fake tensors, so
+model on meta as mesh3d would (measured_stages.py; first: the first end and one block; middle: one
+block; last: one block, the last end and the loss), applies the model's own tensor-parallel plan
+with torch's DTensor styles over a fake process group of tp ranks (torch's "fake" backend:
+collectives that move nothing), and runs each forward and backward under FakeTensorMode on CPU-device fake tensors, so
 attention takes the fused path that saves its output and log-sum-exp, as on a GPU. What runs is
 counted with torch's own meters:
 
@@ -23,7 +23,7 @@ blocks must be alike (they are in every decoder the planner knows: checked by sh
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,8 +37,8 @@ from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from mesh3d.model.anatomy import Anatomy
-from mesh3d.model.cut import cut_stage
 from mesh3d.model.loss import cross_entropy_loss
+from mesh3d.planner.measured_stages import KINDS, MeasuredStages, StageFlow, measured_stages, planner_anatomy
 
 from mesh3d.pipeline.selective_checkpoint import SAVED_OPS
 
@@ -196,23 +196,23 @@ def fake_tp_mesh(tp: int) -> Iterator[object]:
         dist.destroy_process_group()
 
 
-def measure_model_anywhere(model: nn.Module, anatomy: Anatomy, **sizes) -> ModelCosts:
+def measure_model_anywhere(model: nn.Module, anatomy: Anatomy, split_points: Sequence[str] | None = None,
+                           **sizes) -> ModelCosts:
     """`measure_model`, in a process of its own when this one already has a process group: the
     fake group of tp > 1 ranks cannot be made beside it (under torchrun after build_mesh, or in a
-    test process that built a mesh). The model goes there on meta, pickled; a few seconds more."""
+    test process that built a mesh). The model goes there on meta, pickled, with the `split_points`
+    its anatomy was found with; a few seconds more."""
     if sizes["tp"] == 1 or not dist.is_initialized():
         return measure_model(model, anatomy, **sizes)
     import concurrent.futures
     import multiprocessing
 
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_measure_in_a_process, model, sizes).result()
+        return pool.submit(_measure_in_a_process, model, split_points, sizes).result()
 
 
-def _measure_in_a_process(model: nn.Module, sizes: dict) -> ModelCosts:
-    from mesh3d.model.anatomy import anatomy_of
-
-    return measure_model(model, anatomy_of(model), **sizes)
+def _measure_in_a_process(model: nn.Module, split_points: Sequence[str] | None, sizes: dict) -> ModelCosts:
+    return measure_model(model, planner_anatomy(model, sizes["seq_len"], split_points), **sizes)
 
 
 def measure_model(
@@ -231,15 +231,15 @@ def measure_model(
     n_blocks = len(anatomy.block_names(model))
     if n_blocks < 3:
         raise ValueError(f"plan: {anatomy.name} has {n_blocks} blocks; the planner measures a model with at least 3")
-    parts = {"first": (0, range(0, 1)), "middle": (1, range(1, 2)), "last": (2, range(n_blocks - 1, n_blocks))}
-    stages = {kind: cut_stage(model, anatomy, index, 3, layers) for kind, (index, layers) in parts.items()}
+    measured = measured_stages(model, anatomy, microbatch_size, seq_len)
+    stages = measured.stages
     with fake_tp_mesh(tp) as mesh:
         if mesh is not None:
             if not tp_plan:
                 raise ValueError(f"plan: tp={tp} needs a tensor-parallel plan, and {anatomy.name} declares none")
             apply_tensor_parallel(stages.values(), tp_plan, mesh)
         with FakeTensorMode(allow_non_fake_inputs=True):
-            results, message, checkpointed = _run_chain(stages, tp, microbatch_size, seq_len, param_dtype)
+            results, message, checkpointed = _run_chain(measured, tp, microbatch_size, seq_len, param_dtype)
     block = results["middle"]
     first = results["first"].minus(block, *_end_params(stages["first"], stages["middle"]))
     last = results["last"].minus(block, *_end_params(stages["last"], stages["middle"]))
@@ -266,26 +266,31 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _run_chain(stages: dict[str, nn.Module], tp: int, batch: int, seq_len: int,
+def _run_chain(measured: MeasuredStages, tp: int, batch: int, seq_len: int,
                param_dtype: torch.dtype | None) -> tuple[dict[str, PartCosts], int, dict[str, int]]:
+    """Each measured stage's costs, its input the stages before it handed on; and the middle
+    stage's message (everything it sends on)."""
     tokens = torch.zeros(batch, seq_len, dtype=torch.long)
     targets = torch.zeros(batch, seq_len, dtype=torch.long)
+    for stage in measured.stages.values():
+        _computed(stage.to_empty(device="cpu"), param_dtype)
+    flow = StageFlow(measured, tokens)
     results: dict[str, PartCosts] = {}
-    x, message, checkpointed = tokens, 0, {}
-    for kind, stage in stages.items():
-        stage = _computed(stage.to_empty(device="cpu"), param_dtype)
+    checkpointed = {}
+    for kind in KINDS:
+        stage, x = flow.stage_and_input(kind)
         is_last = kind == "last"
         saved = {"never": _saved_bytes(stage, x, targets if is_last else None, "never"),
                  "selective": _selective_cache_bytes(stage, x)}
         checkpointed[kind] = _saved_bytes(stage, x, targets if is_last else None, "always")
         flops, forward_flops, traffic, out = _flops_and_traffic(stage, x, targets if is_last else None, tp)
-        params = tuple(_local(p).shape for p in stage.parameters())
-        names = tuple(n for n, _ in stage.named_parameters())
+        own = measured.stages[kind]
+        params = tuple(_local(p).shape for p in own.parameters())
+        names = tuple(n for n, _ in own.named_parameters())
         results[kind] = PartCosts(params, names, saved, flops, forward_flops, traffic.bytes, traffic.count)
         if not is_last:
-            x = _local(out).detach()
-            message = x.numel() * x.element_size()
-    return results, message, checkpointed
+            flow.hand_on(kind, out)
+    return results, flow.sent_bytes("middle"), checkpointed
 
 
 def _computed(stage: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:

@@ -11,25 +11,26 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from mesh3d.model.anatomy import anatomy_of
 from mesh3d.pipeline.schedule.catalog import SCHEDULES, build_schedule, check_schedule_config
 
 # The never-drain schedules (pipedream, pipedream_2bw) hold stashed weight versions and overlap
 # calls; the planner's memory walk and step timeline model one flushing step, so it leaves them out.
 PLANNED_SCHEDULES = [name for name, spec in SCHEDULES.items() if not spec.never_drains]
 from mesh3d.pipeline.config import ACTIVATION_CHECKPOINT_MODES
-from mesh3d.pipeline.split import stage_layer_ranges
+from mesh3d.pipeline.split import split_point_counts, stage_layer_ranges
 from mesh3d.pipeline.tied import find_ties
 from mesh3d.planner import constants as C
 from mesh3d.planner.hardware import Hardware, resolve_hardware
 from mesh3d.planner.memory import MemoryBreakdown, StagePlacement, rank_activations, rank_memory
 from mesh3d.planner.model_source import max_sequence_length, meta_model
 from mesh3d.planner.data_parallel_timing import time_data_parallel
+from mesh3d.planner.measured_stages import planner_anatomy, token_ids
 from mesh3d.planner.part_timing import time_model
 from mesh3d.planner.probe import ModelCosts, measure_model_anywhere
 from mesh3d.planner.step_time import Links, StepTime, step_time
@@ -62,12 +63,21 @@ class Plan:
     time: StepTime = field(repr=False)
     # every pp rank's peak (its fullest dp and tp rank), by pp rank; memory_per_rank is the largest
     memory_by_pp_rank: tuple[MemoryBreakdown, ...] = field(default=(), repr=False)
+    # a traced model: the tokens of one microbatch it is captured with (meta, microbatch_size x seq_len)
+    example_inputs: tuple | None = field(default=None, repr=False)
+    split_points: tuple[str, ...] | None = None  # as given to `plan`
 
     def parallelize_kwargs(self) -> dict:
-        """What to hand `mesh3d.parallelize(model, **kwargs)` to run exactly this plan."""
-        return dict(pp=self.pp, dp=self.dp, tp=self.tp, schedule=self.schedule, virtual_stages=self.virtual_stages,
-                    microbatches=self.microbatches, activation_checkpoint=self.activation_checkpoint,
-                    dp_mode=self.dp_mode, param_dtype=self.param_dtype, compile=self.compile)
+        """What to hand `mesh3d.parallelize(model, **kwargs)` to run exactly this plan (a traced
+        model's `example_inputs` and any `split_points` included)."""
+        kwargs = dict(pp=self.pp, dp=self.dp, tp=self.tp, schedule=self.schedule, virtual_stages=self.virtual_stages,
+                      microbatches=self.microbatches, activation_checkpoint=self.activation_checkpoint,
+                      dp_mode=self.dp_mode, param_dtype=self.param_dtype, compile=self.compile)
+        if self.example_inputs is not None:
+            kwargs["example_inputs"] = self.example_inputs
+        if self.split_points is not None:
+            kwargs["split_points"] = list(self.split_points)
+        return kwargs
 
     def row(self) -> str:
         dtype = "fp32" if self.param_dtype is None else str(self.param_dtype).removeprefix("torch.")
@@ -86,12 +96,18 @@ def plan(
     memory_limit: int | str | None = None,
     fix: dict | None = None,
     tp_plan: dict | None = None,
+    split_points: Sequence[str] | None = None,
 ) -> list[Plan]:
     """Rank the layouts of `model` on `gpus` devices of `hardware`: the fastest first, only those that fit.
 
     Args:
-        model: a model on the meta device (mesh3d protocol, Hugging Face, nn.Sequential), a
-            Hugging Face config, or a preset name ("llama3-8b", "llama3-70b", "llama3-405b").
+        model: a model on the meta device (mesh3d protocol, Hugging Face, nn.Sequential, or any
+            other module torch.export captures: traced, as `parallelize` takes it given
+            `example_inputs`), a Hugging Face config, or a preset name ("llama3-8b",
+            "llama3-70b", "llama3-405b"). The model is a language model: its input is token ids of
+            (microbatch, seq_len); a traced model is captured with such ids on meta, once per
+            microbatch size the planner measures, and its plans' `parallelize_kwargs()` carry
+            `example_inputs` of the plan's microbatch size (docs/plan.md).
         gpus, gpus_per_node: the cluster (tensor parallelism stays within a node).
         hardware: a preset ("h100", "h200", "a100-80gb", "b200"), a `Hardware`, or "this-machine".
         seq_len, global_batch: tokens per sequence and sequences per step.
@@ -99,8 +115,12 @@ def plan(
             constants.MEMORY_MARGIN_FRACTION.
         fix: pin choices by the plan's attribute names, e.g. {"pp": 8, "schedule": "1f1b"}.
         tp_plan: a tensor-parallel plan, when the model's own declaration is not the one to use.
+        split_points: the blocks where stages 1, 2, ... begin, as `parallelize` takes them (a
+            traced model's blocks are then that container's children): only layouts of
+            len(split_points) + 1 stages are planned, split there, and the plans pass them on.
 
-    Raises ValueError naming what would fit when nothing does.
+    Raises ValueError naming what would fit when nothing does; a traced model that torch.export
+    cannot capture raises the anatomy's ValueError (torch's reason) as `parallelize` would.
     """
     hw = resolve_hardware(hardware)
     fix = _check_fix(fix)
@@ -110,13 +130,14 @@ def plan(
     if longest is not None and seq_len > longest:
         raise ValueError(f"plan: seq_len={seq_len} is longer than the model takes ({longest}); use seq_len <= {longest}")
     limit = _memory_limit(memory_limit, hw)
-    anatomy = anatomy_of(model)
+    anatomy = planner_anatomy(model, seq_len, split_points)
     n_blocks = len(anatomy.block_names(model))
+    split_counts = None if split_points is None else split_point_counts(anatomy, anatomy.block_names(model), split_points)
     plan_tp = tp_plan if tp_plan is not None else anatomy.tp_plan
     tied = any(len(group) > 1 for group in find_ties(model))
     param_bytes = next(model.parameters()).element_size()
     measure = functools.cache(lambda tp, dtype: measure_model_anywhere(
-        model, anatomy, tp=tp, tp_plan=plan_tp, microbatch_size=1, seq_len=seq_len, param_dtype=dtype))
+        model, anatomy, split_points, tp=tp, tp_plan=plan_tp, microbatch_size=1, seq_len=seq_len, param_dtype=dtype))
     # A measured machine times the model's parts at each microbatch size it plans (step_time.py).
     timed = functools.cache(lambda tp, dtype, mbs: time_model(
         model, anatomy, measure(tp, dtype), tp_plan=plan_tp, microbatch_size=mbs, param_dtype=dtype))
@@ -126,10 +147,13 @@ def plan(
         param_dtype=dtype))
     # Many candidates share a schedule, a split and a walk of the action lists: each is built once.
     schedule_of = functools.cache(build_schedule)
-    layers_of = functools.cache(lambda n_stages: stage_layer_ranges(model, anatomy, n_stages, "layers", 0.0, None))
+    layers_of = functools.cache(lambda n_stages: stage_layer_ranges(model, anatomy, n_stages, "layers", 0.0, split_counts))
     walks: dict[tuple, tuple[tuple[int, int], ...]] = {}
     plans, smallest_need = [], None
-    for cand in _candidates(gpus, gpus_per_node, global_batch, n_blocks, anatomy.tensor_parallel_sizes, fix):
+    for cand in _candidates(gpus, gpus_per_node, global_batch, n_blocks, anatomy.tensor_parallel_sizes, fix,
+                            tensor_parallel=bool(plan_tp)):
+        if split_counts is not None and cand["pp"] * cand["virtual_stages"] != len(split_counts):
+            continue  # the split points name the stages
         costs = measure(cand["tp"], cand["param_dtype"])
         built = schedule_of(cand["schedule"], cand["pp"], cand["microbatches"], cand["virtual_stages"])
         layers = layers_of(cand["pp"] * cand["virtual_stages"])
@@ -158,9 +182,11 @@ def plan(
         plans.append(Plan(cand["pp"], cand["dp"], cand["tp"], cand["schedule"], cand["virtual_stages"],
                           cand["microbatches"], cand["activation_checkpoint"], cand["dp_mode"], cand["param_dtype"],
                           cand["compile"], cand["local_batch"], cand["microbatch_size"], memory, time.seconds, tokens,
-                          mfu, time.bubble_fraction, time, by_rank))
+                          mfu, time.bubble_fraction, time, by_rank,
+                          (token_ids(cand["microbatch_size"], seq_len),) if anatomy.traced is not None else None,
+                          None if split_points is None else tuple(split_points)))
     if not plans:
-        raise ValueError(_nothing_fits(gpus, limit, smallest_need, fix, global_batch))
+        raise ValueError(_nothing_fits(gpus, limit, smallest_need, fix, global_batch, split_counts))
     return sorted(plans, key=lambda p: -p.tokens_per_second_per_gpu)
 
 
@@ -174,12 +200,14 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _candidates(gpus, gpus_per_node, global_batch, n_blocks, tp_sizes, fix):
-    """Every layout mesh3d accepts for these sizes, with `fix` applied."""
+def _candidates(gpus, gpus_per_node, global_batch, n_blocks, tp_sizes, fix, tensor_parallel=True):
+    """Every layout mesh3d accepts for these sizes, with `fix` applied; tp = 1 only, unless fixed,
+    for a model without a tensor-parallel plan."""
     def allowed(name, values):
         return [fix[name]] if name in fix else values
 
     tp_choices = [t for t in _divisors(gpus) if t <= gpus_per_node and all(s % t == 0 for s in tp_sizes.values())]
+    tp_choices = tp_choices if tensor_parallel else [1]
     for tp in allowed("tp", tp_choices):
         for pp in allowed("pp", [p for p in _divisors(gpus // tp) if p <= n_blocks] if gpus % tp == 0 else []):
             if gpus % (tp * pp):
@@ -262,11 +290,14 @@ def _memory_limit(limit: int | str | None, hardware: Hardware) -> int:
     return int(limit)
 
 
-def _nothing_fits(gpus, limit, smallest_need, fix, global_batch) -> str:
+def _nothing_fits(gpus, limit, smallest_need, fix, global_batch, split_counts=None) -> str:
     gib = 2**30
     if smallest_need is None:
+        stages = ("" if split_counts is None else
+                  f", and split_points make {len(split_counts)} stages, so pp * virtual_stages must be {len(split_counts)}")
         return (f"plan: no layout of {gpus} GPUs matches these sizes (global_batch={global_batch}, fix={fix}); "
-                "global_batch must divide over dp, microbatches over each dp rank's batch, tp the model's head counts")
+                "global_batch must divide over dp, microbatches over each dp rank's batch, tp the model's head "
+                f"counts{stages}")
     need = math.ceil(smallest_need / limit)
     return (f"plan: no layout fits in {limit / gib:.1f} GiB per GPU on {gpus} GPUs (fix={fix}); the leanest "
             f"needs {smallest_need / gib:.1f} GiB. Try about {need}x the GPUs ({gpus * need}), a smaller "

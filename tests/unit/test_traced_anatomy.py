@@ -68,3 +68,17 @@ def test_a_model_torch_export_cannot_capture_is_refused_with_torchs_reason_befor
 def test_a_plain_module_without_example_inputs_is_told_about_them():
     with pytest.raises(ValueError, match="example_inputs"):
         anatomy_of(Residual())
+
+
+def test_splitting_leaves_the_model_as_it_was_so_it_can_be_split_again():
+    """torch's pipeline() marks the split points on the model in place; a meta model is captured
+    as it is (no copy), so another split of it (other points, another microbatch shape: the
+    planner's, then parallelize's) must not find the marks of the last."""
+    from mesh3d.model.cut import meta_copy
+
+    model = meta_copy(SkipModel(tied=False))
+    traced = anatomy_of(model, (IDS,)).traced
+    traced.split(["blocks.2", "blocks.4"])
+    assert not any("_orig_forward" in block.__dict__ or "forward" in block.__dict__ for block in model.blocks)
+    again = anatomy_of(model, (IDS[:1],)).traced.split(["blocks.4"])
+    assert len(again.graphs) == 2 and again.skips == ()

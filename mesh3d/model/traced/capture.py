@@ -82,6 +82,8 @@ class TracedModel:
                 f"{self.name}: torch.export cannot capture this model as one graph, so mesh3d cannot split it by "
                 f"tracing ({reason}); {ADVICE}"
             ) from error
+        finally:
+            _unannotate(self.meta_model, starts)
 
     def _split(self, starts: tuple[str, ...]) -> TracedSplit:
         pipe = self._pipe(starts)
@@ -159,6 +161,20 @@ class TracedModel:
                     f"{self.name}: module {target!r} runs in stages {used[target]} and {index}; share Parameters "
                     "between stages (ties are supported), not whole modules"
                 )
+
+
+def _unannotate(model: nn.Module, starts: Sequence[str]) -> None:
+    """Undo what torch's pipeline() does to the model in place: each split point's module given a
+    `forward` that marks the split, calling the one kept as `_orig_forward`. Left there, the model
+    (the caller's own, when given on meta) would mark splits in a later capture of other split
+    points, or of another microbatch shape (the planner's), and wrap the marker in itself again."""
+    for start in starts:
+        module = model.get_submodule(start)
+        if "_orig_forward" in module.__dict__:
+            original = module.__dict__.pop("_orig_forward")
+            module.__dict__.pop("forward", None)
+            if getattr(original, "__self__", None) is not module or original.__func__ is not type(module).forward:
+                module.forward = original  # an instance forward the model had set itself stays
 
 
 def _input_order(stage: int, takes: dict, skips: tuple) -> list[tuple[int, int]]:
