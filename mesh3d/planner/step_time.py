@@ -9,7 +9,8 @@ compute (what exceeds it shows), and the optimizer's update is memory-bound.
 
 A machine the planner measured ("this-machine": hardware.py's `times_the_model`) gives the seconds
 its parts were timed at (part_timing.py) instead of FLOPs over a rate, a latency for every
-collective and pipeline message, and communication that does not overlap the compute.
+tensor-parallel collective and pipeline message, each data-parallel collective at the time it was
+measured at its size (hardware.CollectiveTimes), and communication that does not overlap the compute.
 """
 
 from __future__ import annotations
