@@ -4,10 +4,10 @@ Each rank of a CPU run computes on one thread (OMP_NUM_THREADS=1, as the tests a
 run), so the compute rate is a one-thread fp32 matmul of a transformer's shapes, and it is
 already what a step reaches: `achievable_fraction` is 1. The link is gloo between two processes
 of this machine (a send/receive of a few MiB each way) and the fixed time of one collective (a
-small all-gather, reduce-scatter and all-reduce); the collectives data parallelism issues are timed
-at several sizes too, since gloo's all-gather and reduce-scatter reach a fraction of its
-send/receive rate (reduce-scatter about a quarter, measured here). The memory is the machine's RAM, the memory
-bandwidth a large elementwise update. A few seconds in all, measured once per process.
+small all-gather, reduce-scatter and all-reduce); the collectives data parallelism issues are
+timed at several sizes too, since gloo's all-gather and reduce-scatter reach a fraction of its
+send/receive rate and differ from each other (hardware.CollectiveTimes). The memory is the
+machine's RAM, the memory bandwidth a large elementwise update. A few seconds in all, measured once per process.
 
 On such a machine FLOPs over a matmul rate miss much of a step (norms, attention, elementwise ops,
 DTensor's dispatch): the Hardware says `times_the_model`, and the planner times the model's own

@@ -5,9 +5,9 @@ Nothing is estimated from a formula per architecture: the planner cuts three sma
 model on meta as mesh3d would (measured_stages.py; first: the first end and one block; middle: one
 block; last: one block, the last end and the loss), applies the model's own tensor-parallel plan
 with torch's DTensor styles over a fake process group of tp ranks (torch's "fake" backend:
-collectives that move nothing), and runs each forward and backward under FakeTensorMode on CPU-device fake tensors, so
-attention takes the fused path that saves its output and log-sum-exp, as on a GPU. What runs is
-counted with torch's own meters:
+collectives that move nothing), and runs each forward and backward under FakeTensorMode on
+CPU-device fake tensors, so attention takes the fused path that saves its output and
+log-sum-exp, as on a GPU. What runs is counted with torch's own meters:
 
 - saved activations: autograd's saved-tensor hooks (the bytes a rank keeps for the backward), with
   the stage run plain and under a whole-stage checkpoint (what the runtime does for "always");
