@@ -54,6 +54,9 @@ class PartCosts:
     forward_flops: float = 0.0
     tp_bytes: float = 0.0  # bytes this rank sends through tensor-parallel collectives, forward + backward
     tp_collectives: int = 0  # how many tensor-parallel collectives it issues, forward + backward
+    # the same by kind ("all_gather", "reduce_scatter", "all_reduce"): (bytes sent, count), so a
+    # machine that timed each kind by size (hardware.CollectiveTimes) charges each its own time
+    tp_by_kind: dict[str, tuple[float, int]] = field(default_factory=dict)
     # Seconds one microbatch takes on this machine (forward; backward), when the hardware times the
     # model's own parts (`Hardware.times_the_model`, "this-machine"); 0 when it is not timed.
     forward_seconds: float = 0.0
@@ -66,7 +69,9 @@ class PartCosts:
     def minus(self, other: PartCosts, names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> PartCosts:
         return PartCosts(shapes, names, {k: v - other.saved.get(k, 0) for k, v in self.saved.items()},
                          self.flops - other.flops, self.forward_flops - other.forward_flops,
-                         self.tp_bytes - other.tp_bytes, self.tp_collectives - other.tp_collectives)
+                         self.tp_bytes - other.tp_bytes, self.tp_collectives - other.tp_collectives,
+                         {kind: (sent - other.tp_by_kind.get(kind, (0.0, 0))[0], count - other.tp_by_kind.get(kind, (0.0, 0))[1])
+                          for kind, (sent, count) in self.tp_by_kind.items()})
 
 
 @dataclass(frozen=True)
@@ -96,19 +101,20 @@ class _CollectiveBytes(TorchDispatchMode):
         self.ranks = ranks
         self.bytes = 0.0
         self.count = 0
+        self.by_kind: dict[str, tuple[float, int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if getattr(func, "namespace", "") in ("_c10d_functional", "c10d_functional") and tensors:
             size, n = tensors[0].numel() * tensors[0].element_size(), self.ranks
-            self.count += name.startswith(("all_gather", "reduce_scatter", "all_reduce"))
-            if name.startswith("all_gather"):
-                self.bytes += (n - 1) * size
-            elif name.startswith("reduce_scatter"):
-                self.bytes += (n - 1) * size / n
-            elif name.startswith("all_reduce"):
-                self.bytes += 2 * (n - 1) * size / n
+            sent = {"all_gather": (n - 1) * size, "reduce_scatter": (n - 1) * size / n, "all_reduce": 2 * (n - 1) * size / n}
+            kind = next((k for k in sent if name.startswith(k)), None)
+            if kind is not None:
+                self.count += 1
+                self.bytes += sent[kind]
+                total, count = self.by_kind.get(kind, (0.0, 0))
+                self.by_kind[kind] = (total + sent[kind], count + 1)
         return func(*args, **(kwargs or {}))
 
 
@@ -287,7 +293,8 @@ def _run_chain(measured: MeasuredStages, tp: int, batch: int, seq_len: int,
         own = measured.stages[kind]
         params = tuple(_local(p).shape for p in own.parameters())
         names = tuple(n for n, _ in own.named_parameters())
-        results[kind] = PartCosts(params, names, saved, flops, forward_flops, traffic.bytes, traffic.count)
+        results[kind] = PartCosts(params, names, saved, flops, forward_flops, traffic.bytes, traffic.count,
+                                  dict(traffic.by_kind))
         if not is_last:
             flow.hand_on(kind, out)
     return results, flow.sent_bytes("middle"), checkpointed

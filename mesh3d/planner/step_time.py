@@ -8,9 +8,9 @@ message, so the bubble is the schedule's, not a closed form. FSDP/DDP traffic ov
 compute (what exceeds it shows), and the optimizer's update is memory-bound.
 
 A machine the planner measured ("this-machine": hardware.py's `times_the_model`) gives the seconds
-its parts were timed at (part_timing.py) instead of FLOPs over a rate, a latency for every
-tensor-parallel collective and pipeline message, each data-parallel collective at the time it was
-measured at its size (hardware.CollectiveTimes), and communication that does not overlap the compute.
+its parts were timed at (part_timing.py) instead of FLOPs over a rate, each tensor- and
+data-parallel collective at the time its kind was measured at its size (hardware.CollectiveTimes),
+a latency for every pipeline message, and communication that does not overlap the compute.
 """
 
 from __future__ import annotations
@@ -86,7 +86,9 @@ def step_time(costs: ModelCosts, place: StagePlacement, hardware: Hardware, link
         tp_bytes = sum(c * p.tp_bytes for p, c in parts) * mbs
         tp_count = sum(c * p.tp_collectives for p, c in parts)
         tp_s = 0.0
-        if costs.tp > 1:
+        if costs.tp > 1 and hardware.collective_times is not None:  # each as its kind was timed at its size
+            tp_s = sum(c * _measured_collectives(p.tp_by_kind, mbs, hardware) for p, c in parts) * (1 - C.TP_HIDDEN_FRACTION)
+        elif costs.tp > 1:
             tp_s = (tp_bytes / links.tp + tp_count * hardware.collective_latency) * (1 - C.TP_HIDDEN_FRACTION)
         f = fwd_s + tp_s / 2
         recompute = {"always": f, "except_last": f, "selective": C.SELECTIVE_RECOMPUTE_FRACTION * fwd_s}
@@ -117,6 +119,13 @@ def step_time(costs: ModelCosts, place: StagePlacement, hardware: Hardware, link
     return StepTime(report.makespan + exposed + optimizer, report.bubble_fraction, report.makespan, exposed,
                     optimizer, tp_time, p2p, forward_seconds=tuple(forward), backward_seconds=tuple(backward),
                     weight_grad_seconds=tuple(w))
+
+
+def _measured_collectives(by_kind: dict[str, tuple[float, int]], mbs: int, hardware: Hardware) -> float:
+    """Seconds of a part's tensor-parallel collectives for a microbatch of `mbs` (measured at 1):
+    each kind's count at the time that kind took at its mean size."""
+    return sum(count * hardware.collective_times.seconds(kind, sent * mbs / count)
+               for kind, (sent, count) in by_kind.items() if count > 0)
 
 
 def _rank_parameter_tensors(costs: ModelCosts, rank: int, place: StagePlacement) -> int:

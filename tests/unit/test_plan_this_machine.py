@@ -66,6 +66,19 @@ def test_measured_collectives_are_counted_per_module_at_their_own_time():
     assert ddp.time.exposed_dp_seconds == pytest.approx((BLOCKS + 1) * 7e-3, rel=1e-6)
 
 
+def test_measured_tensor_parallel_collectives_are_charged_by_kind():
+    same = one_plan(latency_only(collective_times=flat_collectives(LATENCY, LATENCY, LATENCY)), pp=1, dp=1, tp=2)
+    assert same.time.tp_seconds == pytest.approx((8 * BLOCKS + 5) * LATENCY, rel=1e-6)  # as many as counted
+    costs = measure_model(debug_model(), anatomy_of(debug_model()), tp=2, tp_plan=debug_model().tp_plan,
+                          microbatch_size=1, seq_len=SEQ, param_dtype=None)
+    counts = {kind: count for kind, (_, count) in costs.block.tp_by_kind.items()}
+    assert sum(counts.values()) == costs.block.tp_collectives == 8, counts
+    times = {"all_gather": 1e-3, "reduce_scatter": 5e-3, "all_reduce": 7e-3}
+    kinds = one_plan(latency_only(collective_times=flat_collectives(*times.values())), pp=1, dp=1, tp=2)
+    block = sum(count * times[kind] for kind, count in counts.items())
+    assert kinds.time.tp_seconds > BLOCKS * block * (1 - 1e-9)  # the blocks' own, plus the ends'
+
+
 def test_collective_times_interpolate_between_measured_sizes():
     times = mesh3d.planner.CollectiveTimes({kind: ((100.0, 1.0), (300.0, 2.0), (500.0, 4.0))
                                             for kind in ("all_gather", "reduce_scatter", "all_reduce")})
