@@ -10,7 +10,7 @@ hardware's. `hardware="this-machine"` measures the machine the planner runs on i
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 GIB = 2**30
 GB = 10**9
@@ -21,31 +21,48 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 
 @dataclass(frozen=True)
 class CollectiveTimes:
-    """Seconds each collective took on a machine, measured at several sizes (machine_bench.py).
+    """Seconds each collective took between two ranks of a machine, measured at several sizes
+    (machine_bench.py).
 
     A size is the bytes each rank sends by the ring algorithm (an all-gather of a local shard s over
-    n ranks sends (n-1)s, a reduce-scatter of S sends (n-1)S/n, an all-reduce twice that), so one
-    table serves any number of ranks. Between measured sizes the time is interpolated linearly;
-    below the smallest it is the smallest's (a fixed cost); above the largest it grows at the
-    largest segment's rate."""
+    n ranks sends (n-1)s, a reduce-scatter of S sends (n-1)S/n, an all-reduce twice that). Over n
+    ranks a ring takes n-1 times the steps it takes over two, each moving 1/(n-1) of what a rank
+    sends: n-1 measured collectives of that size. Between measured sizes the time is interpolated
+    linearly; below the smallest it is the smallest's (a fixed cost); above the largest it grows at
+    the largest's rate (its seconds per byte). Times are made non-decreasing in size (a noisy
+    measurement of a larger size cannot make it cheaper)."""
 
-    points: dict[str, tuple[tuple[float, float], ...]]  # collective -> ((sent bytes, seconds), ...), by size
+    # collective -> ((sent bytes, seconds), ...), by size; not hashed (a dict), compared
+    points: dict[str, tuple[tuple[float, float], ...]] = field(hash=False)
 
     def __post_init__(self):
+        monotone = {}
         for kind in COLLECTIVES:
             points = self.points.get(kind, ())
             if len(points) < 2 or any(b <= a for (a, _), (b, _) in zip(points, points[1:])):
                 raise ValueError(f"CollectiveTimes: {kind!r} needs at least two sizes in increasing order, got {points!r}")
+            slowest, kept = 0.0, []
+            for size, seconds in points:
+                slowest = max(slowest, seconds)
+                kept.append((size, slowest))
+            monotone[kind] = tuple(kept)
+        object.__setattr__(self, "points", monotone)
 
-    def seconds(self, kind: str, sent_bytes: float) -> float:
-        """Seconds of one `kind` collective in which each rank sends `sent_bytes`."""
+    def seconds(self, kind: str, sent_bytes: float, ranks: int = 2) -> float:
+        """Seconds of one `kind` collective over `ranks` ranks in which each rank sends `sent_bytes`."""
+        steps = max(1, ranks - 1)
+        return steps * self._two_ranks(kind, sent_bytes / steps)
+
+    def _two_ranks(self, kind: str, sent_bytes: float) -> float:
         points = self.points[kind]
-        sizes = [size for size, _ in points]
-        at = min(max(bisect.bisect_left(sizes, sent_bytes), 1), len(points) - 1)
+        largest, slowest = points[-1]
+        if sent_bytes >= largest:
+            return slowest * sent_bytes / largest
+        at = max(bisect.bisect_left([size for size, _ in points], sent_bytes), 1)
         (x0, y0), (x1, y1) = points[at - 1], points[at]
         if sent_bytes <= x0:
             return y0
-        return max(y0, y0 + (y1 - y0) * (sent_bytes - x0) / (x1 - x0))
+        return y0 + (y1 - y0) * (sent_bytes - x0) / (x1 - x0)
 
 
 @dataclass(frozen=True)

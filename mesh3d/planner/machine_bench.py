@@ -35,8 +35,9 @@ LATENCY_ELEMENTS = 256  # a 1 KiB collective: its time is gloo's fixed cost, not
 LATENCY_ROUNDS = 20
 OVERHEAD_TENSORS = 32
 # Sizes (bytes of the whole tensor: an all-gather's output, a reduce-scatter's input) the collectives
-# are timed at: a small model's module (FSDP gathers one block at a time) up to a large one's.
-COLLECTIVE_BYTES = (64 * 2**10, 512 * 2**10, 2 * 2**20, 8 * 2**20)
+# are timed at: a small collective's fixed cost, then a small model's module (FSDP gathers one block
+# at a time) up to a large one's.
+COLLECTIVE_BYTES = (4 * LATENCY_ELEMENTS, 64 * 2**10, 512 * 2**10, 2 * 2**20, 8 * 2**20)
 COLLECTIVE_ROUNDS = 4
 
 

@@ -64,7 +64,7 @@ class Plan:
     # every pp rank's peak (its fullest dp and tp rank), by pp rank; memory_per_rank is the largest
     memory_by_pp_rank: tuple[MemoryBreakdown, ...] = field(default=(), repr=False)
     # a traced model: the tokens of one microbatch it is captured with (meta, microbatch_size x seq_len)
-    example_inputs: tuple | None = field(default=None, repr=False)
+    example_inputs: tuple | None = field(default=None, repr=False, compare=False)  # tensors: not compared
     split_points: tuple[str, ...] | None = None  # as given to `plan`
 
     def parallelize_kwargs(self) -> dict:

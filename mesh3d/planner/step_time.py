@@ -87,7 +87,8 @@ def step_time(costs: ModelCosts, place: StagePlacement, hardware: Hardware, link
         tp_count = sum(c * p.tp_collectives for p, c in parts)
         tp_s = 0.0
         if costs.tp > 1 and hardware.collective_times is not None:  # each as its kind was timed at its size
-            tp_s = sum(c * _measured_collectives(p.tp_by_kind, mbs, hardware) for p, c in parts) * (1 - C.TP_HIDDEN_FRACTION)
+            tp_s = sum(c * _measured_collectives(p.tp_by_kind, mbs, costs.tp, hardware) for p, c in parts) \
+                * (1 - C.TP_HIDDEN_FRACTION)
         elif costs.tp > 1:
             tp_s = (tp_bytes / links.tp + tp_count * hardware.collective_latency) * (1 - C.TP_HIDDEN_FRACTION)
         f = fwd_s + tp_s / 2
@@ -121,11 +122,19 @@ def step_time(costs: ModelCosts, place: StagePlacement, hardware: Hardware, link
                     weight_grad_seconds=tuple(w))
 
 
-def _measured_collectives(by_kind: dict[str, tuple[float, int]], mbs: int, hardware: Hardware) -> float:
+def _measured_collectives(by_kind: dict[str, tuple[float, int]], mbs: int, ranks: int, hardware: Hardware) -> float:
     """Seconds of a part's tensor-parallel collectives for a microbatch of `mbs` (measured at 1):
-    each kind's count at the time that kind took at its mean size."""
-    return sum(count * hardware.collective_times.seconds(kind, sent * mbs / count)
-               for kind, (sent, count) in by_kind.items() if count > 0)
+    each kind's count at the time that kind took at its mean size (every collective's message
+    grows with the microbatch, as the activations it carries do). An end's part is a stage less a
+    block: a kind it issues no more of than the block, but with more bytes, is charged those bytes
+    as one collective."""
+    seconds = 0.0
+    for kind, (sent, count) in by_kind.items():
+        if count > 0:
+            seconds += count * hardware.collective_times.seconds(kind, sent * mbs / count, ranks)
+        elif sent > 0:
+            seconds += hardware.collective_times.seconds(kind, sent * mbs, ranks)
+    return seconds
 
 
 def _rank_parameter_tensors(costs: ModelCosts, rank: int, place: StagePlacement) -> int:
@@ -164,13 +173,14 @@ def _dp_seconds(costs: ModelCosts, place: StagePlacement, links: Links, hardware
 
         def moved(elements: int) -> float:  # one module's collectives in a step, as measured
             if place.dp_mode == "ddp":
-                return times.seconds("all_reduce", 2 * share * elements * grad_bytes)
-            return (gathers * times.seconds("all_gather", share * elements * place.compute_bytes)
-                    + times.seconds("reduce_scatter", share * elements * grad_bytes))
+                return times.seconds("all_reduce", 2 * share * elements * grad_bytes, dp)
+            return (gathers * times.seconds("all_gather", share * elements * place.compute_bytes, dp)
+                    + times.seconds("reduce_scatter", share * elements * grad_bytes, dp))
 
         return wrapped + max(sum(moved(e) for e in _rank_module_elements(costs, r, place) if e) for r in range(pp))
     latency = hardware.collective_latency
-    modules = max(len(_rank_module_elements(costs, r, place)) for r in range(pp))
+    # a module without parameters of its own (a middle stage's root) issues no collective
+    modules = max(sum(1 for e in _rank_module_elements(costs, r, place) if e) for r in range(pp))
     if place.dp_mode == "ddp":
         return 2 * share * unsharded * grad_bytes / links.dp + modules * latency + wrapped
     traffic = share * unsharded * (gathers * place.compute_bytes + grad_bytes) / links.dp

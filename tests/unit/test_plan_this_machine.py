@@ -66,17 +66,37 @@ def test_measured_collectives_are_counted_per_module_at_their_own_time():
     assert ddp.time.exposed_dp_seconds == pytest.approx((BLOCKS + 1) * 7e-3, rel=1e-6)
 
 
+def linear_collectives():
+    """A CollectiveTimes whose every collective takes one second per byte a rank sends."""
+    line = ((1.0, 1.0), (2.0**40, 2.0**40))
+    return mesh3d.planner.CollectiveTimes({kind: line for kind in ("all_gather", "reduce_scatter", "all_reduce")})
+
+
+def test_measured_data_parallel_collectives_are_charged_the_bytes_a_rank_sends():
+    elements = sum(p.numel() for p in Transformer(get_config("debug", max_seq_len=SEQ)).parameters())
+    machine = latency_only(collective_times=linear_collectives())
+    # FSDP over 2 ranks: each gather sends half the fp32 parameters, 4 microbatches x 2; the reduce-scatter half the gradients
+    fsdp = one_plan(machine, pp=1, dp=2, tp=1, dp_mode="fsdp")
+    assert fsdp.time.exposed_dp_seconds == pytest.approx(8 * elements * 4 / 2 + elements * 4 / 2, rel=1e-6)
+    ddp = one_plan(machine, pp=1, dp=2, tp=1, dp_mode="ddp")  # the ring all-reduce sends the gradients once
+    assert ddp.time.exposed_dp_seconds == pytest.approx(elements * 4, rel=1e-6)
+
+
 def test_measured_tensor_parallel_collectives_are_charged_by_kind():
-    same = one_plan(latency_only(collective_times=flat_collectives(LATENCY, LATENCY, LATENCY)), pp=1, dp=1, tp=2)
-    assert same.time.tp_seconds == pytest.approx((8 * BLOCKS + 5) * LATENCY, rel=1e-6)  # as many as counted
-    costs = measure_model(debug_model(), anatomy_of(debug_model()), tp=2, tp_plan=debug_model().tp_plan,
-                          microbatch_size=1, seq_len=SEQ, param_dtype=None)
-    counts = {kind: count for kind, (_, count) in costs.block.tp_by_kind.items()}
-    assert sum(counts.values()) == costs.block.tp_collectives == 8, counts
+    model = debug_model()
+    costs = measure_model(model, anatomy_of(model), tp=2, tp_plan=model.tp_plan, microbatch_size=1, seq_len=SEQ,
+                          param_dtype=None)
+    parts = [costs.block] * BLOCKS + [costs.first_end, costs.last_end]
+    assert sum(count for _, count in costs.block.tp_by_kind.values()) == costs.block.tp_collectives == 8
+    mbs = 2  # batch 8 over 4 microbatches
+    # one second per byte: every byte the probe counted, whatever its kind, at the microbatch's size
+    linear = one_plan(latency_only(collective_times=linear_collectives()), pp=1, dp=1, tp=2)
+    assert linear.time.tp_seconds == pytest.approx(sum(p.tp_bytes for p in parts) * mbs, rel=1e-6)
+    # a fixed time per kind: each kind's count at its own time
     times = {"all_gather": 1e-3, "reduce_scatter": 5e-3, "all_reduce": 7e-3}
     kinds = one_plan(latency_only(collective_times=flat_collectives(*times.values())), pp=1, dp=1, tp=2)
-    block = sum(count * times[kind] for kind, count in counts.items())
-    assert kinds.time.tp_seconds > BLOCKS * block * (1 - 1e-9)  # the blocks' own, plus the ends'
+    want = sum(count * times[kind] for p in parts for kind, (_, count) in p.tp_by_kind.items())
+    assert kinds.time.tp_seconds == pytest.approx(want, rel=1e-6)
 
 
 def test_collective_times_interpolate_between_measured_sizes():
@@ -84,7 +104,13 @@ def test_collective_times_interpolate_between_measured_sizes():
                                             for kind in ("all_gather", "reduce_scatter", "all_reduce")})
     assert times.seconds("all_gather", 10.0) == 1.0  # below the smallest: its fixed cost
     assert times.seconds("reduce_scatter", 200.0) == pytest.approx(1.5)
-    assert times.seconds("all_reduce", 700.0) == pytest.approx(6.0)  # beyond: the last segment's rate
+    assert times.seconds("all_reduce", 1000.0) == pytest.approx(8.0)  # beyond: the largest's seconds per byte
+    # over 4 ranks a ring takes 3 steps, each a third of what a rank sends
+    assert times.seconds("all_gather", 600.0, ranks=4) == pytest.approx(3 * 1.5)
+    # a larger size measured faster (noise) is taken as the smaller's time
+    noisy = mesh3d.planner.CollectiveTimes({kind: ((100.0, 2.0), (300.0, 1.0), (500.0, 4.0))
+                                            for kind in ("all_gather", "reduce_scatter", "all_reduce")})
+    assert noisy.seconds("all_gather", 300.0) == 2.0 and noisy.seconds("all_gather", 400.0) == pytest.approx(3.0)
     with pytest.raises(ValueError, match="'all_reduce' needs at least two sizes in increasing order"):
         mesh3d.planner.CollectiveTimes({"all_gather": ((1.0, 1.0), (2.0, 1.0)),
                                         "reduce_scatter": ((1.0, 1.0), (2.0, 1.0)), "all_reduce": ((1.0, 1.0),)})

@@ -169,7 +169,10 @@ def _unannotate(model: nn.Module, starts: Sequence[str]) -> None:
     (the caller's own, when given on meta) would mark splits in a later capture of other split
     points, or of another microbatch shape (the planner's), and wrap the marker in itself again."""
     for start in starts:
-        module = model.get_submodule(start)
+        try:
+            module = model.get_submodule(start)
+        except AttributeError:  # a name that is no module: pipeline() failed on it, and its error stands
+            continue
         if "_orig_forward" in module.__dict__:
             original = module.__dict__.pop("_orig_forward")
             module.__dict__.pop("forward", None)
