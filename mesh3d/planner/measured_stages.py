@@ -142,8 +142,11 @@ class StageFlow:
             return self._outputs[KINDS[KINDS.index(kind) - 1]]
         if kind == "last" and "filler" in measured.stages and "filler" not in self._called:
             filler, x = self.stage_and_input("filler")
+            # Left on meta by a timing (part_timing.py): the stages between would cost a model's
+            # forward to materialize and run, and the last stage needs only inputs of their shapes.
+            shapes_only = _on_meta(measured.stages["filler"]) and not x.is_meta
             with torch.no_grad():
-                self.hand_on("filler", filler(x))
+                self.hand_on("filler", filler(x.to("meta") if shapes_only else x), materialize=shapes_only)
         index = measured.indices[kind]
         messages = [self._messages[(p, index)] for p in measured.routes.producers(index)]
         self._received[kind] = [spec for _, spec in messages]
@@ -159,8 +162,9 @@ class StageFlow:
         self._called[kind] = routed
         return routed
 
-    def hand_on(self, kind: str, out) -> None:
-        """Stage `kind`'s output (from a call of what `stage_and_input` gave), for the stages after it."""
+    def hand_on(self, kind: str, out, materialize: bool = False) -> None:
+        """Stage `kind`'s output (from a call of what `stage_and_input` gave), for the stages after it;
+        `materialize`: an output on meta handed on as random values of its shapes."""
         out = _local(out[0] if isinstance(out, tuple) else out).detach()
         if self.measured.routes is None:
             self._outputs[kind] = out
@@ -169,7 +173,8 @@ class StageFlow:
         consumers = self.measured.routes.consumers(routed.index)
         for consumer, message, spec in zip(consumers, divide(out, routed.sent), routed.sent):
             # a message arrives in a buffer of its own, not as a view of everything its producer sent
-            self._messages[(routed.index, consumer)] = (message.clone(), spec)
+            message = _random_like(message) if materialize else message.clone()
+            self._messages[(routed.index, consumer)] = (message, spec)
 
     def sent_bytes(self, kind: str) -> int:
         """Bytes stage `kind` sends on per call: all its messages to every later stage that takes them."""
@@ -178,6 +183,17 @@ class StageFlow:
             return out.numel() * out.element_size()
         index = self.measured.indices[kind]
         return sum(m.numel() * m.element_size() for (p, _), (m, _) in self._messages.items() if p == index)
+
+
+def _on_meta(stage: nn.Module) -> bool:
+    return any(_local(p).is_meta for p in stage.parameters())
+
+
+def _random_like(t: torch.Tensor) -> torch.Tensor:
+    """Values on CPU of `t`'s shape and dtype (a meta tensor's): what a message of it would carry."""
+    if t.is_floating_point():
+        return torch.randn(t.shape, dtype=t.dtype)
+    return torch.zeros(t.shape, dtype=t.dtype)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -154,3 +154,38 @@ def test_a_traced_model_is_timed_on_this_machine():
     overhead = time_data_parallel(meta, planner_anatomy(meta, SEQ), dp=2, dp_mode="fsdp", tp=1, tp_plan=None,
                                   microbatch_size=2, seq_len=SEQ, param_dtype=None)
     assert overhead.elements == sum(p.numel() for p in Residual().parameters()) and overhead.regathered > 0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_stages_between_are_timed_on_meta_and_hand_on_inputs_of_their_shapes(tp, monkeypatch):
+    """time_model materializes first, middle and last only; the last stage's inputs (its
+    predecessor's output and the skip from the first stage) are real values of the shapes the
+    whole walk on meta gives."""
+    from mesh3d.planner import measured_stages as M
+    from mesh3d.planner.part_timing import time_model
+
+    meta = meta_copy(SkipModel(tied=False))
+    anatomy = planner_anatomy(meta, SEQ)
+    on_meta = M.measured_stages(meta, anatomy, 2, SEQ)
+    flow = M.StageFlow(on_meta, token_ids(2, SEQ))
+    for kind in ("first", "middle"):
+        stage, x = flow.stage_and_input(kind)
+        flow.hand_on(kind, stage(x))
+    want = flow.input("last").shape
+
+    inputs = {}
+    original = M.StageFlow.input
+
+    def recorded(self, kind):
+        x = original(self, kind)
+        inputs[kind] = x
+        if kind == "last":
+            inputs["filler on meta"] = M._on_meta(self.measured.stages["filler"])
+        return x
+
+    monkeypatch.setattr(M.StageFlow, "input", recorded)
+    costs = measure_model(meta, anatomy, tp=tp, tp_plan=BLOCK_TP_PLAN, microbatch_size=1, seq_len=SEQ, param_dtype=None)
+    timed = time_model(meta, anatomy, costs, tp_plan=BLOCK_TP_PLAN, microbatch_size=2, param_dtype=None)
+    assert inputs["filler on meta"] and not inputs["last"].is_meta
+    assert inputs["last"].shape == want
+    assert timed.last_end.forward_seconds >= 0 and timed.block.forward_seconds > 0
