@@ -53,14 +53,18 @@ def _loss_sum_count(model, values, tokens, targets):
 
 
 def reference(schedule: str, pp: int, m: int, dp: int, tied: bool, data, optimizer: str,
-              stage_of: dict[str, int]) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Losses per call and the final weights (after every update), one process."""
+              stage_of: dict[str, int], lr_factor=None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses per call and the final weights (after every update), one process. `lr_factor(t)`:
+    the learning rate's factor for the updates of call t's batch (an LR scheduler stepped after
+    each call)."""
     torch.manual_seed(0)
     model = Transformer(tiny_args(tied))
     model.init_weights()
     params = dict(model.named_parameters())  # a tied weight once, under its first name
     opt = OPTIMIZERS[optimizer](list(params.values()))
+    base_lrs = [group["lr"] for group in opt.param_groups]
     versions = [{n: p.detach().clone() for n, p in params.items()}]  # versions[v]: after v rounds
+    call = 0
 
     def weights_for(stage_version) -> dict[str, torch.Tensor]:
         return {n: versions[stage_version(stage_of[n])][n].clone().requires_grad_() for n in params}
@@ -70,12 +74,16 @@ def reference(schedule: str, pp: int, m: int, dp: int, tied: bool, data, optimiz
             for n, p in params.items():
                 p.copy_(versions[-1][n])
                 p.grad = grads[n].clone()
+        if lr_factor is not None:
+            for group, base in zip(opt.param_groups, base_lrs):
+                group["lr"] = base * lr_factor(call)
         opt.step()
         opt.zero_grad()
         versions.append({n: p.detach().clone() for n, p in params.items()})
 
     losses = []
     for t, (inputs, targets) in enumerate(data):
+        call = t
         if schedule == "pipedream_2bw":
             values = weights_for(lambda stage: max(t - 1, 0))
             total, count = _loss_sum_count(model, values, inputs, targets)
@@ -101,14 +109,22 @@ def reference(schedule: str, pp: int, m: int, dp: int, tied: bool, data, optimiz
     return losses, state
 
 
-def mesh3d_run(layout, schedule: str, m: int, tied: bool, data, optimizer: str, **kwargs):
-    """The same calls through mesh3d: losses, the full state after flush, and which stage owns each name."""
+def mesh3d_run(layout, schedule: str, m: int, tied: bool, data, optimizer: str, lr_factor=None,
+               flush_after: int | None = None, **kwargs):
+    """The same calls through mesh3d: losses, the full state after flush, and which stage owns each
+    name. `lr_factor`: a LambdaLR on pm.optimizer, stepped after each call; `flush_after`: a
+    `pm.flush()` after that many calls, between the others."""
     pm = mesh3d.parallelize(meta_model(tied), layout, schedule=schedule, microbatches=m,
                             optimizer=OPTIMIZERS[optimizer], **kwargs)
+    scheduler = None if lr_factor is None else torch.optim.lr_scheduler.LambdaLR(pm.optimizer, lr_factor)
     losses = []
-    for inputs, targets in data:
+    for call, (inputs, targets) in enumerate(data):
         share = slice(layout.dp_rank * len(inputs) // layout.dp, (layout.dp_rank + 1) * len(inputs) // layout.dp)
         losses.append(pm.step(inputs[share], targets[share]).item())
+        if scheduler is not None:
+            scheduler.step()
+        if flush_after == call + 1:
+            pm.flush()
     pm.flush()
     state = {k: v.numpy().copy() for k, v in pm.full_state_dict().items()}
     owners = {name: pm.state_owner_pp_rank(name) for name in state}

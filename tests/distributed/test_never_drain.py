@@ -12,7 +12,10 @@ untied; bf16 mixed precision runs, its losses within bf16's reach of the fp32 re
 
 Also: pipedream_2bw saved after call 3 at (2,2,2) and resumed at (4,1,2) (from other initial
 weights, with other microbatches) continues with calls 4-6 exactly as the reference's
-uninterrupted run.
+uninterrupted run. At (2,2,1): pipedream flushed after call 3 continues as without the flush;
+pipedream saved after call 3 and loaded into another model at its layout continues likewise;
+under an LR scheduler stepped after each call (LambdaLR halving the rate), each update of either
+rule runs at the rate of the call that handed in its batch, even where it runs during the next.
 """
 
 import pytest
@@ -104,6 +107,54 @@ def test_never_drain_composes():
             (error, where), limit = worst(losses, state, ref_losses, ref_state), TOLERANCE
         if error > limit:
             failures.append(f"{schedule} {optimizer} tied={tied} {options}: relative error {error:.2e} at {where}")
+    assert not failures, "\n".join(failures)
+
+
+def halving(call: int) -> float:
+    """An LR schedule: each call's batch updates at half the rate of the one before."""
+    return 0.5 ** call
+
+
+ACROSS_CALLS = [
+    ("pipedream", "sgd", {"flush_after": 3}),  # a flush changes no rule: calls 4-6 as without it
+    ("pipedream", "adamw", {"lr_factor": halving}),  # each update at its batch's call's rate
+    ("pipedream_2bw", "sgd", {"lr_factor": halving}),
+]
+
+
+def _across_calls(root):
+    layout = mesh3d.build_mesh(pp=2, dp=2, tp=1)
+    data = call_batches(MICROBATCH_SIZE * 3 * 2)
+    out = []
+    for schedule, optimizer, options in ACROSS_CALLS:
+        losses, state, owners, _ = mesh3d_run(layout, schedule, 3, True, data, optimizer, **options)
+        out.append((losses, state if layout.rank == 0 else None, owners))
+    # PipeDream saved after call 3, resumed at its layout by another model (other initial weights)
+    share = lambda batch: tuple(t.chunk(2)[layout.dp_rank] for t in batch)  # noqa: E731
+    pm = mesh3d.parallelize(meta_model(True), layout, schedule="pipedream", microbatches=3,
+                            optimizer=OPTIMIZERS["sgd"])
+    losses = [pm.step(*share(batch)).item() for batch in data[:3]]
+    mesh3d.checkpoint.save(f"{root}/step3", pm, pm.optimizer)
+    resumed = mesh3d.parallelize(meta_model(True), layout, schedule="pipedream", microbatches=3,
+                                 optimizer=OPTIMIZERS["sgd"], seed=1)
+    mesh3d.checkpoint.load(f"{root}/step3", resumed, resumed.optimizer)
+    losses += [resumed.step(*share(batch)).item() for batch in data[3:]]
+    resumed.flush()
+    state = {k: v.numpy().copy() for k, v in resumed.full_state_dict().items()}
+    out.append((losses, state if layout.rank == 0 else None, {n: resumed.state_owner_pp_rank(n) for n in state}))
+    return out
+
+
+def test_rules_hold_across_a_flush_an_lr_schedule_and_a_resume(tmp_path):
+    per_rank = run_on_ranks(_across_calls, 4, str(tmp_path), timeout=300)
+    cases = ACROSS_CALLS + [("pipedream", "sgd", {"resumed after call": 3})]
+    failures = []
+    for (schedule, optimizer, options), (losses, state, owners) in zip(cases, per_rank[0]):
+        ref_losses, ref_state = reference(schedule, 2, 3, 2, True, call_batches(MICROBATCH_SIZE * 3 * 2), optimizer,
+                                          owners, lr_factor=options.get("lr_factor"))
+        error, where = worst(losses, state, ref_losses, ref_state)
+        if error > TOLERANCE:
+            failures.append(f"{schedule} {optimizer} {options}: relative error {error:.2e} at {where}")
     assert not failures, "\n".join(failures)
 
 
