@@ -4,8 +4,9 @@ For pipedream and pipedream_2bw at (4,1,1), (2,2,1) FSDP, (2,1,2) and (2,2,2), w
 and AdamW, with a tied embedding and output head: the loss every call returns
 and every weight after 6 calls and a flush equal tests/never_drain_cases.py's reference (fp32,
 relative 1e-5), which applies the rules with torch's own optimizer on the whole model; so does
-pm.evaluate after them (the newest weights, not a version of the rule). One launch per layout
-runs its cases.
+pm.evaluate after them (the newest weights, not a version of the rule), and each rank keeps,
+after the flush, exactly the bytes of the earlier versions the rule still names. One launch per
+layout runs its cases.
 
 At (2,2,1) they compose exactly with every activation-checkpoint mode, DDP and compile, tied and
 untied; bf16 mixed precision runs, its losses within bf16's reach of the fp32 reference.
@@ -45,12 +46,26 @@ def _run(pp, dp, tp):
     for schedule, m, optimizer, tied in cases((pp, dp, tp)):
         data = call_batches(MICROBATCH_SIZE * m * dp)
         losses, state, owners, pm = mesh3d_run(layout, schedule, m, tied, data, optimizer)
-        kept = pm.runtime.versions.kept_bytes()
+        kept = (pm.runtime.versions.kept_bytes(), _kept_by_the_rule(pm, schedule, pp))
         inputs, targets = data[0]
         share = slice(layout.dp_rank * len(inputs) // dp, (layout.dp_rank + 1) * len(inputs) // dp)
         evaluated = pm.evaluate(inputs[share], targets[share]).item()
         out[(schedule, m, optimizer, tied)] = (losses, state if layout.rank == 0 else None, owners, kept, evaluated)
     return out
+
+
+def _kept_by_the_rule(pm, schedule: str, pp: int) -> int:
+    """Bytes of the versions the rule still names after a flush (of calls >= 2): pipedream_2bw
+    keeps W(t) for batch t+1; under pipedream stage s's next forward sees p-s-1 updates fewer than
+    it has. A weight group follows its `rule_stage` (a tied copy: the first stage's); each kept
+    version is a copy of the group's local shards."""
+    from mesh3d.distributed.shards import local_tensor
+
+    total = 0
+    for group in pm.runtime.versions.groups():
+        kept = 1 if schedule == "pipedream_2bw" else pp - 1 - group.rule_stage
+        total += kept * sum(local_tensor(p.data).nbytes for p in group.params)
+    return total
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda l: "x".join(map(str, l)))
@@ -64,6 +79,9 @@ def test_never_drain_matches_its_update_rule(layout):
         for rank, outcome in enumerate(per_rank):
             if outcome[case][0] != losses:
                 failures.append(f"{case}: rank {rank} returned losses {outcome[case][0]}, rank 0 {losses}")
+            kept, by_rule = outcome[case][3]
+            if kept != by_rule:
+                failures.append(f"{case}: rank {rank} keeps {kept} bytes of earlier versions, the rule names {by_rule}")
         ref_losses, ref_state = reference(schedule, pp, m, dp, tied, call_batches(MICROBATCH_SIZE * m * dp),
                                           optimizer, owners)
         error, where = worst(losses, state, ref_losses, ref_state)
