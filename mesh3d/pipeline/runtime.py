@@ -124,7 +124,7 @@ class PipelineRuntime:
         self.stages = stages
         self.stream = stream
         self.versions = versions
-        self.in_flight: _Step | None = None  # never-drain: the calls whose backwards are not all done
+        self.in_flight: _InFlight | None = None  # never-drain: the calls whose backwards are not all done
         self.calls = 0  # never-drain: calls run so far (microbatches are numbered across them)
         self.last_call_behind = False  # whether the last call ran behind another still in flight
         self.failed: str | None = None  # never-drain: a call that raised half-way (what it was)
@@ -202,7 +202,7 @@ class PipelineRuntime:
             self.counters = counters  # an evaluation does not replace the last step's figures
         wire = {pair: spec.wire for pair, spec in boundaries.specs.items()}
         mailbox = Mailbox(self.peers, self.schedule, wire, counters, self.receive_buffers)
-        step = _Step(self, input_chunks, target_chunks, mailbox, loss, train, counters, boundaries.specs)
+        step = _InFlight(self, input_chunks, target_chunks, mailbox, loss, train, counters, boundaries.specs)
         actions = self.train_actions if train else self.eval_actions
         mailbox.post_receives_ahead(actions)
         for index, action in enumerate(actions):
@@ -221,7 +221,7 @@ class PipelineRuntime:
         if not behind:
             wire = {pair: spec.wire for pair, spec in boundaries.specs.items()}
             mailbox = Mailbox(self.peers, self.schedule, wire, RuntimeCounters(), self.receive_buffers, window=2 * m)
-            self.in_flight = _Step(self, {}, {}, mailbox, loss, True, RuntimeCounters(), boundaries.specs)
+            self.in_flight = _InFlight(self, {}, {}, mailbox, loss, True, RuntimeCounters(), boundaries.specs)
         step = self.in_flight
         counters = self.counters = RuntimeCounters()
         first = self.calls * m
@@ -233,7 +233,7 @@ class PipelineRuntime:
         self.last_call_behind = behind
         return self._execute_call(step, actions, f"call {self.calls - 1}")
 
-    def _execute_call(self, step: _Step, actions: tuple[Action, ...], what: str) -> torch.Tensor:
+    def _execute_call(self, step: _InFlight, actions: tuple[Action, ...], what: str) -> torch.Tensor:
         try:
             step.mailbox.post_receives_ahead(actions)
             for action in actions:
@@ -291,8 +291,10 @@ class PipelineRuntime:
         self.versions.settle()
 
 
-class _Step:
-    """The state of one step: the mailbox, what backwards need, losses."""
+class _InFlight:
+    """What the actions of a step share while it runs: the mailbox, what backwards need, losses.
+    Under a never-drain schedule one lives from the first call to the flush, carrying the
+    backwards and messages a call leaves to the next."""
 
     def __init__(self, runtime: PipelineRuntime, input_chunks, target_chunks, mailbox: Mailbox, loss: MicrobatchLoss,
                  train: bool, counters: RuntimeCounters, specs: dict[tuple[int, int], MessageSpec]):
