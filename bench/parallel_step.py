@@ -135,9 +135,9 @@ def kept_between_actions(meter: SavedBytesMeter, after_action: Callable[[], None
     Under "selective" the forward's graph is dropped (autograd's hooks see nothing of it) and the
     stage is rebuilt inside its backward action; the meter's own peak is that rebuild, while what
     stays from a forward to its backward is the input and the cache. Yields a one-element list that
-    holds the peak; wraps the interpreter's `_Step.execute` for the duration (this process only).
+    holds the peak; wraps the interpreter's `_InFlight.execute` for the duration (this process only).
     `after_action`, if given, runs after each training action too (another figure sampled there)."""
-    execute = pipeline_runtime._Step.execute
+    execute = pipeline_runtime._InFlight.execute
     contexts = block_checkpoint.selective_contexts
     block_caches = weakref.WeakSet()  # the caches of blocks checkpointed one by one, while torch holds them
     peak = [0]
@@ -154,12 +154,12 @@ def kept_between_actions(meter: SavedBytesMeter, after_action: Callable[[], None
         block_caches.add(cached)
         return caching, cached
 
-    pipeline_runtime._Step.execute = sampled
+    pipeline_runtime._InFlight.execute = sampled
     block_checkpoint.selective_contexts = recorded_contexts
     try:
         yield peak
     finally:
-        pipeline_runtime._Step.execute = execute
+        pipeline_runtime._InFlight.execute = execute
         block_checkpoint.selective_contexts = contexts
 
 

@@ -113,7 +113,7 @@ class _ComputeClock:
         for owner, names, sign in ((_PipelineStageBase, ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk",
                                                           "scale_grads"), 1),
                                    (_PipelineSchedule, ("_maybe_compute_loss",), 1),
-                                   (mesh3d_runtime._Step, ("forward", "backward", "backward_input", "backward_weight"), 1),
+                                   (mesh3d_runtime._InFlight, ("forward", "backward", "backward_input", "backward_weight"), 1),
                                    (mesh3d_runtime.Mailbox, ("take",), -1)):
             for name in names:
                 setattr(owner, name, self._timed(getattr(owner, name), sign))
