@@ -3,7 +3,12 @@
 - save after 2 steps, load into a fresh model, 2 more steps: the same losses and parameters as 4
   uninterrupted steps (relative <= 1e-5), and the CUDA RNG state comes back;
 - a transformers LlamaForCausalLM imported on the GPU gives its logits (relative <= 1e-4), and a
-  bf16 export is written in bf16 and loads in transformers.
+  bf16 export is written in bf16 and loads in transformers;
+- a checkpoint of a fused AdamW on the GPU resumes on the CPU (gloo) with a plain AdamW.
+
+Run on an H100 (torch 2.11 there): all three pass. The multi-rank tests assume CPU ranks: on a
+machine with one GPU, build_mesh picks CUDA for every rank and ranks beyond the first fail
+(`LOCAL_RANK=1 but this node has 1 GPUs`).
 """
 
 from __future__ import annotations

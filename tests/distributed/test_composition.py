@@ -6,6 +6,13 @@
 - evaluate, full_state_dict and load_full_state_dict work on sharded (DTensor) parameters;
 - bad tensor/data-parallel configurations raise the same clear error on every rank, without hanging;
 - a step that fails midway leaves nothing behind in FSDP for the next step.
+
+Also: large-step SGD (lr 0.5) with padded tied shards at (1,2,2), (1,4,1) FSDP and DDP, and
+(2,2,1) matches one process: Adam at lr 1e-4 (the parity tests) normalizes small gradient errors
+away, plain SGD does not. Ties held on one rank: a failed step keeps the tied weight's earlier
+gradient, a stage failing before the other ever ran raises its own error (not one from the FSDP
+reset), freezing one name freezes the weight, and a state dict whose tied names disagree is
+refused.
 """
 
 import torch

@@ -6,6 +6,10 @@ DualPipeV, other microbatch counts, activation checkpointing (selective too), re
 and loss parallel on a subset. Each data-parallel
 rank steps on its share of the global batch; the reference is one process on the whole batch.
 One process-group launch per world size (two for 8) runs all its cases.
+
+76 cases; a vocabulary of 65 or 66 rows makes FSDP pad the tied weight. The model is a tiny LLaMA
+whose split sizes all divide 8 (pipeline_cases.tp_args: dim 64, 16 heads, 8 kv heads, FFN 176,
+vocabulary 64, sequence 8). docs/parallelize.md's table of supported layouts lists the cases.
 """
 
 import pytest

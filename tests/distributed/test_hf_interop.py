@@ -5,6 +5,10 @@ with save_pretrained; mesh3d imports it at (pp, dp, tp) = (2, 2, 2) and its logi
 transformers' on the same tokens (relative error <= 1e-4); mesh3d exports it back (one file, and
 sharded with an index) and transformers loads the export and gives the same logits again. Each
 rank reads only the slices of the tensors it owns. `transformers` is a test dependency only.
+
+Import errors: an untied checkpoint into a tied model, fewer layers (config), another vocabulary
+(shapes, no config), a missing directory; a tied checkpoint into an untied model copies the
+embedding into the head.
 """
 
 from __future__ import annotations

@@ -1,4 +1,10 @@
-"""build_mesh over every factorization of 1, 2, 4 and 8 ranks, and its errors on every rank."""
+"""build_mesh over every factorization of 1, 2, 4 and 8 ranks, and its errors on every rank.
+
+In one launch per world size: sizes, coordinates, group members (checked with a real all-reduce
+on each group), device and backend; dp=-1; a plain process without torchrun; bad sizes raise the
+same ValueError on every rank before the process group exists, and again after it does;
+mismatched layouts across ranks name both. The size arithmetic alone: tests/unit/test_mesh_sizes.py.
+"""
 
 import itertools
 import os

@@ -17,6 +17,10 @@ uninterrupted run. At (2,2,1): pipedream flushed after call 3 continues as witho
 pipedream saved after call 3 and loaded into another model at its layout continues likewise;
 under an LR scheduler stepped after each call (LambdaLR halving the rate), each update of either
 rule runs at the rate of the call that handed in its batch, even where it runs during the next.
+
+A call that fails half-way is refused until a checkpoint is loaded: at pp = 1 it then continues
+exactly; at (2,2,1), failed mid-batch on both pipeline ranks, every later step, the flush and a
+load into the same processes are refused on every rank, without a hang.
 """
 
 import pytest

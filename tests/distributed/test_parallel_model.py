@@ -1,4 +1,9 @@
-"""ParallelModel around the schedule: names, whole-model state, evaluation, ties, a CPU-built model."""
+"""ParallelModel around the schedule: names, whole-model state, evaluation, ties, a CPU-built model.
+
+On 1 and 2 ranks: the names and whole-model state of a CPU-built model, evaluation, a tie on one
+rank shared rather than sent, the defaults and the bytes on the wire, gradient accumulation across
+steps, frozen parameters, and errors on every rank.
+"""
 
 import torch
 from torch import nn

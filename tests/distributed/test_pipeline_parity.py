@@ -10,6 +10,11 @@ references are computed once, here, and shipped to the ranks.
 Each rank also checks its runtime's peak live activations against the simulator's, and how many
 forwards it checkpointed: under the schedules with one backward, every block of every checkpointed
 stage forward on its own; under a split backward, whole stages.
+
+The cases: 108 for every schedule x pp x microbatches x tie x checkpoint mode, 36 zero-bubble, 12
+"selective", 8 DualPipeV. The references travel to the ranks as numpy arrays: tensors would travel
+as shared-memory file descriptors, and too many of them break the fork server. The learning rate
+is pipeline_cases.LR (1e-4, see docs/testing.md).
 """
 
 import itertools

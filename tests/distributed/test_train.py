@@ -1,4 +1,8 @@
-"""The single-process training example: LR schedule, metrics file, and a loss that falls."""
+"""The single-process training example: LR schedule, metrics file, and a loss that falls.
+
+Also `train.py --param-dtype bf16` in one process (its JSONL lines say bf16). This file,
+test_train_text.py and test_train_checkpoint.py start train.py in a process of its own.
+"""
 
 import json
 import math

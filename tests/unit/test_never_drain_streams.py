@@ -1,6 +1,14 @@
 """The never-drain schedules as data: their streams lower and finish call by call, repeat with the
 period of one call, keep the update rule the docs state, and simulate without a bubble in the
-steady state."""
+steady state.
+
+For pp 1-8 and m in {pp, pp+1, 2pp}, with and without a tie: four calls lowered in one piece cut
+into the lists the runtime builds from its two small lowerings (each call's lists finish on their
+own); every F and B once, each U right after the backward completing it; PipeDream's versions are
+the updates run before each forward; TIEs pair up in the same call, after the holder's backward
+and before its forwards of the new version; K calls take K*m + p - 1 slots (1F1B: K*(m + p - 1));
+a call ends one forward later per rank.
+"""
 
 import pytest
 

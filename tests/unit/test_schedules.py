@@ -1,4 +1,10 @@
-"""The schedule IR, lowering, validation and the simulator (pure Python, one process)."""
+"""The schedule IR, lowering, validation and the simulator (pure Python, one process).
+
+Every built-in schedule is lowered and checked; bubble fractions equal their formulas to 1e-9
+(GPipe and 1F1B (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1), ZB-H1 (p-1)/(3m+p-1) with f = i = w)
+for p in {2, 4, 8}, v in {2, 4} and every m from p to 3p; peak live activations; the zero-bubble
+schedules' gains hold at more than one I/W cost split.
+"""
 
 import pytest
 
