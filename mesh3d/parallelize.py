@@ -40,7 +40,8 @@ from mesh3d.parallel_model import ParallelModel
 from mesh3d.pipeline.config import PipelineConfig
 from mesh3d.pipeline.p2p import PipelinePeers
 from mesh3d.pipeline.runtime import PipelineRuntime
-from mesh3d.model.anatomy import Anatomy, anatomy_of
+from mesh3d.model.anatomy import Anatomy
+from mesh3d.model.intake import anatomy_of
 from mesh3d.pipeline.split import Split, split_model
 from mesh3d.pipeline.schedule.catalog import SCHEDULES
 from mesh3d.pipeline.schedule.never_drain import never_drain_stream

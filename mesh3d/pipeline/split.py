@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from mesh3d.model.anatomy import Anatomy
-from mesh3d.model.cut import block_parameter_counts, cut_stage, meta_copy
+from mesh3d.model.cut import block_parameter_counts, cut_stage
+from mesh3d.model.meta_copy import meta_copy
 from mesh3d.model.traced.capture import TracedSplit
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from mesh3d import parallelize
 from mesh3d.data_parallel import DP_MODES
-from mesh3d.model.anatomy import protocol_anatomy
+from mesh3d.model.intake import protocol_anatomy
 from mesh3d.pipeline.config import ACTIVATION_CHECKPOINT_MODES, PipelineConfig
 from mesh3d.pipeline.schedule.catalog import DEFAULT_MICROBATCHES, SCHEDULES, build_schedule
 

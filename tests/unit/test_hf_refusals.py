@@ -7,8 +7,8 @@ import pytest
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 import hf_cases
-from mesh3d.model.anatomy import anatomy_of
 from mesh3d.model.hugging_face.tp_plan import declared_tp_plan
+from mesh3d.model.intake import anatomy_of
 from mesh3d.tensor import TensorParallelConfig
 
 pytest.importorskip("transformers")

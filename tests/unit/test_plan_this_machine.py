@@ -15,7 +15,7 @@ import torch
 import mesh3d
 from examples.llama.config import get_config
 from examples.llama.model import Transformer
-from mesh3d.model.anatomy import anatomy_of
+from mesh3d.model.intake import anatomy_of
 from mesh3d.model.loss import cross_entropy_loss
 from mesh3d.planner.part_timing import time_model
 from mesh3d.planner.probe import measure_model

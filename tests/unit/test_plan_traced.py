@@ -18,8 +18,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import mesh3d
-from mesh3d.model.anatomy import anatomy_of
-from mesh3d.model.cut import meta_copy
+from mesh3d.model.intake import anatomy_of
+from mesh3d.model.meta_copy import meta_copy
 from mesh3d.planner.data_parallel_timing import time_data_parallel
 from mesh3d.planner.measured_stages import planner_anatomy, token_ids
 from mesh3d.planner.probe import measure_model

@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from examples.llama.model import Transformer
-from mesh3d.model.anatomy import anatomy_of, protocol_anatomy
-from mesh3d.model.cut import block_parameter_counts, cut_stage, meta_copy
+from mesh3d.model.cut import block_parameter_counts, cut_stage
+from mesh3d.model.intake import anatomy_of, protocol_anatomy
+from mesh3d.model.meta_copy import meta_copy
 from mesh3d.pipeline.split import assign_layers, split_point_counts
 from pipeline_cases import meta_model, tiny_args
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import mesh3d
-from mesh3d.model.anatomy import anatomy_of
+from mesh3d.model.intake import anatomy_of
 from sequential_cases import DIM, SEQ, VOCAB, Residual, SkipModel
 
 IDS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
@@ -74,7 +74,7 @@ def test_splitting_leaves_the_model_as_it_was_so_it_can_be_split_again():
     """torch's pipeline() marks the split points on the model in place; a meta model is captured
     as it is (no copy), so another split of it (other points, another microbatch shape: the
     planner's, then parallelize's) must not find the marks of the last."""
-    from mesh3d.model.cut import meta_copy
+    from mesh3d.model.meta_copy import meta_copy
 
     model = meta_copy(SkipModel(tied=False))
     traced = anatomy_of(model, (IDS,)).traced

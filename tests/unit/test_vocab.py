@@ -25,7 +25,7 @@ from examples.llama.model import Transformer  # noqa: E402
 from examples.llama.text_data import build_datasets, build_tokenizer, fit_vocab  # noqa: E402
 from mesh3d.data import HFTokenizer, TokenDataset  # noqa: E402
 from mesh3d.data.hf_tokenizer import NoEOSTokenError  # noqa: E402
-from mesh3d.model.anatomy import anatomy_of  # noqa: E402
+from mesh3d.model.intake import anatomy_of  # noqa: E402
 from mesh3d.step.batch_check import batch_problem, declared_vocab_size  # noqa: E402
 from text_corpus import documents, train_bpe, write_jsonl  # noqa: E402
 

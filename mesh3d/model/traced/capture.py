@@ -204,7 +204,7 @@ def _order_placeholders(graph: fx.Graph, sources: list[tuple[int, int]], order: 
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
-    from mesh3d.model.cut import meta_copy
+    from mesh3d.model.meta_copy import meta_copy
 
     return model if all(t.is_meta for t in [*model.parameters(), *model.buffers()]) else meta_copy(model)
 
