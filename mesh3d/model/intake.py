@@ -17,6 +17,9 @@ from collections.abc import Sequence
 from torch import nn
 
 from mesh3d.model.anatomy import Anatomy
+from mesh3d.model.hugging_face.causal_lm import hugging_face_anatomy
+from mesh3d.model.hugging_face.exactness import check_stages_exact
+from mesh3d.model.traced.anatomy import traced_anatomy
 
 
 def anatomy_of(model: nn.Module, example_inputs: tuple | None = None,
@@ -27,16 +30,14 @@ def anatomy_of(model: nn.Module, example_inputs: tuple | None = None,
     when `example_inputs` (one microbatch) are given; `split_points` then also picks its blocks'
     container."""
     if _is_hugging_face(model):
-        from mesh3d.model.hugging_face.causal_lm import hugging_face_anatomy
-
-        return hugging_face_anatomy(model)
+        anatomy = hugging_face_anatomy(model)
+        check_stages_exact(model)  # after the anatomy's own refusals, which name what is missing
+        return anatomy
     if isinstance(getattr(model, "layers", None), nn.ModuleDict):
         return protocol_anatomy(model)
     if isinstance(model, nn.Sequential):
         return sequential_anatomy(model)
     if example_inputs is not None:
-        from mesh3d.model.traced.anatomy import traced_anatomy
-
         return traced_anatomy(model, example_inputs, split_points)
     found = type(getattr(model, "layers", None)).__name__ if getattr(model, "layers", None) is not None else "nothing"
     raise ValueError(

@@ -13,7 +13,8 @@ nn.Identity there), the last stage runs the causal LM's forward whole (norm, hea
 or softcapping) and returns its `logits`. Each stage's config lists only its own blocks'
 `layer_types`, for forwards that pick a block's mask by its position in the loop. Whether this
 composition equals the architecture's forward is not assumed: it is checked on a small instance
-of the architecture (exactness.py) and an architecture that fails is refused by name.
+of the architecture (exactness.py, run by model/intake.py after this anatomy) and an architecture
+that fails is refused by name.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from mesh3d.model.hugging_face.seeded_init import init_stage_weights
 from mesh3d.model.hugging_face.tp_plan import tensor_parallel_sizes, translate_tp_plan
 
 
-def hugging_face_anatomy(model: nn.Module, check_exactness: bool = True) -> Anatomy:
+def hugging_face_anatomy(model: nn.Module) -> Anatomy:
     """The anatomy of a transformers `*ForCausalLM`; a ValueError naming the architecture and
     what is missing when mesh3d cannot split it exactly."""
     arch = type(model).__name__
@@ -59,7 +60,7 @@ def hugging_face_anatomy(model: nn.Module, check_exactness: bool = True) -> Anat
         raise ValueError(f"{arch} ({config.model_type}): {problem}; mesh3d cannot split it exactly")
     head_path = next(name for name, module in model.named_modules() if module is head)
     tp_plan, tp_plan_refusal = translate_tp_plan(model)
-    anatomy = Anatomy(
+    return Anatomy(
         name=f"{arch} (Hugging Face)",
         layers=f"{prefix}.{blocks[0]}",
         first=tuple(f"{prefix}.{n}" for n in before),
@@ -73,11 +74,6 @@ def hugging_face_anatomy(model: nn.Module, check_exactness: bool = True) -> Anat
         init_stage=init_stage_weights,
         fake_shape_run=True,  # transformers' mask code reads the position ids' values
     )
-    if check_exactness:
-        from mesh3d.model.hugging_face.exactness import check_stages_exact
-
-        check_stages_exact(model)
-    return anatomy
 
 
 def _plan_problem(pp_plan: dict, before: list[str], blocks: str, after: list[str]) -> str | None:

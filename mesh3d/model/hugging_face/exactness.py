@@ -19,6 +19,9 @@ import json
 import torch
 from torch import nn
 
+from mesh3d.model.cut import cut_stage
+from mesh3d.model.hugging_face.causal_lm import hugging_face_anatomy
+
 PROBE_LAYERS = 4
 PROBE_HEAD_DIM = 8
 PROBE_VOCAB = 64
@@ -36,9 +39,6 @@ def check_stages_exact(model: nn.Module) -> None:
 
 @functools.cache
 def _stage_problem(model_class: type, config_json: str) -> str | None:
-    from mesh3d.model.cut import cut_stage
-    from mesh3d.model.hugging_face.causal_lm import hugging_face_anatomy
-
     config = model_class.config_class.from_dict(json.loads(config_json))
     try:
         small_config = shrunk(config)
@@ -50,7 +50,7 @@ def _stage_problem(model_class: type, config_json: str) -> str | None:
         return (f"mesh3d could not build a small instance of this architecture to check that its pipeline stages "
                 f"compute what its own forward computes ({type(error).__name__}: {error}); it is refused rather "
                 "than trusted")
-    anatomy = hugging_face_anatomy(small, check_exactness=False)
+    anatomy = hugging_face_anatomy(small)
     n_blocks = len(anatomy.blocks(small))
     bounds = sorted({0, min(1, n_blocks - 1), max(n_blocks - 1, 0), n_blocks})
     ranges = [range(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]

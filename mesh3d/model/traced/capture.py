@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from mesh3d.model.meta_copy import meta_copy
+
 ADVICE = (
     "bring the model through the mesh3d protocol instead (repeated blocks in an nn.ModuleDict `layers`, one "
     "forward that tolerates missing parts; docs/model_protocol.md)"
@@ -204,8 +206,6 @@ def _order_placeholders(graph: fx.Graph, sources: list[tuple[int, int]], order: 
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
-    from mesh3d.model.meta_copy import meta_copy
-
     return model if all(t.is_meta for t in [*model.parameters(), *model.buffers()]) else meta_copy(model)
 
 
