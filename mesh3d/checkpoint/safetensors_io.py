@@ -28,8 +28,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mesh3d.distributed.agree import attempt, raise_if_any
+from mesh3d.checkpoint.adapter_choice import adapter_of
 from mesh3d.checkpoint.checksums import CHECKSUM_FILE, ManifestError, first_mismatch, read_manifest, share, sums_of, write_manifest
-from mesh3d.checkpoint.hf_adapter import HFAdapter, adapter_of, as_config_dict
+from mesh3d.checkpoint.hf_adapter import HFAdapter, as_config_dict
 from mesh3d.checkpoint.train_state import write_json
 from mesh3d.parallel_model import ParallelModel
 
