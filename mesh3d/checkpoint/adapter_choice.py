@@ -8,6 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from mesh3d.checkpoint.hf_adapter import HFAdapter, IdentityAdapter, as_config_dict
+from mesh3d.checkpoint.transformers_adapter import TransformersAdapter
 from mesh3d.model.hugging_face.causal_lm import architecture_of, unsplit_config
 
 
@@ -20,9 +21,6 @@ def adapter_of(stage: nn.Module, ties: list[list[str]]) -> HFAdapter:
     """
     architecture = architecture_of(stage)
     if architecture is not None:
-        # Imported here: transformers_adapter.py subclasses HFAdapter from this file.
-        from mesh3d.checkpoint.transformers_adapter import TransformersAdapter
-
         return TransformersAdapter(architecture, unsplit_config(stage))
     declared = getattr(stage, "hf_adapter", None)
     if callable(declared):
