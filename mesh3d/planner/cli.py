@@ -19,10 +19,10 @@ import torch
 
 from mesh3d.pipeline.schedule.catalog import build_schedule
 from mesh3d.pipeline.schedule.simulate import SimulationReport, simulate_schedule
-from mesh3d.planner.hardware import HARDWARE, resolve_hardware
+from mesh3d.planner.hardware import HARDWARE
 from mesh3d.planner.memory import MemoryBreakdown
 from mesh3d.planner.model_source import PRESETS
-from mesh3d.planner.ranking import FIXABLE, Plan, _memory_limit, plan
+from mesh3d.planner.ranking import FIXABLE, Plan, _memory_limit, plan, resolve_hardware
 
 GIB = 2**30
 _INT_KEYS = ("pp", "dp", "tp", "virtual_stages", "microbatches")

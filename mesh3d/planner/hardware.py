@@ -4,7 +4,7 @@ A `Hardware` is one accelerator and the links it has to its peers: within a node
 between nodes (the node's network, per GPU). The presets quote NVIDIA's datasheets (SXM parts);
 what a real run reaches of these peaks is the planner's business (constants.py), not the
 hardware's. `hardware="this-machine"` measures the machine the planner runs on instead
-(machine_bench.py).
+(machine_bench.py; ranking.resolve_hardware picks one or the other).
 """
 
 from __future__ import annotations
@@ -142,17 +142,3 @@ HARDWARE: dict[str, Hardware] = {
                "1,440 GB HBM3e per 8 GPUs at 7.7 TB/s each, NVLink 5 1.8 TB/s; ConnectX-7 400 Gb/s per GPU",
     ),
 }
-
-
-def resolve_hardware(hardware: str | Hardware) -> Hardware:
-    """A preset by name, "this-machine" (measured now), or a Hardware as given."""
-    if isinstance(hardware, Hardware):
-        return hardware
-    if hardware == "this-machine":
-        from mesh3d.planner.machine_bench import measure_this_machine
-
-        return measure_this_machine()
-    if hardware not in HARDWARE:
-        raise ValueError(f"plan: unknown hardware {hardware!r}; choose one of {sorted(HARDWARE)}, "
-                         "'this-machine', or pass mesh3d.planner.Hardware(...)")
-    return HARDWARE[hardware]

@@ -26,10 +26,11 @@ from mesh3d.pipeline.config import ACTIVATION_CHECKPOINT_MODES
 from mesh3d.pipeline.split import split_point_counts, stage_layer_ranges
 from mesh3d.pipeline.tied import find_ties
 from mesh3d.planner import constants as C
-from mesh3d.planner.hardware import Hardware, resolve_hardware
+from mesh3d.planner.hardware import HARDWARE, Hardware
 from mesh3d.planner.memory import MemoryBreakdown, StagePlacement, rank_activations, rank_memory
 from mesh3d.planner.model_source import max_sequence_length, meta_model
 from mesh3d.planner.data_parallel_timing import time_data_parallel
+from mesh3d.planner.machine_bench import measure_this_machine
 from mesh3d.planner.measured_stages import planner_anatomy, token_ids
 from mesh3d.planner.part_timing import time_model
 from mesh3d.planner.probe import ModelCosts, measure_model_anywhere
@@ -271,6 +272,18 @@ def _check_sizes(gpus, gpus_per_node, seq_len, global_batch) -> None:
         raise ValueError(f"plan: gpus={gpus} is not a whole number of nodes of {gpus_per_node}; use a multiple of "
                          f"{gpus_per_node} (e.g. {gpus // gpus_per_node * gpus_per_node} or "
                          f"{(gpus // gpus_per_node + 1) * gpus_per_node})")
+
+
+def resolve_hardware(hardware: str | Hardware) -> Hardware:
+    """A preset by name, "this-machine" (measured now), or a Hardware as given."""
+    if isinstance(hardware, Hardware):
+        return hardware
+    if hardware == "this-machine":
+        return measure_this_machine()
+    if hardware not in HARDWARE:
+        raise ValueError(f"plan: unknown hardware {hardware!r}; choose one of {sorted(HARDWARE)}, "
+                         "'this-machine', or pass mesh3d.planner.Hardware(...)")
+    return HARDWARE[hardware]
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
