@@ -6,7 +6,7 @@ For a small LLaMA (fp32, one thread per rank) at (2,1,1) with each schedule, (1,
 and with DDP, and (1,1,2), prints the measured median and best step time (the slower rank's), the time
 `mesh3d.plan(..., hardware="this-machine", fix=<that layout>)` predicts, the error, and whether
 the predicted best layout is the measured best (or within 5 % of it). The machine is measured
-first (mesh3d/planner/machine_bench.py); run it on a quiet machine. The error is against the
+first (mesh3d/planner/measure/machine_bench.py); run it on a quiet machine. The error is against the
 best step: the planner times its parts best-of-N too, i.e. it predicts the quiet machine, and on a
 shared machine the best step is the closest to that.
 """
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import mesh3d  # noqa: E402
 from examples.llama.config import ModelArgs  # noqa: E402
 from examples.llama.model import Transformer  # noqa: E402
-from mesh3d.planner.machine_bench import measure_this_machine  # noqa: E402
+from mesh3d.planner.measure.machine_bench import measure_this_machine  # noqa: E402
 from multiprocess import run_on_ranks  # noqa: E402
 
 # (name, pp, dp, tp, schedule, virtual_stages, dp_mode)

@@ -8,7 +8,7 @@ See docs/plan.md for the model's terms and its validation against published runs
 """
 
 from mesh3d.planner.hardware import HARDWARE, CollectiveTimes, Hardware
-from mesh3d.planner.memory import MemoryBreakdown
+from mesh3d.planner.predict.memory import MemoryBreakdown
 from mesh3d.planner.ranking import Plan, plan
 
 __all__ = ["HARDWARE", "CollectiveTimes", "Hardware", "MemoryBreakdown", "Plan", "plan"]

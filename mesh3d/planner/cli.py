@@ -20,7 +20,7 @@ import torch
 from mesh3d.pipeline.schedule.catalog import build_schedule
 from mesh3d.pipeline.schedule.simulate import SimulationReport, simulate_schedule
 from mesh3d.planner.hardware import HARDWARE
-from mesh3d.planner.memory import MemoryBreakdown
+from mesh3d.planner.predict.memory import MemoryBreakdown
 from mesh3d.planner.model_source import PRESETS
 from mesh3d.planner.ranking import FIXABLE, Plan, _memory_limit, plan, resolve_hardware
 

@@ -27,14 +27,14 @@ from mesh3d.pipeline.split import split_point_counts, stage_layer_ranges
 from mesh3d.pipeline.tied import find_ties
 from mesh3d.planner import constants as C
 from mesh3d.planner.hardware import HARDWARE, Hardware
-from mesh3d.planner.memory import MemoryBreakdown, StagePlacement, rank_activations, rank_memory
+from mesh3d.planner.predict.memory import MemoryBreakdown, StagePlacement, rank_activations, rank_memory
 from mesh3d.planner.model_source import max_sequence_length, meta_model
-from mesh3d.planner.data_parallel_timing import time_data_parallel
-from mesh3d.planner.machine_bench import measure_this_machine
-from mesh3d.planner.measured_stages import planner_anatomy, token_ids
-from mesh3d.planner.part_timing import time_model
-from mesh3d.planner.probe import ModelCosts, measure_model_anywhere
-from mesh3d.planner.step_time import Links, StepTime, step_time
+from mesh3d.planner.measure.data_parallel_timing import time_data_parallel
+from mesh3d.planner.measure.machine_bench import measure_this_machine
+from mesh3d.planner.measure.measured_stages import planner_anatomy, token_ids
+from mesh3d.planner.measure.part_timing import time_model
+from mesh3d.planner.measure.probe import ModelCosts, measure_model_anywhere
+from mesh3d.planner.predict.step_time import Links, StepTime, step_time
 
 FIXABLE = ("pp", "dp", "tp", "schedule", "virtual_stages", "microbatches", "activation_checkpoint", "dp_mode",
            "param_dtype", "compile")

@@ -144,7 +144,7 @@ def test_a_preset_with_its_layout_pinned():
 
 
 def test_this_machine_is_measured_once_and_plans():
-    from mesh3d.planner.machine_bench import measure_this_machine
+    from mesh3d.planner.measure.machine_bench import measure_this_machine
 
     machine = measure_this_machine()
     assert machine is measure_this_machine()  # measured once per process

@@ -6,7 +6,7 @@ import torch
 from examples.llama.config import ModelArgs
 from examples.llama.model import Transformer
 from mesh3d.model.intake import anatomy_of
-from mesh3d.planner.data_parallel_timing import time_data_parallel
+from mesh3d.planner.measure.data_parallel_timing import time_data_parallel
 
 
 def tiny():

@@ -17,8 +17,8 @@ from examples.llama.config import get_config
 from examples.llama.model import Transformer
 from mesh3d.model.intake import anatomy_of
 from mesh3d.model.loss import cross_entropy_loss
-from mesh3d.planner.part_timing import time_model
-from mesh3d.planner.probe import measure_model
+from mesh3d.planner.measure.part_timing import time_model
+from mesh3d.planner.measure.probe import measure_model
 
 SEQ = 64
 BLOCKS = 8

@@ -20,9 +20,9 @@ from torch.utils.flop_counter import FlopCounterMode
 import mesh3d
 from mesh3d.model.intake import anatomy_of
 from mesh3d.model.meta_copy import meta_copy
-from mesh3d.planner.data_parallel_timing import time_data_parallel
-from mesh3d.planner.measured_stages import planner_anatomy, token_ids
-from mesh3d.planner.probe import measure_model
+from mesh3d.planner.measure.data_parallel_timing import time_data_parallel
+from mesh3d.planner.measure.measured_stages import planner_anatomy, token_ids
+from mesh3d.planner.measure.probe import measure_model
 from pipeline_cases import TOLERANCE, relative
 from sequential_cases import BLOCK_TP_PLAN, DIM, VOCAB, Residual, SkipModel, token_model
 
@@ -161,8 +161,8 @@ def test_the_stages_between_are_timed_on_meta_and_hand_on_inputs_of_their_shapes
     """time_model materializes first, middle and last only; the last stage's inputs (its
     predecessor's output and the skip from the first stage) are real values of the shapes the
     whole walk on meta gives."""
-    from mesh3d.planner import measured_stages as M
-    from mesh3d.planner.part_timing import time_model
+    from mesh3d.planner.measure import measured_stages as M
+    from mesh3d.planner.measure.part_timing import time_model
 
     meta = meta_copy(SkipModel(tied=False))
     anatomy = planner_anatomy(meta, SEQ)

@@ -19,11 +19,11 @@ import math
 from dataclasses import dataclass
 
 from mesh3d.pipeline.schedule.simulate import simulate_schedule
-from mesh3d.planner.data_parallel_timing import DataParallelOverhead
+from mesh3d.planner.measure.data_parallel_timing import DataParallelOverhead
 from mesh3d.planner import constants as C
 from mesh3d.planner.hardware import Hardware
-from mesh3d.planner.memory import StagePlacement, rank_parameter_elements, _stage_parts
-from mesh3d.planner.probe import ModelCosts
+from mesh3d.planner.predict.memory import StagePlacement, rank_parameter_elements, _stage_parts
+from mesh3d.planner.measure.probe import ModelCosts
 
 
 @dataclass(frozen=True)

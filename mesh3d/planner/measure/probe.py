@@ -38,7 +38,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mesh3d.model.anatomy import Anatomy
 from mesh3d.model.loss import cross_entropy_loss
-from mesh3d.planner.measured_stages import KINDS, MeasuredStages, StageFlow, measured_stages, planner_anatomy
+from mesh3d.planner.measure.measured_stages import KINDS, MeasuredStages, StageFlow, measured_stages, planner_anatomy
 
 from mesh3d.pipeline.selective_checkpoint import SAVED_OPS
 
