@@ -6,7 +6,7 @@ Counts every storage an op creates during the step (forward, backward, and the r
 checkpoint runs inside the backward), from its creation until it is freed, so the peak is the most
 that was alive at once: what the forward keeps for its backward plus the transient peak of the
 backward and its recomputes, gradients included. autograd's saved-tensor hooks
-(mesh3d.planner.measure.probe.SavedBytesMeter) cannot see that: a checkpoint's own hooks take every save
+(mesh3d.planner.measure.meters.SavedBytesMeter) cannot see that: a checkpoint's own hooks take every save
 inside the checkpointed region, and its recompute holds tensors outside any hook. The LLaMA debug
 config (dim 128, 8 blocks unless --layers) on one rank, gpipe with one microbatch.
 """

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import mesh3d  # noqa: E402
 from examples.llama.config import get_config  # noqa: E402
 from examples.llama.model import Transformer  # noqa: E402
-from mesh3d.planner.measure.probe import SavedBytesMeter  # noqa: E402
+from mesh3d.planner.measure.meters import SavedBytesMeter  # noqa: E402
 from multiprocess import run_on_ranks  # noqa: E402
 
 SCHEDULES = [("1f1b", 1), ("zbv", 2), ("pipedream_2bw", 1), ("pipedream", 1)]

@@ -6,7 +6,7 @@
 For each layout (FSDP unless the layout ends in ",ddp"; --schedule, default interleaved 1F1B, with
 --microbatches, default 2*pp) prints the median step time, tokens/s, and, as the max over ranks:
 the bytes of parameters, gradients and AdamW state a rank holds (local shards), the peak bytes
-autograd saved for backward (mesh3d.planner.measure.probe.SavedBytesMeter, the planner's own meter:
+autograd saved for backward (mesh3d.planner.measure.meters.SavedBytesMeter, the planner's own meter:
 distinct storages, parameters not counted), the peak bytes of weight versions kept and the P2P
 bytes sent per step. With --predict, the row below each layout is what mesh3d.plan predicts for
 the fullest rank of that same layout (every choice pinned, fp32 as the run). On a machine with
@@ -50,7 +50,7 @@ from mesh3d.distributed.shards import local_tensor  # noqa: E402
 from mesh3d.pipeline.schedule.catalog import default_virtual_stages  # noqa: E402
 from mesh3d.pipeline.schedule.never_drain import NEVER_DRAIN  # noqa: E402
 from mesh3d.pipeline import block_checkpoint, runtime as pipeline_runtime  # noqa: E402
-from mesh3d.planner.measure.probe import SavedBytesMeter  # noqa: E402
+from mesh3d.planner.measure.meters import SavedBytesMeter  # noqa: E402
 from multiprocess import run_on_ranks  # noqa: E402
 
 MIB = 2**20

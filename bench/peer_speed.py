@@ -33,7 +33,7 @@ bounds what a better engine could gain on the same stages.
 
 Each engine's peak saved activations per rank are measured the same way for all four: its step
 runs inside `torch.autograd.graph.saved_tensors_hooks` with a SavedBytesMeter of its own
-(mesh3d.planner.measure.probe, the planner's meter: distinct storages at their allocated size, released
+(mesh3d.planner.measure.meters, the planner's meter: distinct storages at their allocated size, released
 when autograd drops its last saved reference, parameters and views of them not counted; both
 engines' stages hold plain Parameters here, no FSDP). One round after the timed ones, untimed, is
 metered, so the hooks' cost stays out of the timings (not the warm-up: torch's first step also
@@ -67,7 +67,7 @@ import mesh3d  # noqa: E402
 from examples.llama.config import get_config  # noqa: E402
 from examples.llama.model import Transformer  # noqa: E402
 from mesh3d.pipeline import runtime as mesh3d_runtime  # noqa: E402
-from mesh3d.planner.measure.probe import SavedBytesMeter  # noqa: E402
+from mesh3d.planner.measure.meters import SavedBytesMeter  # noqa: E402
 from multiprocess import run_on_ranks  # noqa: E402
 
 TORCH_SCHEDULES = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble}

@@ -4,7 +4,7 @@
 
 Prints, per schedule: median step time, tokens/s, the simulator's bubble fraction, and per rank the
 peak live activations (runtime counter) and the peak bytes of saved activations measured with
-torch's saved-tensor hooks (mesh3d.planner.measure.probe.SavedBytesMeter, the planner's own meter: distinct
+torch's saved-tensor hooks (mesh3d.planner.measure.meters.SavedBytesMeter, the planner's own meter: distinct
 storages, parameters not counted; it does not see what "selective" checkpointing caches: torch keeps
 that outside autograd's saved tensors). On a machine with fewer cores than ranks the times measure the CPU
 contention as much as the schedule; the activation figures do not depend on it.
@@ -27,7 +27,7 @@ import mesh3d  # noqa: E402
 from mesh3d.pipeline.config import ACTIVATION_CHECKPOINT_MODES  # noqa: E402
 from examples.llama.config import get_config  # noqa: E402
 from examples.llama.model import Transformer, loss_fn  # noqa: E402
-from mesh3d.planner.measure.probe import SavedBytesMeter  # noqa: E402
+from mesh3d.planner.measure.meters import SavedBytesMeter  # noqa: E402
 from multiprocess import run_on_ranks  # noqa: E402
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]

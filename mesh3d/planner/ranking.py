@@ -33,7 +33,8 @@ from mesh3d.planner.measure.data_parallel_timing import time_data_parallel
 from mesh3d.planner.measure.machine_bench import measure_this_machine
 from mesh3d.planner.measure.measured_stages import planner_anatomy, token_ids
 from mesh3d.planner.measure.part_timing import time_model
-from mesh3d.planner.measure.probe import ModelCosts, measure_model_anywhere
+from mesh3d.planner.measure.costs import ModelCosts
+from mesh3d.planner.measure.probe import measure_model_anywhere
 from mesh3d.planner.predict.step_time import Links, StepTime, step_time
 
 FIXABLE = ("pp", "dp", "tp", "schedule", "virtual_stages", "microbatches", "activation_checkpoint", "dp_mode",

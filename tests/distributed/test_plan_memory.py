@@ -7,7 +7,7 @@ mode: mesh3d.plan (every choice pinned) predicts each pipeline rank's parameter,
 bytes (Plan.memory_by_pp_rank: its fullest dp and tp rank), which must equal the max over that
 pipeline rank's ranks of the local shards exactly, and the bytes kept for backward, which must be
 within ACTIVATION_TOLERANCE of the peak that
-mesh3d.planner.measure.probe.SavedBytesMeter (the probe's own meter) sees on the ranks; under "selective",
+mesh3d.planner.measure.meters.SavedBytesMeter (the probe's own meter) sees on the ranks; under "selective",
 whose forward graph is dropped, of the peak between actions of the meter's bytes plus the cached
 results and stage inputs the interpreter holds (bench/parallel_step.py's kept_between_actions). Predictions are
 made here, before the ranks start (the probe's fake process group needs a process without one);

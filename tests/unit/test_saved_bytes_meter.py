@@ -1,9 +1,9 @@
-"""SavedBytesMeter (mesh3d/planner/measure/probe.py): the bytes autograd keeps, as distinct storages, live and peak."""
+"""SavedBytesMeter (mesh3d/planner/measure/meters.py): the bytes autograd keeps, as distinct storages, live and peak."""
 
 import torch
 from torch import nn
 
-from mesh3d.planner.measure.probe import SavedBytesMeter
+from mesh3d.planner.measure.meters import SavedBytesMeter
 
 
 def test_a_storage_saved_twice_counts_once_parameters_not_at_all_and_backward_releases():

@@ -17,7 +17,8 @@ from torch import nn
 from mesh3d.model.anatomy import Anatomy
 from mesh3d.planner import constants as C
 from mesh3d.planner.measure.measured_stages import KINDS, MeasuredStages, StageFlow, measured_stages
-from mesh3d.planner.measure.probe import ModelCosts, PartCosts, _computed, _forward, _input, fake_tp_mesh
+from mesh3d.planner.measure.costs import ModelCosts, PartCosts
+from mesh3d.planner.measure.probe import _computed, _forward, _input, fake_tp_mesh
 
 
 def time_model(

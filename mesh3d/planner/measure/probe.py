@@ -24,167 +24,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
-from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from mesh3d.model.anatomy import Anatomy
 from mesh3d.model.loss import cross_entropy_loss
+from mesh3d.planner.measure.costs import ModelCosts, PartCosts
 from mesh3d.planner.measure.measured_stages import KINDS, MeasuredStages, StageFlow, measured_stages, planner_anatomy
+from mesh3d.planner.measure.meters import _CPU_ATTENTION_FLOPS, SavedBytesMeter, _CollectiveBytes, _local, _ResultsOf
 
 from mesh3d.pipeline.selective_checkpoint import SAVED_OPS
-
-
-@dataclass(frozen=True)
-class PartCosts:
-    """One part of a model (a block, or an end), per microbatch, on one tp rank."""
-
-    param_shapes: tuple[tuple[int, ...], ...] = ()  # local (tp-sharded) shapes of its parameters
-    param_names: tuple[str, ...] = ()
-    saved: dict[str, int] = field(default_factory=dict)  # activation_checkpoint mode -> saved bytes
-    flops: float = 0.0  # forward + backward
-    forward_flops: float = 0.0
-    tp_bytes: float = 0.0  # bytes this rank sends through tensor-parallel collectives, forward + backward
-    tp_collectives: int = 0  # how many tensor-parallel collectives it issues, forward + backward
-    # the same by kind ("all_gather", "reduce_scatter", "all_reduce"): (bytes sent, count), so a
-    # machine that timed each kind by size (hardware.CollectiveTimes) charges each its own time
-    tp_by_kind: dict[str, tuple[float, int]] = field(default_factory=dict)
-    # Seconds one microbatch takes on this machine (forward; backward), when the hardware times the
-    # model's own parts (`Hardware.times_the_model`, "this-machine"); 0 when it is not timed.
-    forward_seconds: float = 0.0
-    backward_seconds: float = 0.0
-    # The same backward split in two as zero-bubble schedules run it (pipeline/backward_halves.py):
-    # both halves, and the weight half alone. Walking the graph twice costs more than once.
-    split_backward_seconds: float = 0.0
-    weight_half_seconds: float = 0.0
-
-    def minus(self, other: PartCosts, names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> PartCosts:
-        return PartCosts(shapes, names, {k: v - other.saved.get(k, 0) for k, v in self.saved.items()},
-                         self.flops - other.flops, self.forward_flops - other.forward_flops,
-                         self.tp_bytes - other.tp_bytes, self.tp_collectives - other.tp_collectives,
-                         _by_kind_minus(self.tp_by_kind, other.tp_by_kind))
-
-
-def _by_kind_minus(mine: dict[str, tuple[float, int]], other: dict[str, tuple[float, int]]) -> dict[str, tuple[float, int]]:
-    """What a stage issues beyond a block, per collective kind (no kind left out of either)."""
-    none = (0.0, 0)
-    return {kind: (mine.get(kind, none)[0] - other.get(kind, none)[0], mine.get(kind, none)[1] - other.get(kind, none)[1])
-            for kind in {**mine, **other}}
-
-
-@dataclass(frozen=True)
-class ModelCosts:
-    """A block and the two ends, per microbatch of `microbatch_size` x `seq_len`, at `tp`."""
-
-    tp: int
-    microbatch_size: int
-    seq_len: int
-    dtype: torch.dtype  # the compute dtype the activations are in
-    block: PartCosts
-    first_end: PartCosts
-    last_end: PartCosts
-    message_bytes: int  # what a stage sends on (and its gradient coming back), per microbatch
-    # a whole stage under checkpoint keeps its input (and the last, the loss's saved tensors),
-    # whatever its blocks: by stage kind "first", "middle", "last"
-    checkpointed_stage: dict[str, int]
-
-
-class _CollectiveBytes(TorchDispatchMode):
-    """Bytes each rank sends through the functional collectives DTensor issues, by ring algorithm:
-    an all-gather of a local s sends (n-1)s, a reduce-scatter of S sends (n-1)S/n, an all-reduce
-    of S twice that."""
-
-    def __init__(self, ranks: int):
-        super().__init__()
-        self.ranks = ranks
-        self.bytes = 0.0
-        self.count = 0
-        self.by_kind: dict[str, tuple[float, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if getattr(func, "namespace", "") in ("_c10d_functional", "c10d_functional") and tensors:
-            size, n = tensors[0].numel() * tensors[0].element_size(), self.ranks
-            sent = {"all_gather": (n - 1) * size, "reduce_scatter": (n - 1) * size / n, "all_reduce": 2 * (n - 1) * size / n}
-            kind = next((k for k in sent if name.startswith(k)), None)
-            if kind is not None:
-                self.count += 1
-                self.bytes += sent[kind]
-                total, count = self.by_kind.get(kind, (0.0, 0))
-                self.by_kind[kind] = (total + sent[kind], count + 1)
-        return func(*args, **(kwargs or {}))
-
-
-class _Saved:
-    """What the pack hook hands autograd: the tensor, and a release to the meter when autograd drops
-    it (after the backward that used it, or with a graph that never runs backward)."""
-
-    __slots__ = ("tensor", "meter", "key")
-
-    def __init__(self, tensor: torch.Tensor, meter: SavedBytesMeter, key: int | None):
-        self.tensor, self.meter, self.key = tensor, meter, key
-
-    def __del__(self):
-        if self.key is not None:
-            self.meter._release(self.key)
-
-
-class SavedBytesMeter:
-    """Bytes autograd keeps for backward: live now (`now`) and at most (`peak`), as distinct storages.
-
-    Use as `torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack)`. A storage counts
-    once however many ops save it (a norm's output feeding three projections, a view of a tensor
-    already kept), at its `nbytes()` (what stays allocated), and stops counting when autograd drops
-    its last saved reference: a saved tensor is held until its node's backward has run (with a split
-    backward, until the weight half), not merely until it is unpacked, so the release is the handle's
-    end. Parameters (and views of them) are not counted: a rank holds them anyway, and they are
-    counted as parameters (or FSDP's gathered copy) once, not once per microbatch.
-    """
-
-    def __init__(self):
-        self.now = self.peak = 0
-        self._refs: dict[int, list[int]] = {}  # storage id -> [saved references alive, nbytes]
-
-    def pack(self, tensor: torch.Tensor) -> _Saved:
-        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
-            return _Saved(tensor.detach(), self, None)
-        storage = _local(tensor).untyped_storage()
-        key = storage._cdata  # unique while alive, and the handle keeps it alive
-        ref = self._refs.get(key)
-        if ref is None:
-            self._refs[key] = [1, storage.nbytes()]
-            self.now += storage.nbytes()
-            self.peak = max(self.peak, self.now)
-        else:
-            ref[0] += 1
-        # Detached: an op that saves its own output (a softmax) would otherwise close a cycle, the
-        # output -> its node -> this handle -> the output, that no collector sees (it runs through
-        # C++), and a graph dropped without a backward (a "selective" forward's) would stay alive.
-        # Autograd gives an unpacked tensor its node back itself.
-        return _Saved(tensor.detach(), self, key)
-
-    @staticmethod
-    def unpack(saved: _Saved) -> torch.Tensor:
-        return saved.tensor
-
-    def reset_peak(self) -> None:
-        self.peak = self.now
-
-    def _release(self, key: int) -> None:
-        ref = self._refs[key]
-        ref[0] -= 1
-        if ref[0] == 0:
-            del self._refs[key]
-            self.now -= ref[1]
 
 
 @contextlib.contextmanager
@@ -274,10 +128,6 @@ def _end_params(stage: nn.Module, middle: nn.Module) -> tuple[tuple[str, ...], t
     return tuple(names), tuple(shapes)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _run_chain(measured: MeasuredStages, tp: int, batch: int, seq_len: int,
                param_dtype: torch.dtype | None) -> tuple[dict[str, PartCosts], int, dict[str, int]]:
     """Each measured stage's costs, its input the stages before it handed on; and the middle
@@ -335,31 +185,6 @@ def _input(x: torch.Tensor) -> torch.Tensor:
     return x.detach().requires_grad_(True) if x.is_floating_point() else x
 
 
-class _ResultsOf(TorchDispatchMode):
-    """Bytes of the distinct storages the given ops return (not parameters): what the runtime's
-    "selective" checkpointing caches (pipeline/selective_checkpoint.py's SAVED_OPS).
-
-    The storages are held, as the cache holds them: a storage's id is unique only while it lives,
-    and a result the forward drops at once (a projection reshaped and rotated) would otherwise hand
-    its id to a later result, which would then go uncounted. A DTensor result (the mode sees the op
-    before DTensor splits it into local ops) counts as the local tensor the rank holds."""
-
-    def __init__(self, ops):
-        super().__init__()
-        self.ops, self.total, self.storages = ops, 0, {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in self.ops:
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
-                    storage = _local(t).untyped_storage()
-                    if storage._cdata not in self.storages:
-                        self.storages[storage._cdata] = storage
-                        self.total += storage.nbytes()
-        return out
-
-
 def _selective_cache_bytes(stage, x) -> int:
     """What "selective" keeps of a stage's forward besides its input: the results of its matmuls
     and attention (the loss's graph is not kept; the forward is recomputed before the backward)."""
@@ -374,25 +199,6 @@ def _saved_bytes(stage, x, targets, mode) -> int:
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
         _forward(stage, _input(x), targets, mode)
     return meter.peak
-
-
-# The fake tensors live on CPU, where SDPA takes the CPU flash kernel: FlopCounterMode registers the
-# CUDA attention kernels only, so without this the attention's FLOPs would not be counted at all.
-# Torch's formulas count the whole score matrix, causal or not (the probe's call carries a mask,
-# not is_causal, so it cannot tell): the convention of torchtitan's and PaLM's MFU.
-def _cpu_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
-
-
-def _cpu_attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
-                                  **kwargs) -> int:
-    return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
-
-
-_CPU_ATTENTION_FLOPS = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
-}
 
 
 def _flops_and_traffic(stage, x, targets, tp: int) -> tuple[float, float, _CollectiveBytes, torch.Tensor]:

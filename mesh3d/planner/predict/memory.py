@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 
 from mesh3d.pipeline.schedule.ir import Kind, Schedule
-from mesh3d.planner.measure.probe import ModelCosts, PartCosts
+from mesh3d.planner.measure.costs import ModelCosts, PartCosts
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from mesh3d.planner.measure.data_parallel_timing import DataParallelOverhead
 from mesh3d.planner import constants as C
 from mesh3d.planner.hardware import Hardware
 from mesh3d.planner.predict.memory import StagePlacement, rank_parameter_elements, _stage_parts
-from mesh3d.planner.measure.probe import ModelCosts
+from mesh3d.planner.measure.costs import ModelCosts
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,154 @@
+"""Meters the probe counts a stage's run with, torch's own hooks and dispatch modes; bench/ uses
+SavedBytesMeter on real runs too.
+
+- SavedBytesMeter: the bytes autograd keeps for backward (saved-tensor hooks), live and peak;
+- _CollectiveBytes: the bytes each rank sends through DTensor's functional collectives;
+- _ResultsOf: the bytes of the results of given ops (what "selective" checkpointing caches);
+- _CPU_ATTENTION_FLOPS: FlopCounterMode's formulas for the CPU attention kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class _CollectiveBytes(TorchDispatchMode):
+    """Bytes each rank sends through the functional collectives DTensor issues, by ring algorithm:
+    an all-gather of a local s sends (n-1)s, a reduce-scatter of S sends (n-1)S/n, an all-reduce
+    of S twice that."""
+
+    def __init__(self, ranks: int):
+        super().__init__()
+        self.ranks = ranks
+        self.bytes = 0.0
+        self.count = 0
+        self.by_kind: dict[str, tuple[float, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if getattr(func, "namespace", "") in ("_c10d_functional", "c10d_functional") and tensors:
+            size, n = tensors[0].numel() * tensors[0].element_size(), self.ranks
+            sent = {"all_gather": (n - 1) * size, "reduce_scatter": (n - 1) * size / n, "all_reduce": 2 * (n - 1) * size / n}
+            kind = next((k for k in sent if name.startswith(k)), None)
+            if kind is not None:
+                self.count += 1
+                self.bytes += sent[kind]
+                total, count = self.by_kind.get(kind, (0.0, 0))
+                self.by_kind[kind] = (total + sent[kind], count + 1)
+        return func(*args, **(kwargs or {}))
+
+
+class _Saved:
+    """What the pack hook hands autograd: the tensor, and a release to the meter when autograd drops
+    it (after the backward that used it, or with a graph that never runs backward)."""
+
+    __slots__ = ("tensor", "meter", "key")
+
+    def __init__(self, tensor: torch.Tensor, meter: SavedBytesMeter, key: int | None):
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self):
+        if self.key is not None:
+            self.meter._release(self.key)
+
+
+class SavedBytesMeter:
+    """Bytes autograd keeps for backward: live now (`now`) and at most (`peak`), as distinct storages.
+
+    Use as `torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack)`. A storage counts
+    once however many ops save it (a norm's output feeding three projections, a view of a tensor
+    already kept), at its `nbytes()` (what stays allocated), and stops counting when autograd drops
+    its last saved reference: a saved tensor is held until its node's backward has run (with a split
+    backward, until the weight half), not merely until it is unpacked, so the release is the handle's
+    end. Parameters (and views of them) are not counted: a rank holds them anyway, and they are
+    counted as parameters (or FSDP's gathered copy) once, not once per microbatch.
+    """
+
+    def __init__(self):
+        self.now = self.peak = 0
+        self._refs: dict[int, list[int]] = {}  # storage id -> [saved references alive, nbytes]
+
+    def pack(self, tensor: torch.Tensor) -> _Saved:
+        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
+            return _Saved(tensor.detach(), self, None)
+        storage = _local(tensor).untyped_storage()
+        key = storage._cdata  # unique while alive, and the handle keeps it alive
+        ref = self._refs.get(key)
+        if ref is None:
+            self._refs[key] = [1, storage.nbytes()]
+            self.now += storage.nbytes()
+            self.peak = max(self.peak, self.now)
+        else:
+            ref[0] += 1
+        # Detached: an op that saves its own output (a softmax) would otherwise close a cycle, the
+        # output -> its node -> this handle -> the output, that no collector sees (it runs through
+        # C++), and a graph dropped without a backward (a "selective" forward's) would stay alive.
+        # Autograd gives an unpacked tensor its node back itself.
+        return _Saved(tensor.detach(), self, key)
+
+    @staticmethod
+    def unpack(saved: _Saved) -> torch.Tensor:
+        return saved.tensor
+
+    def reset_peak(self) -> None:
+        self.peak = self.now
+
+    def _release(self, key: int) -> None:
+        ref = self._refs[key]
+        ref[0] -= 1
+        if ref[0] == 0:
+            del self._refs[key]
+            self.now -= ref[1]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _ResultsOf(TorchDispatchMode):
+    """Bytes of the distinct storages the given ops return (not parameters): what the runtime's
+    "selective" checkpointing caches (pipeline/selective_checkpoint.py's SAVED_OPS).
+
+    The storages are held, as the cache holds them: a storage's id is unique only while it lives,
+    and a result the forward drops at once (a projection reshaped and rotated) would otherwise hand
+    its id to a later result, which would then go uncounted. A DTensor result (the mode sees the op
+    before DTensor splits it into local ops) counts as the local tensor the rank holds."""
+
+    def __init__(self, ops):
+        super().__init__()
+        self.ops, self.total, self.storages = ops, 0, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.ops:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+                    storage = _local(t).untyped_storage()
+                    if storage._cdata not in self.storages:
+                        self.storages[storage._cdata] = storage
+                        self.total += storage.nbytes()
+        return out
+
+
+# The fake tensors live on CPU, where SDPA takes the CPU flash kernel: FlopCounterMode registers the
+# CUDA attention kernels only, so without this the attention's FLOPs would not be counted at all.
+# Torch's formulas count the whole score matrix, causal or not (the probe's call carries a mask,
+# not is_causal, so it cannot tell): the convention of torchtitan's and PaLM's MFU.
+def _cpu_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+                                  **kwargs) -> int:
+    return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+_CPU_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
+}
