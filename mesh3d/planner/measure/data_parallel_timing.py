@@ -25,6 +25,7 @@ from torch import nn
 from mesh3d.model.anatomy import Anatomy
 from mesh3d.planner import constants as C
 from mesh3d.planner.measure.measured_stages import MeasuredStages, StageFlow, measured_stages, token_ids
+from mesh3d.planner.measure.probe import _computed
 
 
 @dataclass(frozen=True)
@@ -121,8 +122,6 @@ def _wrap(stage: nn.Module, anatomy: Anatomy, mesh, dp_mode: str, reshard: bool,
 def _timed(stage: nn.Module, call: nn.Module, x: torch.Tensor, param_dtype, wrapped: bool = False) -> dict[str, float]:
     """Best seconds of a forward and backward with gradients left unreduced, and with them reduced;
     `call`: the stage as the runtime calls it (measured_stages.py)."""
-    from mesh3d.planner.measure.probe import _computed
-
     if not wrapped:
         stage = _computed(stage, param_dtype)
     flush = torch.empty(C.CACHE_FLUSH_BYTES // 4)

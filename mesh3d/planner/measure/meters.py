@@ -2,9 +2,9 @@
 SavedBytesMeter on real runs too.
 
 - SavedBytesMeter: the bytes autograd keeps for backward (saved-tensor hooks), live and peak;
-- _CollectiveBytes: the bytes each rank sends through DTensor's functional collectives;
-- _ResultsOf: the bytes of the results of given ops (what "selective" checkpointing caches);
-- _CPU_ATTENTION_FLOPS: FlopCounterMode's formulas for the CPU attention kernel.
+- CollectiveBytes: the bytes each rank sends through DTensor's functional collectives;
+- ResultsOf: the bytes of the results of given ops (what "selective" checkpointing caches);
+- CPU_ATTENTION_FLOPS: FlopCounterMode's formulas for the CPU attention kernel (a custom mapping).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
-class _CollectiveBytes(TorchDispatchMode):
+class CollectiveBytes(TorchDispatchMode):
     """Bytes each rank sends through the functional collectives DTensor issues, by ring algorithm:
     an all-gather of a local s sends (n-1)s, a reduce-scatter of S sends (n-1)S/n, an all-reduce
     of S twice that."""
@@ -76,7 +76,7 @@ class SavedBytesMeter:
     def pack(self, tensor: torch.Tensor) -> _Saved:
         if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
             return _Saved(tensor.detach(), self, None)
-        storage = _local(tensor).untyped_storage()
+        storage = local_shard(tensor).untyped_storage()
         key = storage._cdata  # unique while alive, and the handle keeps it alive
         ref = self._refs.get(key)
         if ref is None:
@@ -106,11 +106,12 @@ class SavedBytesMeter:
             self.now -= ref[1]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `t`: a DTensor's local shard, a plain tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class _ResultsOf(TorchDispatchMode):
+class ResultsOf(TorchDispatchMode):
     """Bytes of the distinct storages the given ops return (not parameters): what the runtime's
     "selective" checkpointing caches (pipeline/selective_checkpoint.py's SAVED_OPS).
 
@@ -128,7 +129,7 @@ class _ResultsOf(TorchDispatchMode):
         if func in self.ops:
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
-                    storage = _local(t).untyped_storage()
+                    storage = local_shard(t).untyped_storage()
                     if storage._cdata not in self.storages:
                         self.storages[storage._cdata] = storage
                         self.total += storage.nbytes()
@@ -148,7 +149,7 @@ def _cpu_attention_backward_flops(grad_out_shape, query_shape, key_shape, value_
     return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
-_CPU_ATTENTION_FLOPS = {
+CPU_ATTENTION_FLOPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
 }

@@ -7,7 +7,7 @@ block; last: one block, the last end and the loss), applies the model's own tens
 with torch's DTensor styles over a fake process group of tp ranks (torch's "fake" backend:
 collectives that move nothing), and runs each forward and backward under FakeTensorMode on
 CPU-device fake tensors, so attention takes the fused path that saves its output and
-log-sum-exp, as on a GPU. What runs is counted with torch's own meters:
+log-sum-exp, as on a GPU. What runs is counted with torch's own meters (meters.py):
 
 - saved activations: autograd's saved-tensor hooks (the bytes a rank keeps for the backward), with
   the stage run plain and under a whole-stage checkpoint (what the runtime does for "always");
@@ -36,7 +36,7 @@ from mesh3d.model.anatomy import Anatomy
 from mesh3d.model.loss import cross_entropy_loss
 from mesh3d.planner.measure.costs import ModelCosts, PartCosts
 from mesh3d.planner.measure.measured_stages import KINDS, MeasuredStages, StageFlow, measured_stages, planner_anatomy
-from mesh3d.planner.measure.meters import _CPU_ATTENTION_FLOPS, SavedBytesMeter, _CollectiveBytes, _local, _ResultsOf
+from mesh3d.planner.measure.meters import CPU_ATTENTION_FLOPS, CollectiveBytes, ResultsOf, SavedBytesMeter, local_shard
 
 from mesh3d.pipeline.selective_checkpoint import SAVED_OPS
 
@@ -115,11 +115,11 @@ def measure_model(
 
 def _end_params(stage: nn.Module, middle: nn.Module) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
     """A stage's parameters that are not its block's (matched by shape, the block being alike)."""
-    block = sorted(tuple(_local(p).shape) for p in middle.parameters())
+    block = sorted(tuple(local_shard(p).shape) for p in middle.parameters())
     names, shapes = [], []
     remaining = list(block)
     for name, param in stage.named_parameters():
-        shape = tuple(_local(param).shape)
+        shape = tuple(local_shard(param).shape)
         if shape in remaining:
             remaining.remove(shape)
         else:
@@ -147,7 +147,7 @@ def _run_chain(measured: MeasuredStages, tp: int, batch: int, seq_len: int,
         checkpointed[kind] = _saved_bytes(stage, x, targets if is_last else None, "always")
         flops, forward_flops, traffic, out = _flops_and_traffic(stage, x, targets if is_last else None, tp)
         own = measured.stages[kind]
-        params = tuple(_local(p).shape for p in own.parameters())
+        params = tuple(local_shard(p).shape for p in own.parameters())
         names = tuple(n for n, _ in own.named_parameters())
         results[kind] = PartCosts(params, names, saved, flops, forward_flops, traffic.bytes, traffic.count,
                                   dict(traffic.by_kind))
@@ -188,7 +188,7 @@ def _input(x: torch.Tensor) -> torch.Tensor:
 def _selective_cache_bytes(stage, x) -> int:
     """What "selective" keeps of a stage's forward besides its input: the results of its matmuls
     and attention (the loss's graph is not kept; the forward is recomputed before the backward)."""
-    counter = _ResultsOf(SAVED_OPS)
+    counter = ResultsOf(SAVED_OPS)
     with torch.enable_grad(), counter:
         _forward(stage, _input(x), None, "never")
     return counter.total
@@ -201,11 +201,11 @@ def _saved_bytes(stage, x, targets, mode) -> int:
     return meter.peak
 
 
-def _flops_and_traffic(stage, x, targets, tp: int) -> tuple[float, float, _CollectiveBytes, torch.Tensor]:
+def _flops_and_traffic(stage, x, targets, tp: int) -> tuple[float, float, CollectiveBytes, torch.Tensor]:
     """FLOPs per tp rank: FlopCounterMode counts a DTensor op at its global shape, and every op it
     counts (matmuls, attention) is one the tensor-parallel plan shards over all tp ranks."""
-    traffic = _CollectiveBytes(tp)
-    counter = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION_FLOPS)
+    traffic = CollectiveBytes(tp)
+    counter = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
     inp = _input(x)
     with counter, traffic:
         out = _forward(stage, inp, None, "never")
@@ -220,5 +220,5 @@ def _forward_loss(out: torch.Tensor, targets: torch.Tensor | None) -> torch.Tens
     """The last stage's loss (mesh3d's default), as a tensor to backpropagate; `out` unchanged elsewhere."""
     if targets is None:
         return out
-    value = cross_entropy_loss(_local(out), targets)
+    value = cross_entropy_loss(local_shard(out), targets)
     return value[0] if isinstance(value, tuple) else value
