@@ -49,8 +49,8 @@ MEMORY_MARGIN_FRACTION = 0.10
 # input-gradient and weight-gradient matmuls have the same FLOPs).
 WEIGHT_GRAD_SHARE_OF_BACKWARD = 0.5
 
-# A machine the planner measures ("this-machine", machine_bench.py) has its model's parts timed
-# (part_timing.time_model): each part runs once to warm up (allocations, DTensor's sharding caches),
+# A machine the planner measures ("this-machine", measure/machine_bench.py) has its model's parts timed
+# (measure/part_timing.py): each part runs once to warm up (allocations, DTensor's sharding caches),
 # then this many times, and the best counts (a quiet machine's time; a shared one only adds).
 TIMING_REPEATS = 10
 

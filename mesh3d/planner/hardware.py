@@ -4,7 +4,7 @@ A `Hardware` is one accelerator and the links it has to its peers: within a node
 between nodes (the node's network, per GPU). The presets quote NVIDIA's datasheets (SXM parts);
 what a real run reaches of these peaks is the planner's business (constants.py), not the
 hardware's. `hardware="this-machine"` measures the machine the planner runs on instead
-(machine_bench.py; ranking.resolve_hardware picks one or the other).
+(measure/machine_bench.py; ranking.resolve_hardware picks one or the other).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 @dataclass(frozen=True)
 class CollectiveTimes:
     """Seconds each collective took between two ranks of a machine, measured at several sizes
-    (machine_bench.py).
+    (measure/machine_bench.py).
 
     A size is the bytes each rank sends by the ring algorithm (an all-gather of a local shard s over
     n ranks sends (n-1)s, a reduce-scatter of S sends (n-1)S/n, an all-reduce twice that). Over n
@@ -80,7 +80,7 @@ class Hardware:
     # What a step's matmuls reach of the peak; None: constants.ACHIEVABLE_COMPUTE_FRACTION (a
     # datasheet peak). A measured machine ("this-machine") states 1: its peak is a rate reached.
     achievable_fraction: float | None = None
-    # A measured machine times the model's own parts on itself (part_timing.time_model) instead of
+    # A measured machine times the model's own parts on itself (measure/part_timing.py) instead of
     # dividing their FLOPs by a rate: on a CPU the norms, attention and elementwise ops, and
     # DTensor's dispatch under tensor parallelism, are no small share of a block.
     times_the_model: bool = False

@@ -2,8 +2,8 @@
 
 For each candidate (pp, dp, tp, schedule, virtual_stages, microbatches, activation_checkpoint,
 dp_mode) the planner builds the schedule mesh3d would run, predicts the fullest rank's memory
-(memory.py) and the step's time (step_time.py) from costs measured on the model itself
-(probe.py, once per tp degree), drops what does not fit and ranks the rest.
+(predict/memory.py) and the step's time (predict/step_time.py) from costs measured on the model itself
+(measure/probe.py, once per tp degree), drops what does not fit and ranks the rest.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def plan(
     param_bytes = next(model.parameters()).element_size()
     measure = functools.cache(lambda tp, dtype: measure_model_anywhere(
         model, anatomy, split_points, tp=tp, tp_plan=plan_tp, microbatch_size=1, seq_len=seq_len, param_dtype=dtype))
-    # A measured machine times the model's parts at each microbatch size it plans (step_time.py).
+    # A measured machine times the model's parts at each microbatch size it plans (predict/step_time.py).
     timed = functools.cache(lambda tp, dtype, mbs: time_model(
         model, anatomy, measure(tp, dtype), tp_plan=plan_tp, microbatch_size=mbs, param_dtype=dtype))
     # ... and what data parallelism's wrapping adds to a block there, per dp degree and mode.

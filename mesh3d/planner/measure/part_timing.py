@@ -3,7 +3,7 @@
 `hardware="this-machine"` (a CPU, gloo) says `times_the_model`: FLOPs over a matmul rate miss a
 small model's norms, attention and elementwise ops, and DTensor's dispatch under tensor
 parallelism. So the planner times the same three stages the probe measures (probe.py), for real,
-and step_time.py plays the schedule with these seconds instead.
+and predict/step_time.py plays the schedule with these seconds instead.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Bytes per rank at one layout: what mesh3d holds there, counted from the model's measured parts.
 
 - parameters, gradients, AdamW state: each parameter of the rank's stages, its tensor-parallel
-  shard (measured, probe.py), then FSDP's dim-0 shard (torch.chunk: the first dp rank holds
+  shard (measured, measure/probe.py), then FSDP's dim-0 shard (torch.chunk: the first dp rank holds
   ceil(rows/dp) rows, the fullest) or DDP's replica; gradients and both AdamW moments as the
   parameters, in the parameters' dtype; a tied weight once per stage that holds it when data
   parallelism wraps the stages (each stage is its own root), else once per rank;

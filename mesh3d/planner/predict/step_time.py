@@ -8,7 +8,7 @@ message, so the bubble is the schedule's, not a closed form. FSDP/DDP traffic ov
 compute (what exceeds it shows), and the optimizer's update is memory-bound.
 
 A machine the planner measured ("this-machine": hardware.py's `times_the_model`) gives the seconds
-its parts were timed at (part_timing.py) instead of FLOPs over a rate, each tensor- and
+its parts were timed at (measure/part_timing.py) instead of FLOPs over a rate, each tensor- and
 data-parallel collective at the time its kind was measured at its size (hardware.CollectiveTimes),
 a latency for every pipeline message, and communication that does not overlap the compute.
 """
@@ -66,11 +66,11 @@ def step_time(costs: ModelCosts, place: StagePlacement, hardware: Hardware, link
     """Predicted seconds of one training step (forward, backward, gradient sync, AdamW).
 
     `dp_overhead`: what FSDP/DDP's wrapping added to a block, timed on this machine
-    (data_parallel_timing.py); None: the copies are estimated as memory-bound."""
+    (measure/data_parallel_timing.py); None: the copies are estimated as memory-bound."""
     achieved = C.ACHIEVABLE_COMPUTE_FRACTION if hardware.achievable_fraction is None else hardware.achievable_fraction
     rate = hardware.peak_for(fp32_compute) * achieved * (C.COMPILE_SPEEDUP if compile else 1.0)
     mbs, mode = place.microbatch_size, place.activation_checkpoint
-    timed = hardware.times_the_model  # costs carry seconds timed at this microbatch size (part_timing.time_model)
+    timed = hardware.times_the_model  # costs carry seconds timed at this microbatch size (measure/part_timing.py)
     forward, backward, weight_half = [], [], []
     splits = place.schedule.splits_backward
     tp_time = 0.0
