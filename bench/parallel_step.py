@@ -49,7 +49,7 @@ from examples.llama.model import Transformer, loss_fn  # noqa: E402
 from mesh3d.distributed.shards import local_tensor  # noqa: E402
 from mesh3d.pipeline.schedule.catalog import default_virtual_stages  # noqa: E402
 from mesh3d.pipeline.schedule.never_drain import NEVER_DRAIN  # noqa: E402
-from mesh3d.pipeline import block_checkpoint, runtime as pipeline_runtime  # noqa: E402
+from mesh3d.pipeline import activation_checkpoint, runtime as pipeline_runtime  # noqa: E402
 from mesh3d.planner.measure.meters import SavedBytesMeter  # noqa: E402
 from multiprocess import run_on_ranks  # noqa: E402
 
@@ -138,7 +138,7 @@ def kept_between_actions(meter: SavedBytesMeter, after_action: Callable[[], None
     holds the peak; wraps the interpreter's `_InFlight.execute` for the duration (this process only).
     `after_action`, if given, runs after each training action too (another figure sampled there)."""
     execute = pipeline_runtime._InFlight.execute
-    contexts = block_checkpoint.selective_contexts
+    contexts = activation_checkpoint.selective_contexts
     block_caches = weakref.WeakSet()  # the caches of blocks checkpointed one by one, while torch holds them
     peak = [0]
 
@@ -155,12 +155,12 @@ def kept_between_actions(meter: SavedBytesMeter, after_action: Callable[[], None
         return caching, cached
 
     pipeline_runtime._InFlight.execute = sampled
-    block_checkpoint.selective_contexts = recorded_contexts
+    activation_checkpoint.selective_contexts = recorded_contexts
     try:
         yield peak
     finally:
         pipeline_runtime._InFlight.execute = execute
-        block_checkpoint.selective_contexts = contexts
+        activation_checkpoint.selective_contexts = contexts
 
 
 def measure(cases: dict[str, Case], batch: int, seq_len: int, steps: int, model_overrides: dict | None = None,

@@ -119,7 +119,7 @@ def parallelize(
         activation_checkpoint: "never" (default), "always", "except_last" (the last microbatch of
             each step keeps its activations instead of recomputing them), or "selective" (every
             microbatch keeps its matmul and attention outputs and recomputes the cheap ops between
-            them: pipeline/selective_checkpoint.py). Each block is checkpointed on its own (the
+            them: pipeline/activation_checkpoint.py). Each block is checkpointed on its own (the
             ends are not), or, under a split-backward schedule, each stage whole (docs/pipeline.md).
         layers_per_stage: explicit layer counts, one per stage (pp * virtual_stages, in stage order).
         stage_balance: "layers" (each layer costs 1) or "params" (each layer costs its parameter

@@ -31,8 +31,7 @@ from mesh3d.pipeline.p2p import Mailbox, PipelinePeers, ReceiveBuffers, Traffic
 from mesh3d.pipeline.routes import MessageSpec, StageRoutes, divide, join, pack, unpack
 from mesh3d.pipeline.schedule.ir import RELEASES, Action, Kind
 from mesh3d.pipeline.backward_halves import PendingWeightGrad, backward_input, backward_weight
-from mesh3d.pipeline.block_checkpoint import FULL, SELECTIVE, BlockCheckpointSwitch, checkpoint_blocks
-from mesh3d.pipeline.selective_checkpoint import selective_contexts
+from mesh3d.pipeline.activation_checkpoint import FULL, SELECTIVE, BlockCheckpointSwitch, checkpoint_blocks, selective_contexts
 from mesh3d.pipeline.schedule.never_drain import NeverDrainStream
 from mesh3d.pipeline.weight_versions import WeightVersions
 
@@ -71,7 +70,7 @@ class PipelineRuntime:
         peers: this rank's pp group.
         activation_checkpoint: "never", "always", "except_last" (the last microbatch is kept) or
             "selective" (every microbatch keeps its matmul and attention outputs and recomputes
-            the rest: selective_checkpoint.py).
+            the rest: activation_checkpoint.py).
         before_backward: called as before_backward(stage, is_last_backward_of_stage) before every
             backward; data parallelism uses it to reduce gradients once, on the last one.
         after_weight_backward: called as after_weight_backward(stage) after a W that started
@@ -89,7 +88,7 @@ class PipelineRuntime:
 
     What activation checkpointing checkpoints:
     - schedules with a whole backward (gpipe, 1f1b, interleaved_1f1b): each block of a stage on
-      its own (block_checkpoint.py), inside the block's FSDP/DDP unit; the stage's ends
+      its own (activation_checkpoint.py), inside the block's FSDP/DDP unit; the stage's ends
       (embedding, head, loss) keep their activations. A block keeps its inputs ("selective": and
       its matmul and attention results), and torch recomputes it inside B's backward, one block
       at a time. A stage without blocks is checkpointed whole: recomputed by torch inside B
@@ -441,8 +440,8 @@ class _InFlight:
 
     def _forward_caching(self, stage: int, mb: int, x: torch.Tensor):
         """The forward under "selective" of a whole stage (a split backward's, or a stage without
-        blocks; blocks otherwise checkpoint themselves, block_checkpoint.py): the policy's results
-        (selective_checkpoint.py) are cached for the recompute before the backward, and the graph
+        blocks; blocks otherwise checkpoint themselves, activation_checkpoint.py): the policy's results
+        (activation_checkpoint.py) are cached for the recompute before the backward, and the graph
         built here is dropped (the caller keeps no output with grad; torch's checkpoint runs this
         forward so that its hooks keep nothing but the cache, and its own recompute never runs).
 

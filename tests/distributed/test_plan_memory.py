@@ -32,7 +32,7 @@ SEQ_LEN, BATCH = 64, 8
 ACTIVATION_TOLERANCE = 0.10
 AC_MODES = ["never", "always", "except_last"]
 try:
-    import mesh3d.pipeline.selective_checkpoint  # noqa: F401
+    import mesh3d.pipeline.activation_checkpoint  # noqa: F401
     AC_MODES.append("selective")
 except ImportError:
     pass

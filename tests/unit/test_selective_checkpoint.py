@@ -1,6 +1,6 @@
 """activation_checkpoint="selective" on one LLaMA block on CPU, against "never" and "always".
 
-The policy (mesh3d/pipeline/selective_checkpoint.py) must keep the matmul and attention outputs
+The policy (mesh3d/pipeline/activation_checkpoint.py) must keep the matmul and attention outputs
 and recompute the rest: the backward reruns the block's norms and activations but none of its
 matmuls or its attention, the memory kept between forward and backward lies strictly between
 "always" (nothing but the input) and "never" (everything), and the gradients are exactly
@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from examples.llama.model import Transformer
 from mesh3d.pipeline.backward_halves import backward_input, backward_weight
-from mesh3d.pipeline.selective_checkpoint import SAVED_OPS, selective_contexts
+from mesh3d.pipeline.activation_checkpoint import SAVED_OPS, selective_contexts
 from pipeline_cases import tiny_args
 
 aten = torch.ops.aten

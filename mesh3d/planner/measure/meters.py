@@ -113,7 +113,7 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
 
 class ResultsOf(TorchDispatchMode):
     """Bytes of the distinct storages the given ops return (not parameters): what the runtime's
-    "selective" checkpointing caches (pipeline/selective_checkpoint.py's SAVED_OPS).
+    "selective" checkpointing caches (pipeline/activation_checkpoint.py's SAVED_OPS).
 
     The storages are held, as the cache holds them: a storage's id is unique only while it lives,
     and a result the forward drops at once (a projection reshaped and rotated) would otherwise hand

@@ -11,7 +11,7 @@ log-sum-exp, as on a GPU. What runs is counted with torch's own meters (meters.p
 
 - saved activations: autograd's saved-tensor hooks (the bytes a rank keeps for the backward), with
   the stage run plain and under a whole-stage checkpoint (what the runtime does for "always");
-- what "selective" caches: the results of the policy's ops (pipeline/selective_checkpoint.py),
+- what "selective" caches: the results of the policy's ops (pipeline/activation_checkpoint.py),
   counted by a dispatch mode as they are computed;
 - FLOPs: FlopCounterMode (the local shards' matmuls, recomputation not counted);
 - tensor-parallel traffic: the bytes of every functional collective DTensor issues.
@@ -38,7 +38,7 @@ from mesh3d.planner.measure.costs import ModelCosts, PartCosts
 from mesh3d.planner.measure.measured_stages import KINDS, MeasuredStages, StageFlow, measured_stages, planner_anatomy
 from mesh3d.planner.measure.meters import CPU_ATTENTION_FLOPS, CollectiveBytes, ResultsOf, SavedBytesMeter, local_shard
 
-from mesh3d.pipeline.selective_checkpoint import SAVED_OPS
+from mesh3d.pipeline.activation_checkpoint import SAVED_OPS
 
 
 @contextlib.contextmanager

@@ -100,7 +100,7 @@ def rank_parameter_elements(costs: ModelCosts, rank: int, place: StagePlacement,
 
 
 def _per_block(place: StagePlacement, stage: int) -> bool:
-    """Whether the runtime checkpoints this stage block by block (pipeline/block_checkpoint.py):
+    """Whether the runtime checkpoints this stage block by block (pipeline/activation_checkpoint.py):
     schedules with one backward, a stage that has blocks. A split backward (I, then W over one
     graph) recomputes the whole stage at I instead."""
     return not place.schedule.splits_backward and len(place.stage_layers[stage]) > 0
