@@ -18,7 +18,7 @@ on it.
 The never-drain schedules ("pipedream", "pipedream_2bw") take the optimizer at parallelize
 (`optimizer=`, AdamW at the same settings) and update inside `pm.step`, so their run has no
 gradient clipping and ends with `pm.flush()` (untimed; its backwards count to the activations).
-For them "versions" is the peak over the run of `pm.runtime.versions.kept_bytes()` (the copies of
+For them "versions" is the peak over the run of `pm.runtime.never_drain.versions.kept_bytes()` (the copies of
 earlier weight versions this rank keeps besides its parameters; sampled after every `pm.step` and
 after the flush), printed per rank below the layout's row; 0 for every other schedule. Their
 gradients are consumed by each update inside the call, so the bytes in `.grad` are sampled after
@@ -49,7 +49,7 @@ from examples.llama.model import Transformer, loss_fn  # noqa: E402
 from mesh3d.distributed.shards import local_tensor  # noqa: E402
 from mesh3d.pipeline.schedule.catalog import default_virtual_stages  # noqa: E402
 from mesh3d.pipeline.schedule.never_drain import NEVER_DRAIN  # noqa: E402
-from mesh3d.pipeline import activation_checkpoint, runtime as pipeline_runtime  # noqa: E402
+from mesh3d.pipeline import activation_checkpoint, stage_compute  # noqa: E402
 from mesh3d.planner.measure.meters import SavedBytesMeter  # noqa: E402
 from multiprocess import run_on_ranks  # noqa: E402
 
@@ -135,9 +135,9 @@ def kept_between_actions(meter: SavedBytesMeter, after_action: Callable[[], None
     Under "selective" the forward's graph is dropped (autograd's hooks see nothing of it) and the
     stage is rebuilt inside its backward action; the meter's own peak is that rebuild, while what
     stays from a forward to its backward is the input and the cache. Yields a one-element list that
-    holds the peak; wraps the interpreter's `_InFlight.execute` for the duration (this process only).
+    holds the peak; wraps `StageCompute.execute` for the duration (this process only).
     `after_action`, if given, runs after each training action too (another figure sampled there)."""
-    execute = pipeline_runtime._InFlight.execute
+    execute = stage_compute.StageCompute.execute
     contexts = activation_checkpoint.selective_contexts
     block_caches = weakref.WeakSet()  # the caches of blocks checkpointed one by one, while torch holds them
     peak = [0]
@@ -154,12 +154,12 @@ def kept_between_actions(meter: SavedBytesMeter, after_action: Callable[[], None
         block_caches.add(cached)
         return caching, cached
 
-    pipeline_runtime._InFlight.execute = sampled
+    stage_compute.StageCompute.execute = sampled
     activation_checkpoint.selective_contexts = recorded_contexts
     try:
         yield peak
     finally:
-        pipeline_runtime._InFlight.execute = execute
+        stage_compute.StageCompute.execute = execute
         activation_checkpoint.selective_contexts = contexts
 
 
@@ -193,7 +193,7 @@ def _measure_case(case: Case, batch: int, seq_len: int, steps: int, model_overri
         kept_peak = max(kept_peak, kept[0])
 
     def kept_versions() -> int:
-        return pm.runtime.versions.kept_bytes() if pm.runtime.versions is not None else 0
+        return pm.runtime.never_drain.versions.kept_bytes() if pm.runtime.never_drain is not None else 0
 
     share = batch // case.dp
     for _ in range(steps + 1):

@@ -66,7 +66,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase  # noqa: E402
 import mesh3d  # noqa: E402
 from examples.llama.config import get_config  # noqa: E402
 from examples.llama.model import Transformer  # noqa: E402
-from mesh3d.pipeline import runtime as mesh3d_runtime  # noqa: E402
+from mesh3d.pipeline import p2p, stage_compute  # noqa: E402
 from mesh3d.planner.measure.meters import SavedBytesMeter  # noqa: E402
 from multiprocess import run_on_ranks  # noqa: E402
 
@@ -113,8 +113,8 @@ class _ComputeClock:
         for owner, names, sign in ((_PipelineStageBase, ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk",
                                                           "scale_grads"), 1),
                                    (_PipelineSchedule, ("_maybe_compute_loss",), 1),
-                                   (mesh3d_runtime._InFlight, ("forward", "backward", "backward_input", "backward_weight"), 1),
-                                   (mesh3d_runtime.Mailbox, ("take",), -1)):
+                                   (stage_compute.StageCompute, ("forward", "backward", "backward_input", "backward_weight"), 1),
+                                   (p2p.Mailbox, ("take",), -1)):
             for name in names:
                 setattr(owner, name, self._timed(getattr(owner, name), sign))
 

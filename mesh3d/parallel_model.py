@@ -109,7 +109,7 @@ class ParallelModel:
     def never_drains(self) -> bool:
         """Whether the schedule overlaps calls and updates inside the pipeline ("pipedream",
         "pipedream_2bw"): `step`'s backwards may finish during the next calls; see `flush`."""
-        return self.runtime.stream is not None
+        return self.runtime.never_drain is not None
 
     def flush(self) -> None:
         """Finish every backward and update still in flight (never-drain schedules; nothing to do
@@ -149,7 +149,8 @@ class ParallelModel:
                 # Here or on another rank, part of the call's updates ran: refused until a
                 # checkpoint is loaded (every rank marks it, whichever raised first).
                 self._drop_partial_state()
-                self.runtime.mark_failed(f"call {self.runtime.calls - 1} raised {type(error).__name__}")
+                never_drain = self.runtime.never_drain
+                never_drain.mark_failed(f"call {never_drain.calls - 1} raised {type(error).__name__}")
                 raise
         self.tied.set_aside_grads()
         try:
@@ -286,7 +287,8 @@ class ParallelModel:
         self.discard_in_flight()
         self.state.load_by_slice(lambda name, window: state_dict[name][window])
         self.tied.sync_values()
-        self.runtime.restart_rule()
+        if self.never_drains:
+            self.runtime.never_drain.restart_rule()
 
     def discard_in_flight(self) -> None:
         """Before weights are replaced under a never-drain schedule: drop what the calls left in
@@ -297,14 +299,14 @@ class ParallelModel:
         take the next run's messages."""
         if not self.never_drains:
             return
-        if self.runtime.failed is not None and self.layout.pp > 1:
+        if self.runtime.never_drain.failed is not None and self.layout.pp > 1:
             raise RuntimeError(
-                f"a never-drain {self.runtime.failed} with messages in flight between pipeline ranks, which the process "
+                f"a never-drain {self.runtime.never_drain.failed} with messages in flight between pipeline ranks, which the process "
                 "group cannot withdraw: restart the processes (torchrun restarts them with --max-restarts) and resume "
                 "from the checkpoint there"
             )
         self._drop_partial_state()
-        self.runtime.discard_in_flight()
+        self.runtime.never_drain.discard_in_flight()
 
     def _drop_partial_state(self) -> None:
         """What a call that stopped half-way leaves in data parallelism (unreduced gradients,
@@ -312,8 +314,8 @@ class ParallelModel:
         if self.grad_sync is not None:
             self.grad_sync.abort()
         self.zero_grad(set_to_none=True)
-        if self.runtime.versions is not None:
-            self.runtime.versions.drop_pending()
+        if self.never_drains:
+            self.runtime.never_drain.versions.drop_pending()
 
     def __repr__(self) -> str:
         s = self.schedule

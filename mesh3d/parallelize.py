@@ -222,7 +222,7 @@ def parallelize(
     if optimizer is not None:
         pm._optimizer = _build_optimizer(optimizer, pm)
     if never_drains:
-        runtime.versions = WeightVersions(stages, runtime.stream.rule, pm.optimizer, _tied_copies(tied, stages, tie_holders))
+        runtime.never_drain.versions = WeightVersions(stages, runtime.never_drain.stream.rule, pm.optimizer, _tied_copies(tied, stages, tie_holders))
     return pm
 
 

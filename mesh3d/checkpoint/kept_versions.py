@@ -40,18 +40,20 @@ def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 def rule_state(pm: ParallelModel) -> dict | None:
     """Where the update rule stands after a flush (None for a schedule that drains)."""
-    versions = pm.runtime.versions
+    never_drain = pm.runtime.never_drain
+    versions = never_drain.versions if never_drain is not None else None
     if versions is None:
         return None
     rule = versions.rule
     return {"schedule": rule.schedule, "pp": rule.pp, "microbatches": rule.microbatches,
-            "calls": pm.runtime.calls,
+            "calls": never_drain.calls,
             "updates": versions.updates()}
 
 
 def kept_entries(pm: ParallelModel) -> dict[str, torch.Tensor]:
     """This rank's kept versions as checkpoint entries (after a flush)."""
-    versions = pm.runtime.versions
+    never_drain = pm.runtime.never_drain
+    versions = never_drain.versions if never_drain is not None else None
     if versions is None:
         return {}
     names = _names(pm)
@@ -65,7 +67,8 @@ def kept_entries(pm: ParallelModel) -> dict[str, torch.Tensor]:
 
 def resume_problem(pm: ParallelModel, saved: dict | None, metadata: Metadata, path: str) -> str | None:
     """Why this checkpoint's kept versions cannot continue this model's rule (None if they can)."""
-    versions = pm.runtime.versions
+    never_drain = pm.runtime.never_drain
+    versions = never_drain.versions if never_drain is not None else None
     if versions is None or saved is None:
         return None
     rule = versions.rule
@@ -94,7 +97,8 @@ def _next_microbatch(saved: dict, microbatches: int) -> int:
 
 def kept_targets(pm: ParallelModel, saved: dict | None) -> dict[str, torch.Tensor]:
     """Empty tensors, shaped and placed as this rank's parameters, for DCP to fill with the kept versions."""
-    versions = pm.runtime.versions
+    never_drain = pm.runtime.never_drain
+    versions = never_drain.versions if never_drain is not None else None
     if versions is None or saved is None:
         return {}
     names = _names(pm)
@@ -109,11 +113,12 @@ def kept_targets(pm: ParallelModel, saved: dict | None) -> dict[str, torch.Tenso
 def restore_kept(pm: ParallelModel, saved: dict | None, loaded: dict[str, torch.Tensor]) -> None:
     """Hand the loaded versions to the runtime and set where the rule stands (a checkpoint saved
     by a schedule that drains starts the rule afresh from its weights)."""
-    versions = pm.runtime.versions
+    never_drain = pm.runtime.never_drain
+    versions = never_drain.versions if never_drain is not None else None
     if versions is None:
         return
     if saved is None:
-        pm.runtime.restart_rule()
+        never_drain.restart_rule()
         return
     names = _names(pm)
     next_microbatch = _next_microbatch(saved, versions.rule.microbatches)
@@ -123,5 +128,5 @@ def restore_kept(pm: ParallelModel, saved: dict | None, loaded: dict[str, torch.
             version: [local_tensor(loaded[f"{VERSIONS}{version}.{names[id(p)]}"]).clone() for p in weights.params]
             for version in needed
         }
-    pm.runtime.calls = saved["calls"]
+    never_drain.calls = saved["calls"]
     versions.restore(next_microbatch, saved["updates"], kept)

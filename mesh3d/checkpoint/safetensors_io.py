@@ -239,7 +239,8 @@ def import_safetensors(pm: ParallelModel, in_dir: str | os.PathLike) -> None:
     pm.discard_in_flight()
     raise_if_any(attempt(lambda: _read_local_slices(pm, files, source)))
     pm.tied.sync_values()
-    pm.runtime.restart_rule()  # a never-drain schedule's rule starts afresh from these weights
+    if pm.never_drains:  # a never-drain schedule's rule starts afresh from these weights
+        pm.runtime.never_drain.restart_rule()
 
 
 def _checksum_problem(in_dir: Path, rank: int, world_size: int) -> str | None:

@@ -1,5 +1,8 @@
 """Activation checkpointing (recomputing a forward for its backward; not mesh3d/checkpoint/'s files).
 
+Three parts: the "selective" policy, blocks checkpointed one by one, and the runtime's choice of
+which forwards are recomputed and where (`ActivationCheckpointing`, at the end).
+
 **Selective**: the policy of activation_checkpoint="selective", which results a stage keeps and
 which it recomputes.
 
@@ -40,6 +43,8 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -120,3 +125,118 @@ def _checkpointed_call(switch: BlockCheckpointSwitch, forward: Callable, *args, 
     if switch.mode == SELECTIVE:
         return checkpoint(forward, *args, use_reentrant=False, context_fn=selective_contexts, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+@dataclass(frozen=True)
+class ForwardChoice:
+    """How one stage-microbatch forward keeps what its backward needs."""
+
+    recompute: bool  # its activations are recomputed for its backward (not kept)
+    per_block: bool  # by its blocks, each checkpointing itself (torch recomputes them inside B)
+    before_backward: bool  # by the runtime, just before the backward, as a plain forward
+    grad: bool  # whether the forward itself runs with grad enabled
+
+
+class ActivationCheckpointing:
+    """The runtime's activation checkpointing: which forwards it recomputes, and where.
+
+    Args:
+        mode: "never", "always", "except_last" (the last microbatch is kept) or "selective"
+            (every microbatch keeps its matmul and attention outputs and recomputes the rest).
+        stages: this rank's stage modules, by stage index.
+        blocks: a stage's repeated blocks (the anatomy's `blocks`), checkpointed one by one;
+            None: every stage is checkpointed whole.
+        split_backward: whether the schedule splits backwards into I and W.
+        microbatches: per step ("except_last" keeps the last of them).
+
+    What it checkpoints:
+    - schedules with a whole backward (gpipe, 1f1b, interleaved_1f1b): each block of a stage on
+      its own (above), inside the block's FSDP/DDP unit; the stage's ends (embedding, head, loss)
+      keep their activations. A block keeps its inputs ("selective": and its matmul and attention
+      results), and torch recomputes it inside B's backward, one block at a time. A stage without
+      blocks is checkpointed whole: recomputed by torch inside B ("always", "except_last"), or,
+      under "selective", as under a split backward (below).
+    - split-backward schedules (zero_bubble, zbv): the whole stage, recomputed by the runtime just
+      before I as a plain forward whose graph serves I and W ("selective": with the cached
+      results). torch's checkpoint recomputes once per backward pass, and I and W are two passes
+      over one graph: per block, W would recompute every block again (and find a selective cache
+      already spent).
+    """
+
+    def __init__(self, mode: str, stages: dict[int, nn.Module], blocks: Callable[[nn.Module], list[nn.Module]] | None,
+                 split_backward: bool, microbatches: int):
+        self.mode = mode
+        self.split_backward = split_backward
+        self.microbatches = microbatches
+        # The stages whose blocks checkpoint themselves, each while the switch is on (forward).
+        self.block_switch = BlockCheckpointSwitch()
+        self.per_block_stages: set[int] = set()
+        if mode != "never" and blocks is not None and not split_backward:
+            for index, stage_module in stages.items():
+                stage_blocks = blocks(stage_module)
+                if stage_blocks:
+                    checkpoint_blocks(stage_blocks, self.block_switch)
+                    self.per_block_stages.add(index)
+
+    def choose(self, stage: int, mb: int, train: bool) -> ForwardChoice:
+        """How the forward of `stage` on microbatch `mb` keeps what its backward needs."""
+        mode, m = self.mode, self.microbatches
+        recompute = train and (mode in ("always", "selective") or (mode == "except_last" and mb % m != m - 1))
+        # Where the forward is recomputed: by torch's checkpoint inside B's backward pass (per
+        # block, or the whole stage when it has no blocks), or by the runtime just before the
+        # backward, as a plain forward building the graph the backward then walks: for a split
+        # backward (I and W share that graph), and under "selective" for a stage without blocks
+        # (see `forward`).
+        per_block = recompute and stage in self.per_block_stages
+        before_backward = recompute and not per_block and (self.split_backward or mode == "selective")
+        # Under "selective" the forward runs with grad enabled, as its recompute will: a composite
+        # op may pick its kernels by requires_grad, and the cache is read back by op and position.
+        grad = train and (not before_backward or mode == "selective")
+        return ForwardChoice(recompute, per_block, before_backward, grad)
+
+    def forward(self, choice: ForwardChoice, call: Callable, *args) -> tuple[object, AbstractContextManager | None, int]:
+        """`call(*args)` as `choice` says: (its output, the selective cache its recompute before
+        the backward reads back or None, how many block forwards ran under a checkpoint).
+
+        The selective cache is that of a whole stage (a split backward's, or a stage without
+        blocks): the policy's results are cached for the recompute before the backward, and the
+        graph built here is dropped (the caller keeps no output with grad; torch's checkpoint runs
+        this forward so that its hooks keep nothing but the cache, and its own recompute never
+        runs). Why not keep this graph and let torch recompute the whole stage inside the backward:
+        - the cache is read back by op and position, so the recompute must dispatch the forward's
+          ops again. Inside a backward pass the hooks of the stage's FSDP units take other paths
+          (a module's pre-forward is skipped once its pre-backward has run) and dispatch other ops
+          (profiler ranges), which torch's selective checkpointing refuses (a block's checkpoint
+          sits inside its FSDP unit, and sees none of them). Before the backward they run as in
+          the forward.
+        - a split backward's I and W are two passes over one graph; torch recomputes per pass and
+          hands its selective cache out once, so W would find it spent.
+        """
+        if choice.per_block:
+            before = self.block_switch.checkpointed
+            with self.block_switch.on(SELECTIVE if self.mode == "selective" else FULL):
+                out = call(*args)
+            return out, None, self.block_switch.checkpointed - before
+        if choice.recompute and self.mode == "selective":
+            caching, cached = selective_contexts()
+            out = checkpoint(call, *args, use_reentrant=False, context_fn=lambda: (caching, contextlib.nullcontext()))
+            return out, cached, 0
+        if choice.recompute and not choice.before_backward:
+            return checkpoint(call, *args, use_reentrant=False), None, 0
+        return call(*args), None, 0
+
+
+def rng_state(device: torch.device) -> tuple:
+    """The RNG as it is now, for a recompute to draw the same (dropout) masks."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+@contextlib.contextmanager
+def restored_rng(state: tuple, device: torch.device) -> Iterator[None]:
+    """Run with the RNG as it was at `state` (dropout draws the same masks), then put it back."""
+    cpu, cuda = state
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield

@@ -1,0 +1,120 @@
+"""The call lifecycle of a never-drain schedule (schedule/never_drain.py) on this rank.
+
+Each `pm.step` is one call: its batch's forwards, the backwards the stream puts in this call (some
+of the previous call's), and the updates they complete (weight_versions.py). One `StageCompute`
+(stage_compute.py) lives from the first call to the flush, carrying the backwards and messages a
+call leaves to the next; microbatches are numbered across calls. A call that raises half-way
+leaves the weight versions out of step with the update rule: every later call is refused until a
+checkpoint replaces them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from mesh3d.pipeline.routes import MessageSpec
+from mesh3d.pipeline.schedule.ir import Action
+from mesh3d.pipeline.schedule.never_drain import NeverDrainStream
+from mesh3d.pipeline.stage_compute import MicrobatchLoss, RuntimeCounters, StageCompute
+from mesh3d.pipeline.weight_versions import WeightVersions
+
+
+class NeverDrainCalls:
+    """This rank's never-drain calls: the stream's action lists, the step in flight between
+    calls, and the weight versions the calls use and update.
+
+    Args:
+        stream: the schedule's calls, cut per call.
+        versions: the weight versions and the updates (built over the stages and the optimizer).
+        pp_rank: this rank in the pipeline (whose action lists it runs).
+    """
+
+    def __init__(self, stream: NeverDrainStream, versions: WeightVersions | None, pp_rank: int):
+        self.stream = stream
+        self.versions = versions
+        self.pp_rank = pp_rank
+        self.in_flight: StageCompute | None = None  # the calls whose backwards are not all done
+        self.calls = 0  # calls run so far (microbatches are numbered across them)
+        self.last_call_behind = False  # whether the last call ran behind another still in flight
+        self.failed: str | None = None  # a call that raised half-way (what it was)
+        self.counters = RuntimeCounters()  # the last call's (a flush's traffic counts to them)
+
+    def call(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
+             specs: dict[tuple[int, int], MessageSpec], loss: MicrobatchLoss, counters: RuntimeCounters,
+             start: Callable[[], StageCompute]) -> torch.Tensor:
+        """One call on this batch's microbatches (`start` builds the step when nothing is in
+        flight); returns [sum of the loss values, sum of their counts] computed here."""
+        m = self.stream.rule.microbatches
+        self._refuse_after_failure()
+        if self.in_flight is not None and self.in_flight.specs != specs:
+            self.flush()  # new boundary shapes: the messages in flight were sized for the old ones
+        behind = self.in_flight is not None
+        if not behind:
+            self.in_flight = start()
+        step = self.in_flight
+        self.counters = counters
+        first = self.calls * m
+        # What the previous call left in flight stays; this call's batch, loss and counters join it.
+        step.inputs, step.targets, step.loss = dict(enumerate(inputs, first)), dict(enumerate(targets, first)), loss
+        step.counters = step.mailbox.traffic = counters
+        counters.live_activations = counters.peak_live_activations = len(step.saved)
+        self.versions.begin_call(self.calls)
+        actions = self.stream.call(self.pp_rank, self.calls, behind)
+        self.calls += 1
+        self.last_call_behind = behind
+        return self._execute(step, actions, f"call {self.calls - 1}")
+
+    def _execute(self, step: StageCompute, actions: tuple[Action, ...], what: str) -> torch.Tensor:
+        try:
+            step.mailbox.post_receives_ahead(actions)
+            for action in actions:
+                step.execute(action, is_last_backward=False)  # a never-drain step asks its update rule
+            totals = step.finish()  # its sends done, its losses summed
+            step.losses, step.counts = [], []
+            return totals
+        except BaseException as error:
+            self.mark_failed(f"{what} raised {type(error).__name__}")
+            raise
+
+    def flush(self) -> None:
+        """Finish every backward and update still in flight, then put each stage's newest weights
+        in its parameters."""
+        self._refuse_after_failure()
+        if self.in_flight is not None:
+            step, self.in_flight = self.in_flight, None
+            step.counters = step.mailbox.traffic = self.counters  # the flush's traffic counts to the last call
+            self._execute(step, self.stream.flush(self.pp_rank, self.calls - 1, self.last_call_behind), "flush")
+        self.versions.settle()
+
+    def mark_failed(self, what: str) -> None:
+        """A never-drain call (or its closing loss) raised: part of its updates ran, and the weight
+        versions and the work in flight are out of step with the rule; nothing can continue it
+        exactly but a checkpoint (`discard_in_flight` once one is loaded)."""
+        self.in_flight = None
+        self.failed = self.failed or what
+
+    def _refuse_after_failure(self) -> None:
+        if self.failed is not None:
+            raise RuntimeError(
+                f"a never-drain {self.failed} half-way through the pipeline: the weights, their kept versions and "
+                "the updates in flight no longer follow the update rule; load a checkpoint (mesh3d.checkpoint.load) "
+                "to continue (with pp > 1: restart the processes and resume from one)"
+            )
+
+    def discard_in_flight(self) -> None:
+        """Before weights are replaced (a checkpoint, a state dict): what the calls left in flight is
+        dropped, and any earlier failure forgotten. No message is pending between calls (each call
+        receives everything it sends), so this needs no communication; ParallelModel.discard_in_flight
+        drops data parallelism's part (and refuses after a failure with pipeline ranks: the messages
+        the failed call left posted cannot be withdrawn)."""
+        self.in_flight, self.failed, self.last_call_behind = None, None, False
+
+    def restart_rule(self) -> None:
+        """After weights were replaced from outside the rule (a full state dict, safetensors, a
+        checkpoint of a schedule that drains): the update rule starts afresh from them, as at the
+        first call (their one version is all there is)."""
+        self.discard_in_flight()
+        self.calls = 0
+        self.versions.restore(0, 0, {})
