@@ -142,16 +142,9 @@ class ParallelModel:
 
     def _step(self, inputs: torch.Tensor, targets: torch.Tensor, boundaries: Boundaries, kind: str) -> torch.Tensor:
         loss = self.global_loss.for_step(boundaries, kind, targets)
-        if self.never_drains:
-            try:
+        if self.never_drains:  # updates inside the pipeline; after a failure, refused until a checkpoint is loaded
+            with self.runtime.never_drain.failure_marked(self._drop_partial_state):
                 return self.global_loss.total(self.runtime.run(inputs, targets, boundaries, loss, train=True), loss)
-            except BaseException as error:
-                # Here or on another rank, part of the call's updates ran: refused until a
-                # checkpoint is loaded (every rank marks it, whichever raised first).
-                self._drop_partial_state()
-                never_drain = self.runtime.never_drain
-                never_drain.mark_failed(f"call {never_drain.calls - 1} raised {type(error).__name__}")
-                raise
         self.tied.set_aside_grads()
         try:
             totals = self.runtime.run(inputs, targets, boundaries, loss, train=True)
@@ -310,12 +303,10 @@ class ParallelModel:
 
     def _drop_partial_state(self) -> None:
         """What a call that stopped half-way leaves in data parallelism (unreduced gradients,
-        gathered parameters), in `.grad` and in tied copies' pending gradients."""
+        gathered parameters) and in `.grad` (the never-drain state drops its own part)."""
         if self.grad_sync is not None:
             self.grad_sync.abort()
         self.zero_grad(set_to_none=True)
-        if self.never_drains:
-            self.runtime.never_drain.versions.drop_pending()
 
     def __repr__(self) -> str:
         s = self.schedule

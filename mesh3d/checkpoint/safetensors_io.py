@@ -31,6 +31,7 @@ from mesh3d.distributed.agree import attempt, raise_if_any
 from mesh3d.checkpoint.adapter_choice import adapter_of
 from mesh3d.checkpoint.checksums import CHECKSUM_FILE, ManifestError, first_mismatch, read_manifest, share, sums_of, write_manifest
 from mesh3d.checkpoint.hf_adapter import HFAdapter, as_config_dict
+from mesh3d.checkpoint.kept_versions import restart_rule
 from mesh3d.checkpoint.train_state import write_json
 from mesh3d.parallel_model import ParallelModel
 
@@ -239,8 +240,7 @@ def import_safetensors(pm: ParallelModel, in_dir: str | os.PathLike) -> None:
     pm.discard_in_flight()
     raise_if_any(attempt(lambda: _read_local_slices(pm, files, source)))
     pm.tied.sync_values()
-    if pm.never_drains:  # a never-drain schedule's rule starts afresh from these weights
-        pm.runtime.never_drain.restart_rule()
+    restart_rule(pm)  # a never-drain schedule's rule starts afresh from these weights
 
 
 def _checksum_problem(in_dir: Path, rank: int, world_size: int) -> str | None:

@@ -8,6 +8,7 @@ memory). Under a never-drain schedule each training step is one call (never_drai
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -101,7 +102,7 @@ class PipelineRuntime:
         )
         self.local = LocalStages(stages, self.n_stages, self.microbatches, self.routes, self.device, self.checkpointing,
                                  before_backward, after_weight_backward)
-        self.never_drain = NeverDrainCalls(stream, versions, peers.pp_rank) if stream is not None else None
+        self.never_drain = NeverDrainCalls(stream, versions, peers.pp_rank, stages) if stream is not None else None
 
     def check(self, inputs: torch.Tensor) -> Boundaries:
         """Everything about the stages that can fail before the first message, on every rank;
@@ -137,8 +138,8 @@ class PipelineRuntime:
         never_drain = self.never_drain
         if never_drain is not None and train:
             counters = self.counters = RuntimeCounters()
-            start = lambda: self._start(boundaries.specs, {}, {}, loss, True, RuntimeCounters(),  # noqa: E731
-                                        window=2 * m, versions=never_drain.versions)
+            start = functools.partial(self._start, boundaries.specs, {}, {}, loss, True, RuntimeCounters(),
+                                      window=2 * m, versions=never_drain.versions)
             return never_drain.call(input_chunks, target_chunks, boundaries.specs, loss, counters, start)
         if never_drain is not None and never_drain.in_flight is not None:
             raise RuntimeError("a never-drain schedule still has backwards in flight: flush() before an evaluation")
