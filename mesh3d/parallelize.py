@@ -45,7 +45,7 @@ from mesh3d.model.intake import anatomy_of
 from mesh3d.pipeline.split import Split, split_model
 from mesh3d.pipeline.schedule.catalog import SCHEDULES
 from mesh3d.pipeline.schedule.never_drain import never_drain_stream
-from mesh3d.pipeline.tied import TiedWeights, find_ties, get_parameter
+from mesh3d.pipeline.tied import TiedWeights, find_ties, tied_copies, ties_across_stages
 from mesh3d.pipeline.weight_versions import WeightVersions
 from mesh3d.model.state_map import StateMap
 from mesh3d.tensor import TensorParallelConfig, apply_tensor_parallel, loss_context
@@ -187,7 +187,7 @@ def parallelize(
     split = split_model(model, anatomy, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank), pipe.traced)
     stages = to_device(split.stages, layout.device, materialize=split.from_meta)
     ties = find_ties(model)
-    tie_holders = _ties_across_stages(schedule, ties, split.meta_stages) if never_drains else ()
+    tie_holders = ties_across_stages(schedule, ties, split.meta_stages) if never_drains else ()
     state = StateMap.from_stages(layout, split.meta_model, split.meta_stages, pipe.schedule.stage_rank, ties, stages)
     tied = TiedWeights(ties, split.meta_stages, pipe.schedule.stage_rank, layout, stages)
     tied.tie_locally()
@@ -222,7 +222,7 @@ def parallelize(
     if optimizer is not None:
         pm._optimizer = _build_optimizer(optimizer, pm)
     if never_drains:
-        runtime.never_drain.versions = WeightVersions(stages, runtime.never_drain.stream.rule, pm.optimizer, _tied_copies(tied, stages, tie_holders))
+        runtime.never_drain.versions = WeightVersions(stages, runtime.never_drain.stream.rule, pm.optimizer, tied_copies(tied, stages, tie_holders))
     return pm
 
 
@@ -245,35 +245,6 @@ def _build_optimizer(factory, pm: ParallelModel) -> torch.optim.Optimizer:
     if not isinstance(built, torch.optim.Optimizer):
         raise ValueError(f"optimizer= returned {type(built).__name__}, not a torch.optim.Optimizer")
     return built
-
-
-def _ties_across_stages(schedule: str, ties: list[list[str]], meta_stages: list[nn.Module]) -> tuple[tuple[int, ...], ...]:
-    """The stages holding each weight tied across stages (pure: every rank sees the same meta
-    stages and raises the same error). A never-drain schedule joins the copies' updates with one
-    collective per update (schedule/never_drain.py), for one such weight."""
-    across = []
-    for names in ties:
-        holders = tuple(s for s, stage in enumerate(meta_stages) if any(get_parameter(stage, n) is not None for n in names))
-        if len(holders) > 1:
-            across.append((names, holders))
-    if len(across) > 1:
-        raise ValueError(
-            f"schedule {schedule!r} supports one weight tied across pipeline stages, got {len(across)} "
-            f"({[names for names, _ in across]}); untie all but one, or use a schedule that drains"
-        )
-    return tuple(holders for _, holders in across)
-
-
-def _tied_copies(tied: TiedWeights, stages: dict[int, nn.Module], tie_holders) -> dict:
-    """Per stage of this rank holding the tie: (its copy, the tie's process group, the first stage holding it)."""
-    copies = {}
-    for holders in tie_holders:
-        tie = next(t for t in tied.ties if len(t.ranks) > 1)
-        for index in holders:
-            if index in stages:
-                param = next(p for p in (get_parameter(stages[index], n) for n in tie.names) if p is not None)
-                copies[index] = (param, tie.group, holders[0])
-    return copies
 
 
 def _resolve_layout(layout: Layout | None, pp: int | None, dp: int | None, tp: int | None) -> Layout:

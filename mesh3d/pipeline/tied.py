@@ -229,3 +229,32 @@ class TiedWeights:
                 else:
                     copy.grad = total.clone() if before is None else total + before
         self._earlier_grads = []
+
+
+def ties_across_stages(schedule: str, ties: list[list[str]], meta_stages: list[nn.Module]) -> tuple[tuple[int, ...], ...]:
+    """The stages holding each weight tied across stages (pure: every rank sees the same meta
+    stages and raises the same error). A never-drain schedule joins the copies' updates with one
+    collective per update (schedule/never_drain.py), for one such weight."""
+    across = []
+    for names in ties:
+        holders = tuple(s for s, stage in enumerate(meta_stages) if any(get_parameter(stage, n) is not None for n in names))
+        if len(holders) > 1:
+            across.append((names, holders))
+    if len(across) > 1:
+        raise ValueError(
+            f"schedule {schedule!r} supports one weight tied across pipeline stages, got {len(across)} "
+            f"({[names for names, _ in across]}); untie all but one, or use a schedule that drains"
+        )
+    return tuple(holders for _, holders in across)
+
+
+def tied_copies(tied: TiedWeights, stages: dict[int, nn.Module], tie_holders) -> dict:
+    """Per stage of this rank holding the tie: (its copy, the tie's process group, the first stage holding it)."""
+    copies = {}
+    for holders in tie_holders:
+        tie = next(t for t in tied.ties if len(t.ranks) > 1)
+        for index in holders:
+            if index in stages:
+                param = next(p for p in (get_parameter(stages[index], n) for n in tie.names) if p is not None)
+                copies[index] = (param, tie.group, holders[0])
+    return copies
