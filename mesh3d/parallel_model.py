@@ -21,6 +21,16 @@ from mesh3d.model.state_map import StateMap
 from mesh3d.tensor import TensorParallelConfig, check_loss_parallel_output, settle_gradients
 
 
+def named_stage_parameters(stages: dict[int, nn.Module]) -> Iterator[tuple[str, nn.Parameter]]:
+    """The parameters of these stages, in stage order, under the unsplit model's names (a shared tensor once)."""
+    seen: set[int] = set()
+    for index in sorted(stages):
+        for name, param in stages[index].named_parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield name, param
+
+
 class ParallelModel:
     """What `mesh3d.parallelize` returns: the stages this rank owns, wired into a pipeline schedule.
 
@@ -212,12 +222,7 @@ class ParallelModel:
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters under the unsplit model's names (a shared tensor once)."""
-        seen: set[int] = set()
-        for index in sorted(self.stages):
-            for name, param in self.stages[index].named_parameters():
-                if id(param) not in seen:
-                    seen.add(id(param))
-                    yield name, param
+        return named_stage_parameters(self.stages)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters; pass them to the optimizer."""

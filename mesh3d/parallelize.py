@@ -36,16 +36,14 @@ from mesh3d.model.initialize import initialize, make_replicas_identical, to_devi
 from mesh3d.model.loss import LossFn, cross_entropy_loss
 from mesh3d.step.global_loss import GlobalLoss
 from mesh3d.mesh import Layout, build_mesh
-from mesh3d.parallel_model import ParallelModel
+from mesh3d.parallel_model import ParallelModel, named_stage_parameters
 from mesh3d.pipeline.config import PipelineConfig
 from mesh3d.pipeline.p2p import PipelinePeers
 from mesh3d.pipeline.runtime import PipelineRuntime
 from mesh3d.model.anatomy import Anatomy
 from mesh3d.model.intake import anatomy_of
 from mesh3d.pipeline.split import Split, split_model
-from mesh3d.pipeline.schedule.catalog import SCHEDULES
-from mesh3d.pipeline.schedule.never_drain import never_drain_stream
-from mesh3d.pipeline.tied import TiedWeights, find_ties, tied_copies, ties_across_stages
+from mesh3d.pipeline.tied import TiedWeights, find_ties, tied_copies
 from mesh3d.pipeline.weight_versions import WeightVersions
 from mesh3d.model.state_map import StateMap
 from mesh3d.tensor import TensorParallelConfig, apply_tensor_parallel, loss_context
@@ -175,19 +173,13 @@ def parallelize(
         activation_checkpoint=activation_checkpoint, layers_per_stage=layers_per_stage,
         stage_balance=stage_balance, end_weight=end_weight, split_points=split_points,
     )
-    never_drains = SCHEDULES[schedule].never_drains
-    _check_optimizer(schedule, never_drains, optimizer)
-    if never_drains and pipe.routes.skips:
-        raise ValueError(
-            f"schedule {schedule!r} does not run a model with skip connections between stages yet (this split has "
-            f"{list(pipe.routes.skips)}); use a schedule that drains, or split points that keep each skip within a stage"
-        )
+    _check_optimizer(pipe, optimizer)
     _check_same_config_everywhere(f"{pipe} {data} {tensor} compile={compile_backend}")
 
     split = split_model(model, anatomy, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank), pipe.traced)
     stages = to_device(split.stages, layout.device, materialize=split.from_meta)
     ties = find_ties(model)
-    tie_holders = ties_across_stages(schedule, ties, split.meta_stages) if never_drains else ()
+    tie_holders = pipe.tie_holders(ties, split.meta_stages)
     state = StateMap.from_stages(layout, split.meta_model, split.meta_stages, pipe.schedule.stage_rank, ties, stages)
     tied = TiedWeights(ties, split.meta_stages, pipe.schedule.stage_rank, layout, stages)
     tied.tie_locally()
@@ -197,9 +189,14 @@ def parallelize(
     if compile_backend is not None:
         compile_blocks(stages.values(), anatomy, compile_backend, split_backward=pipe.schedule.splits_backward)
     grad_sync = None
-    if data.wraps(layout.dp) or never_drains:  # never-drain: versions are swapped through FSDP (weight_versions.py)
+    if data.wraps(layout.dp) or pipe.never_drains:  # never-drain: versions are swapped through FSDP (weight_versions.py)
         tied.separate_stages()  # each stage is its own FSDP/DDP root: no Parameter shared by two
         grad_sync = apply_data_parallel(stages, layout, data, anatomy.blocks)
+    built_optimizer = _build_optimizer(optimizer, stages) if optimizer is not None else None
+    stream = pipe.never_drain_stream(tie_holders)
+    versions = None
+    if stream is not None:
+        versions = WeightVersions(stages, stream.rule, built_optimizer, tied_copies(tied, stages, tie_holders))
 
     peers = PipelinePeers(
         layout.pp_rank, layout.group_ranks("pp"), layout.group("pp") if layout.pp > 1 else None, layout.device
@@ -209,39 +206,43 @@ def parallelize(
         before_backward=grad_sync.before_backward if grad_sync is not None else None,
         after_weight_backward=grad_sync.after_weight_backward if grad_sync is not None else None,
         fake_shape_run=anatomy.fake_shape_run, routes=pipe.routes, blocks=anatomy.blocks,
-        stream=never_drain_stream(schedule, layout.pp, pipe.schedule.microbatches, tie_holders) if never_drains else None,
+        stream=stream, versions=versions,
     )
     has_last_stage = pipe.schedule.n_stages - 1 in stages
     loss = GlobalLoss(
         layout, loss_fn or cross_entropy_loss, loss_context(tensor.loss_parallel), pipe.schedule.microbatches,
-        has_last_stage, per_microbatch=schedule == "pipedream",
+        has_last_stage, per_microbatch=pipe.loss_per_microbatch,
     )
-    pm = ParallelModel(
-        layout, runtime, loss, tied, state, pipe.stage_layers, tensor, grad_sync, declared_vocab_size(anatomy.vocab_size)
+    return ParallelModel(
+        layout, runtime, loss, tied, state, pipe.stage_layers, tensor, grad_sync, declared_vocab_size(anatomy.vocab_size),
+        built_optimizer,
     )
-    if optimizer is not None:
-        pm._optimizer = _build_optimizer(optimizer, pm)
-    if never_drains:
-        runtime.never_drain.versions = WeightVersions(stages, runtime.never_drain.stream.rule, pm.optimizer, tied_copies(tied, stages, tie_holders))
-    return pm
 
 
-def _check_optimizer(schedule: str, never_drains: bool, optimizer) -> None:
+def _check_optimizer(pipe: PipelineConfig, optimizer) -> None:
+    """A never-drain schedule updates inside the pipeline: it needs the optimizer, and (for now) a
+    split whose skip connections stay within a stage."""
+    schedule = pipe.schedule.name
     if optimizer is not None and not callable(optimizer):
         raise ValueError(
             f"optimizer={optimizer!r} is not callable; pass a factory taking the parameters, e.g. "
             "functools.partial(torch.optim.AdamW, lr=3e-4)"
         )
-    if never_drains and optimizer is None:
+    if pipe.never_drains and optimizer is None:
         raise ValueError(
             f"schedule {schedule!r} updates the weights inside the pipeline, stage by stage, so mesh3d must own the "
             "optimizer: pass optimizer=functools.partial(torch.optim.AdamW, lr=...) (any callable taking the "
             "parameters and returning a torch optimizer); it is then pm.optimizer"
         )
+    if pipe.never_drains and pipe.routes.skips:
+        raise ValueError(
+            f"schedule {schedule!r} does not run a model with skip connections between stages yet (this split has "
+            f"{list(pipe.routes.skips)}); use a schedule that drains, or split points that keep each skip within a stage"
+        )
 
 
-def _build_optimizer(factory, pm: ParallelModel) -> torch.optim.Optimizer:
-    built = factory(list(pm.parameters()))
+def _build_optimizer(factory, stages: dict[int, nn.Module]) -> torch.optim.Optimizer:
+    built = factory([param for _, param in named_stage_parameters(stages)])
     if not isinstance(built, torch.optim.Optimizer):
         raise ValueError(f"optimizer= returned {type(built).__name__}, not a torch.optim.Optimizer")
     return built

@@ -12,9 +12,13 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from mesh3d.pipeline.schedule.catalog import build_schedule, default_microbatches, default_virtual_stages
+from mesh3d.pipeline.schedule.catalog import (
+    SCHEDULES, ScheduleSpec, build_schedule, default_microbatches, default_virtual_stages,
+)
 from mesh3d.pipeline.schedule.ir import Schedule
 from mesh3d.pipeline.schedule.lower import LoweredSchedule, lower
+from mesh3d.pipeline.schedule.never_drain import NeverDrainStream, never_drain_stream
+from mesh3d.pipeline.tied import ties_across_stages
 from mesh3d.model.anatomy import Anatomy
 from mesh3d.model.traced.capture import TracedSplit
 from mesh3d.pipeline.routes import StageRoutes
@@ -40,6 +44,32 @@ class PipelineConfig:
     def schedule(self) -> Schedule:
         """The training schedule's compute IR (sizes, stage placement)."""
         return self.training.schedule
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        """The catalog's entry for the schedule: what its name implies."""
+        return SCHEDULES[self.schedule.name]
+
+    @property
+    def never_drains(self) -> bool:
+        """Calls overlap and the weights update inside the pipeline (never_drain.py)."""
+        return self.spec.never_drains
+
+    @property
+    def loss_per_microbatch(self) -> bool:
+        """Each microbatch is an update of its own, its loss scaled as a whole batch's."""
+        return self.spec.loss_per_microbatch
+
+    def tie_holders(self, ties: list[list[str]], meta_stages: list[nn.Module]) -> tuple[tuple[int, ...], ...]:
+        """The stages holding each weight tied across stages, which a never-drain schedule's
+        stream joins the updates of (none for a schedule that drains: its ties sync after the step)."""
+        return ties_across_stages(self.schedule.name, ties, meta_stages) if self.never_drains else ()
+
+    def never_drain_stream(self, tie_holders: tuple[tuple[int, ...], ...]) -> NeverDrainStream | None:
+        """The never-drain schedule's stream of calls (None for a schedule that drains)."""
+        if not self.never_drains:
+            return None
+        return never_drain_stream(self.schedule.name, self.schedule.pp, self.schedule.microbatches, tie_holders)
 
     @classmethod
     def resolve(

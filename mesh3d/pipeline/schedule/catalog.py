@@ -29,6 +29,9 @@ class ScheduleSpec:
     default_virtual_stages: int | None  # None: 2 when the model has at least 2*pp layers, else 1
     fixed_virtual_stages: int | None = None  # the only virtual_stages it takes (zbv, dualpipev: a V needs exactly 2)
     never_drains: bool = False  # calls overlap; weights update inside the pipeline (never_drain.py)
+    # Each microbatch is an update of its own ("pipedream"), so its loss is scaled as a whole
+    # batch's would be (step/global_loss.py).
+    loss_per_microbatch: bool = False
 
     @property
     def virtual_stages_rule(self) -> str:
@@ -62,7 +65,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "dualpipev": ScheduleSpec(dualpipe_v, multi_stage=True, min_microbatches_per_rank=2, default_virtual_stages=2,
                               fixed_virtual_stages=2),
     "pipedream": ScheduleSpec(never_drain("pipedream"), multi_stage=False, min_microbatches_per_rank=1,
-                              default_virtual_stages=1, never_drains=True),
+                              default_virtual_stages=1, never_drains=True, loss_per_microbatch=True),
     "pipedream_2bw": ScheduleSpec(never_drain("pipedream_2bw"), multi_stage=False, min_microbatches_per_rank=1,
                                   default_virtual_stages=1, never_drains=True),
 }
