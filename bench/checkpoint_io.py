@@ -59,7 +59,7 @@ def _build(args, layout):
 
 
 def _snapshot(pm, optimizer) -> list[torch.Tensor]:
-    tensors = [local_tensor(t.detach()).cpu().clone() for t in pm.local_state_dict().values()]
+    tensors = [local_tensor(t.detach()).cpu().clone() for t in pm.state_map.local().values()]
     for state in optimizer.state.values():
         tensors += [local_tensor(v).cpu().clone() for v in state.values() if isinstance(v, torch.Tensor)]
     return tensors

@@ -70,7 +70,7 @@ def _bench(args, layout) -> dict:
                 times[name].append(seconds)
     results = {}
     for name, (model, pm, _) in runs.items():
-        c = pm.runtime.counters  # of the last step; every step sends the same
+        c = pm.counters  # of the last step; every step sends the same
         traffic = torch.tensor([c.bytes_sent, c.bytes_received, c.messages_sent], dtype=torch.int64, device=layout.device)
         dist.all_reduce(traffic)
         sent, received, messages = traffic.tolist()

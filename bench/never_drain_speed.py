@@ -53,7 +53,7 @@ def _bench(pp, microbatches, batch, seq_len, calls):
                 pm.step(tokens[:, :-1], tokens[:, 1:])
         elapsed = time.perf_counter() - start
         pm.flush()
-        kept = pm.runtime.never_drain.versions.kept_bytes() if pm.runtime.never_drain is not None else 0
+        kept = pm._runtime.never_drain.versions.kept_bytes() if pm._runtime.never_drain is not None else 0
         results[schedule] = (elapsed / calls, kept, meter.peak)
     return results
 

@@ -18,7 +18,7 @@ on it.
 The never-drain schedules ("pipedream", "pipedream_2bw") take the optimizer at parallelize
 (`optimizer=`, AdamW at the same settings) and update inside `pm.step`, so their run has no
 gradient clipping and ends with `pm.flush()` (untimed; its backwards count to the activations).
-For them "versions" is the peak over the run of `pm.runtime.never_drain.versions.kept_bytes()` (the copies of
+For them "versions" is the peak over the run of `pm._runtime.never_drain.versions.kept_bytes()` (the copies of
 earlier weight versions this rank keeps besides its parameters; sampled after every `pm.step` and
 after the flush), printed per rank below the layout's row; 0 for every other schedule. Their
 gradients are consumed by each update inside the call, so the bytes in `.grad` are sampled after
@@ -193,7 +193,7 @@ def _measure_case(case: Case, batch: int, seq_len: int, steps: int, model_overri
         kept_peak = max(kept_peak, kept[0])
 
     def kept_versions() -> int:
-        return pm.runtime.never_drain.versions.kept_bytes() if pm.runtime.never_drain is not None else 0
+        return pm._runtime.never_drain.versions.kept_bytes() if pm._runtime.never_drain is not None else 0
 
     share = batch // case.dp
     for _ in range(steps + 1):
@@ -211,7 +211,7 @@ def _measure_case(case: Case, batch: int, seq_len: int, steps: int, model_overri
             grads = _local_bytes(p.grad for p in pm.parameters())  # before zero_grad
             optimizer.zero_grad()
         times.append(time.perf_counter() - start)
-    p2p_sent = pm.runtime.counters.bytes_sent  # the last call's (a flush's traffic would count to it)
+    p2p_sent = pm.counters.bytes_sent  # the last call's (a flush's traffic would count to it)
     if case.never_drains:
         metered(pm.flush)  # the backwards and updates still in flight
         versions = max(versions, kept_versions())

@@ -15,7 +15,9 @@ from mesh3d.step.grad_norm import clip_grad_norm_
 from mesh3d.mesh import Layout
 from mesh3d.distributed.peer_timeout import located
 from mesh3d.pipeline.boundary import Boundaries
-from mesh3d.pipeline.runtime import PipelineRuntime
+from mesh3d.pipeline.schedule.ir import Schedule
+from mesh3d.pipeline.never_drain_calls import NeverDrainCalls
+from mesh3d.pipeline.runtime import PipelineRuntime, RuntimeCounters
 from mesh3d.pipeline.tied import TiedWeights
 from mesh3d.model.state_map import StateMap
 from mesh3d.tensor import TensorParallelConfig, check_loss_parallel_output, settle_gradients
@@ -56,6 +58,8 @@ class ParallelModel:
             (dp == 1 without mixed precision or a never-drain schedule).
         vocab_size: the vocabulary the model declared; token ids and targets are checked against it.
         optimizer: the optimizer parallelize built from its `optimizer=` factory, or None.
+
+    Its public names are listed in docs/parallelize.md (tests/unit/test_public_names.py holds them).
     """
 
     def __init__(
@@ -72,24 +76,22 @@ class ParallelModel:
         optimizer: torch.optim.Optimizer | None = None,
     ):
         self._optimizer = optimizer
-        self.layout = layout
-        self.runtime = runtime
-        self.stages = runtime.stages
-        self.schedule = runtime.schedule
-        self.tied = tied
-        self.state = state
-        self.stage_layers = stage_layers
-        self.tensor_parallel = tensor_parallel
-        self.grad_sync = grad_sync
-        self.vocab_size = vocab_size
-        self.global_loss = global_loss  # kind, count and total of the step's loss
+        self._layout = layout
+        self._runtime = runtime
+        self._tied = tied
+        self._state = state
+        self._stage_layers = stage_layers
+        self._tensor_parallel = tensor_parallel
+        self._grad_sync = grad_sync
+        self._vocab_size = vocab_size
+        self._global_loss = global_loss  # kind, count and total of the step's loss
 
     # -- running ------------------------------------------------------------------------------
 
     def _check(self, inputs: torch.Tensor, targets: torch.Tensor, during: str) -> tuple[Boundaries, str]:
         """Every check of a step or evaluation, on every rank, before any message; the boundary
         shapes and the loss's kind (MEAN or PAIR)."""
-        problem = batch_problem(inputs, targets, self.vocab_size, self.global_loss.ignore_index)
+        problem = batch_problem(inputs, targets, self._vocab_size, self._global_loss.ignore_index)
         agree_on_batch(problem, self.layout.device, during)
         m = self.schedule.microbatches
         if inputs.dim() == 0 or inputs.shape[0] % m != 0:
@@ -98,16 +100,31 @@ class ParallelModel:
                 f"microbatches={m} equal microbatches (dim 0); use a batch size that is a multiple of {m}"
             )
         tp = self.layout.tp
-        if self.tensor_parallel.sequence_parallel and (inputs.dim() < 2 or inputs.shape[1] % tp != 0):
+        if self._tensor_parallel.sequence_parallel and (inputs.dim() < 2 or inputs.shape[1] % tp != 0):
             raise ValueError(
                 f"sequence length {inputs.shape[1] if inputs.dim() >= 2 else None} is not divisible by tp={tp}; the tp "
                 f"plan uses sequence parallel, which splits dim 1 over the tp ranks: use a multiple of {tp}"
             )
-        boundaries = self.runtime.check(inputs)
-        if self.tensor_parallel.loss_parallel:
+        boundaries = self._runtime.check(inputs)
+        if self._tensor_parallel.loss_parallel:
             output = boundaries.output  # the model's output on meta, as tensor parallelism leaves it
             check_loss_parallel_output(tuple(output.placements) if isinstance(output, DTensor) else None, output.ndim)
-        return boundaries, self.global_loss.kind(boundaries, inputs, targets)
+        return boundaries, self._global_loss.kind(boundaries, inputs, targets)
+
+    @property
+    def layout(self) -> Layout:
+        """This rank's Layout: its mesh coordinate, groups and device."""
+        return self._layout
+
+    @property
+    def schedule(self) -> Schedule:
+        """The training schedule (its `name`, `pp`, `microbatches`, `virtual_stages`)."""
+        return self._runtime.schedule
+
+    @property
+    def stages(self) -> dict[int, nn.Module]:
+        """{stage index: this rank's stage module}, each under the unsplit model's names."""
+        return self._runtime.stages
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -119,7 +136,14 @@ class ParallelModel:
     def never_drains(self) -> bool:
         """Whether the schedule overlaps calls and updates inside the pipeline ("pipedream",
         "pipedream_2bw"): `step`'s backwards may finish during the next calls; see `flush`."""
-        return self.runtime.never_drain is not None
+        return self._runtime.never_drain is not None
+
+    @property
+    def never_drain_state(self) -> NeverDrainCalls | None:
+        """A never-drain schedule's state beyond the weights (where its update rule stands, the
+        weight versions it keeps), torch's Stateful (`state_dict`/`load_state_dict`): what
+        mesh3d.checkpoint saves and loads. None for a schedule that drains."""
+        return self._runtime.never_drain
 
     def flush(self) -> None:
         """Finish every backward and update still in flight (never-drain schedules; nothing to do
@@ -127,7 +151,7 @@ class ParallelModel:
         `evaluate`, `full_state_dict` and the checkpoint functions flush by themselves. A flush changes no update
         rule: the next calls see the weight versions they would have seen without it."""
         with self._peer_failures("pm.flush"), torch.enable_grad():  # backwards, even if called under no_grad
-            self.runtime.flush()
+            self._runtime.flush()
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every microbatch; gradients accumulate into `.grad`.
@@ -151,24 +175,24 @@ class ParallelModel:
             return self._step(inputs, targets, boundaries, kind)
 
     def _step(self, inputs: torch.Tensor, targets: torch.Tensor, boundaries: Boundaries, kind: str) -> torch.Tensor:
-        loss = self.global_loss.for_step(boundaries, kind, targets)
+        loss = self._global_loss.for_step(boundaries, kind, targets)
         if self.never_drains:  # updates inside the pipeline; after a failure, refused until a checkpoint is loaded
-            with self.runtime.never_drain.failure_marked(self._drop_partial_state):
-                return self.global_loss.total(self.runtime.run(inputs, targets, boundaries, loss, train=True), loss)
-        self.tied.set_aside_grads()
+            with self._runtime.never_drain.failure_marked(self._drop_partial_state):
+                return self._global_loss.total(self._runtime.run(inputs, targets, boundaries, loss, train=True), loss)
+        self._tied.set_aside_grads()
         try:
-            totals = self.runtime.run(inputs, targets, boundaries, loss, train=True)
+            totals = self._runtime.run(inputs, targets, boundaries, loss, train=True)
         except BaseException:
             # The step is lost. Drop what data parallelism holds unreduced (zero_grad cannot reach
             # it) and give tied copies back their earlier gradients; .grad may still hold parts of
             # the failed step, so call zero_grad() before the next one.
-            self.tied.restore_set_aside()
-            if self.grad_sync is not None:
-                self.grad_sync.abort()
+            self._tied.restore_set_aside()
+            if self._grad_sync is not None:
+                self._grad_sync.abort()
             raise
         settle_gradients(self.parameters())
-        self.tied.sync_grads()
-        value = self.global_loss.total(totals, loss)
+        self._tied.sync_grads()
+        value = self._global_loss.total(totals, loss)
         if self._optimizer is not None:
             self._optimizer.step()
             self._optimizer.zero_grad()
@@ -182,17 +206,17 @@ class ParallelModel:
         self.flush()
         with self._peer_failures("pm.evaluate"):
             boundaries, kind = self._check(inputs, targets, "pm.evaluate")
-        loss = self.global_loss.for_evaluation(kind)
+        loss = self._global_loss.for_evaluation(kind)
         modes = {m: m.training for stage in self.stages.values() for m in stage.modules()}
         self.eval()
         try:
             with self._peer_failures("pm.evaluate"):
-                return self.global_loss.total(self.runtime.run(inputs, targets, boundaries, loss, train=False))
+                return self._global_loss.total(self._runtime.run(inputs, targets, boundaries, loss, train=False))
         finally:
             for module, training in modes.items():
                 module.training = training
-            if self.grad_sync is not None:
-                self.grad_sync.end_forward_only()  # no backward came to reshard what the forwards gathered
+            if self._grad_sync is not None:
+                self._grad_sync.end_forward_only()  # no backward came to reshard what the forwards gathered
 
     def train(self, mode: bool = True) -> ParallelModel:
         """Set train/eval mode on every local stage (dropout and the like), as nn.Module.train does."""
@@ -201,12 +225,19 @@ class ParallelModel:
         return self
 
     def eval(self) -> ParallelModel:
+        """Eval mode on every local stage (`train(False)`)."""
         return self.train(False)
+
+    @property
+    def counters(self) -> RuntimeCounters:
+        """What the pipeline runtime counted in the last training step on this rank: messages and
+        bytes sent and received, live and peak activations, checkpointed and recomputed forwards."""
+        return self._runtime.counters
 
     @property
     def peak_live_activations(self) -> int:
         """Most stage-microbatch forwards this rank held for their backward during the last step."""
-        return self.runtime.counters.peak_live_activations
+        return self._runtime.counters.peak_live_activations
 
     def comm_bytes(self) -> dict[tuple[int, int], int]:
         """{(src_stage, dst_stage): bytes this rank sent to that stage in the last training step}.
@@ -216,7 +247,7 @@ class ParallelModel:
         count; a hand-over between two stages this rank holds (ZBV's turn, for one) sends nothing
         and has no key. Bytes are those of the tensors as sent: local shards under tensor
         parallelism, param_dtype under mixed precision. An evaluation does not change it."""
-        return dict(self.runtime.counters.bytes_by_stage_pair)
+        return dict(self._runtime.counters.bytes_by_stage_pair)
 
     # -- parameters ---------------------------------------------------------------------------
 
@@ -230,6 +261,7 @@ class ParallelModel:
             yield param
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero (or drop, the default) the gradients of every local stage, as nn.Module.zero_grad does."""
         for stage in self.stages.values():
             stage.zero_grad(set_to_none=set_to_none)
 
@@ -245,7 +277,7 @@ class ParallelModel:
                 f"pm.clip_grad_norm_ under schedule {self.schedule.name!r}: its updates run inside the pipeline, stage by "
                 "stage, so no whole gradient is ever there to clip by its global norm; train without clipping"
             )
-        counted = lambda param: not self.tied.is_secondary_copy(param)  # noqa: E731
+        counted = lambda param: not self._tied.is_secondary_copy(param)  # noqa: E731
         with self._peer_failures("pm.clip_grad_norm_ (the gradient-norm all-reduce)"):
             return clip_grad_norm_(self.parameters(), max_norm, norm_type, self.layout, counted)
 
@@ -257,36 +289,35 @@ class ParallelModel:
     # -- whole-model state (the state map's) --------------------------------------------------
 
     @property
-    def state_specs(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        """Global shape and dtype of every state_dict entry of the unsplit model, in its order
-        (both names of a tied weight); the same on every rank."""
-        return self.state.specs
-
-    def state_owner_pp_rank(self, name: str) -> int:
-        """The pp rank whose stages hold state_dict entry `name` (for a tied weight, its first stage's)."""
-        return self.state.owner_pp_rank(name)
-
-    def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's state_dict entries under the unsplit model's names, as held (DTensor shards
-        under tp/dp, sharing storage with the parameters); a name held by two local stages once."""
-        return self.state.local()
+    def state_map(self) -> StateMap:
+        """The unsplit model's state_dict as this rank holds it (model/state_map.py): every entry's
+        global shape and dtype (`.specs`), its owner (`.owner_pp_rank(name)`), tied names
+        (`.ties`), this rank's entries as held (`.local()`), gathering and loading by slice. What
+        mesh3d.checkpoint reads and writes; after writing weights through it, call `weights_replaced`."""
+        return self._state
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsplit model's state_dict (both names of a tied weight), full tensors on CPU, on every
         rank; a never-drain schedule flushes first."""
         self.flush()
-        return self.state.full_state_dict()
+        return self._state.full_state_dict()
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load the unsplit model's state_dict (every rank passes all of it; each keeps its part).
         Under a never-drain schedule the work in flight is dropped and the update rule starts
         afresh from these weights."""
-        self.state.check_full_state_dict(state_dict)
+        self._state.check_full_state_dict(state_dict)
         self.discard_in_flight()
-        self.state.load_by_slice(lambda name, window: state_dict[name][window])
-        self.tied.sync_values()
+        self._state.load_by_slice(lambda name, window: state_dict[name][window])
+        self.weights_replaced()
+
+    def weights_replaced(self) -> None:
+        """After weights were written from outside the training loop (through `state_map`, by a
+        checkpoint or an import, after `discard_in_flight`): tied copies made equal again (their
+        first copy's value) and a never-drain schedule's update rule started afresh from them."""
+        self._tied.sync_values()
         if self.never_drains:
-            self.runtime.never_drain.restart_rule()
+            self._runtime.never_drain.restart_rule()
 
     def discard_in_flight(self) -> None:
         """Before weights are replaced under a never-drain schedule: drop what the calls left in
@@ -297,25 +328,25 @@ class ParallelModel:
         take the next run's messages."""
         if not self.never_drains:
             return
-        if self.runtime.never_drain.failed is not None and self.layout.pp > 1:
+        if self._runtime.never_drain.failed is not None and self.layout.pp > 1:
             raise RuntimeError(
-                f"a never-drain {self.runtime.never_drain.failed} with messages in flight between pipeline ranks, which the process "
+                f"a never-drain {self._runtime.never_drain.failed} with messages in flight between pipeline ranks, which the process "
                 "group cannot withdraw: restart the processes (torchrun restarts them with --max-restarts) and resume "
                 "from the checkpoint there"
             )
         self._drop_partial_state()
-        self.runtime.never_drain.discard_in_flight()
+        self._runtime.never_drain.discard_in_flight()
 
     def _drop_partial_state(self) -> None:
         """What a call that stopped half-way leaves in data parallelism (unreduced gradients,
         gathered parameters) and in `.grad` (the never-drain state drops its own part)."""
-        if self.grad_sync is not None:
-            self.grad_sync.abort()
+        if self._grad_sync is not None:
+            self._grad_sync.abort()
         self.zero_grad(set_to_none=True)
 
     def __repr__(self) -> str:
         s = self.schedule
-        mine = {i: f"layers {r.start}..{r.stop - 1}" for i, r in enumerate(self.stage_layers) if i in self.stages}
+        mine = {i: f"layers {r.start}..{r.stop - 1}" for i, r in enumerate(self._stage_layers) if i in self.stages}
         return (
             f"ParallelModel({self.layout!r}, schedule={s.name}, microbatches={s.microbatches}, "
             f"virtual_stages={s.virtual_stages}, stages here={mine})"

@@ -25,7 +25,7 @@ def build(layout, tied: bool, *, small: bool = False, init_seed: int = 0, **para
     if init_seed:
         for stage in pm.stages.values():
             stage.init_weights(seed=init_seed)  # values a load must overwrite
-        pm.tied.sync_values()
+        pm.weights_replaced()
     optimizer = torch.optim.AdamW(pm.parameters(), lr=LR)
     loader = DistributedLoader.for_layout(dataset(), GLOBAL_BATCH, layout, seed=0)
     return pm, optimizer, loader

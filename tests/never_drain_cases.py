@@ -127,7 +127,7 @@ def mesh3d_run(layout, schedule: str, m: int, tied: bool, data, optimizer: str, 
             pm.flush()
     pm.flush()
     state = {k: v.numpy().copy() for k, v in pm.full_state_dict().items()}
-    owners = {name: pm.state_owner_pp_rank(name) for name in state}
+    owners = {name: pm.state_map.owner_pp_rank(name) for name in state}
     return losses, state, owners, pm
 
 

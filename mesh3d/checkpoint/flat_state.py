@@ -55,7 +55,7 @@ class FlatState:
 
 def _named_optimizer_params(pm: ParallelModel, optimizer: torch.optim.Optimizer) -> dict[int, str]:
     """id(param) -> stored name for every parameter the optimizer holds; an error for a stranger."""
-    names = pm.state.stored_names()
+    names = pm.state_map.stored_names()
     by_id = {id(p): names[n] for n, p in pm.named_parameters()}
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -70,8 +70,8 @@ def _named_optimizer_params(pm: ParallelModel, optimizer: torch.optim.Optimizer)
 def flat_state(pm: ParallelModel, optimizer: torch.optim.Optimizer | None) -> FlatState:
     """This rank's model (and optimizer) state, keyed as in the module docstring; tensors share storage."""
     out = FlatState()
-    names = pm.state.stored_names()
-    for name, tensor in pm.state.local().items():
+    names = pm.state_map.stored_names()
+    for name, tensor in pm.state_map.local().items():
         out.entries.setdefault(MODEL + names[name], tensor.detach())
     if optimizer is None:
         return out
@@ -165,9 +165,9 @@ def check_against_checkpoint(
     optimizer check at this rank's parameters.
     """
     saved = metadata.state_dict_metadata
-    names = pm.state.stored_names()
+    names = pm.state_map.stored_names()
     wanted = {}
-    for name, (shape, _) in pm.state.specs.items():
+    for name, (shape, _) in pm.state_map.specs.items():
         wanted.setdefault(names[name], tuple(shape))
     for name, shape in wanted.items():
         meta = saved.get(MODEL + name)

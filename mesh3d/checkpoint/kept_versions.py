@@ -28,13 +28,13 @@ VERSIONS = "versions."
 
 
 def _never_drain(pm: ParallelModel) -> NeverDrainCalls | None:
-    return pm.runtime.never_drain
+    return pm.never_drain_state
 
 
 def _stored_keys(pm: ParallelModel, names: list[str]) -> dict[str, str]:
     """The state's "<v>.<name>" entries -> the checkpoint's "versions.<v>.<stored name>" (a tied
     weight goes by its first name, as in the model's entries)."""
-    stored = pm.state.stored_names()
+    stored = pm.state_map.stored_names()
     keys = {}
     for entry in names:
         version, name = entry.split(".", 1)
@@ -103,9 +103,3 @@ def restore_kept(pm: ParallelModel, saved: dict | None, loaded: dict[str, torch.
         return
     keys = _stored_keys(pm, never_drain.kept_names(saved))
     never_drain.load_state_dict({"rule": saved, "versions": {entry: loaded[key] for entry, key in keys.items()}})
-
-
-def restart_rule(pm: ParallelModel) -> None:
-    """After weights were replaced from outside a checkpoint (safetensors): a never-drain
-    schedule's rule starts afresh from them."""
-    restore_kept(pm, None, {})

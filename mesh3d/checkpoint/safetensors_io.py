@@ -31,7 +31,6 @@ from mesh3d.distributed.agree import attempt, raise_if_any
 from mesh3d.checkpoint.adapter_choice import adapter_of
 from mesh3d.checkpoint.checksums import CHECKSUM_FILE, ManifestError, first_mismatch, read_manifest, share, sums_of, write_manifest
 from mesh3d.checkpoint.hf_adapter import HFAdapter, as_config_dict
-from mesh3d.checkpoint.kept_versions import restart_rule
 from mesh3d.checkpoint.train_state import write_json
 from mesh3d.parallel_model import ParallelModel
 
@@ -42,23 +41,23 @@ DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
 
 
 def _adapter(pm: ParallelModel) -> HFAdapter:
-    return adapter_of(next(iter(pm.stages.values())), pm.state.ties)
+    return adapter_of(next(iter(pm.stages.values())), pm.state_map.ties)
 
 
 def _is_tied(pm: ParallelModel, adapter: HFAdapter) -> bool:
     pair = adapter.tied_pair
-    return pair is not None and any(set(pair) <= set(names) for names in pm.state.ties)
+    return pair is not None and any(set(pair) <= set(names) for names in pm.state_map.ties)
 
 
 def _kept_names(pm: ParallelModel, adapter: HFAdapter) -> dict[str, str]:
     """Every state name -> the name its tensor is written under: a tied weight once, under the
     embedding of the adapter's tied pair (as save_pretrained does), else under its first name."""
     kept = {}
-    for names in pm.state.ties:
+    for names in pm.state_map.ties:
         pair = adapter.tied_pair
         keep = pair[0] if pair is not None and set(pair) <= set(names) else names[0]
         kept.update(dict.fromkeys(names, keep))
-    return {name: kept.get(name, name) for name in pm.state.specs}
+    return {name: kept.get(name, name) for name in pm.state_map.specs}
 
 
 def _shard_plan(sizes: dict[str, int], max_shard_size: int) -> list[list[str]]:
@@ -128,7 +127,7 @@ def export_safetensors(
             f"embedding and output are {'tied' if tied else 'separate'}; give a config that matches the model"
         )
     kept = _kept_names(pm, adapter)
-    specs = {n: spec for n, spec in pm.state.specs.items() if kept[n] == n}
+    specs = {n: spec for n, spec in pm.state_map.specs.items() if kept[n] == n}
     hf_names = {name: adapter.to_hf(name) for name in specs}
     _refuse_shared_names(hf_names)
     out_dtype = {n: dtype or spec[1] for n, spec in specs.items()}
@@ -145,7 +144,7 @@ def export_safetensors(
     with _quiet_strided_gather():
         for file, names in zip(files, shards):
             tensors = {}
-            for name, full in pm.state.gather(names, to=0):
+            for name, full in pm.state_map.gather(names, to=0):
                 if full is not None:
                     tensors[hf_names[name]] = full.to(out_dtype[name]).contiguous()
             if layout.rank == 0:
@@ -231,7 +230,7 @@ def import_safetensors(pm: ParallelModel, in_dir: str | os.PathLike) -> None:
     source, theirs_head = _source_names(pm, adapter, files, theirs, in_dir)
     _refuse_unplaced(files, {*source.values(), *theirs_head}, adapter, in_dir)
     shapes = _saved_shapes(files, set(source.values()))
-    for name, (shape, _) in pm.state.specs.items():
+    for name, (shape, _) in pm.state_map.specs.items():
         if shapes[source[name]] != tuple(shape):
             raise ValueError(
                 f"import_safetensors: {source[name]} has shape {shapes[source[name]]} in {in_dir}, but this model's "
@@ -239,8 +238,7 @@ def import_safetensors(pm: ParallelModel, in_dir: str | os.PathLike) -> None:
             )
     pm.discard_in_flight()
     raise_if_any(attempt(lambda: _read_local_slices(pm, files, source)))
-    pm.tied.sync_values()
-    restart_rule(pm)  # a never-drain schedule's rule starts afresh from these weights
+    pm.weights_replaced()  # tied copies equal again; a never-drain schedule's rule starts afresh
 
 
 def _checksum_problem(in_dir: Path, rank: int, world_size: int) -> str | None:
@@ -276,7 +274,7 @@ def _source_names(
                 "model ties its output to the embedding; build the model with untied embeddings"
             )
     source = {}
-    for name in pm.state.specs:
+    for name in pm.state_map.specs:
         hf = embedding if theirs_tied and name == pair[1] else adapter.to_hf(kept[name])
         if hf not in files:
             raise ValueError(f"import_safetensors: {in_dir} has no tensor {hf!r} (this model's {name})")
@@ -320,4 +318,4 @@ def _read_local_slices(pm: ParallelModel, files: dict[str, Path], source: dict[s
                 opened[file] = stack.enter_context(safe_open(str(file), framework="pt"))
             return opened[file].get_slice(source[name])[window]
 
-        pm.state.load_by_slice(read)
+        pm.state_map.load_by_slice(read)

@@ -167,7 +167,7 @@ def save(
             "layout": {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp, "world_size": layout.world_size},
             "schedule": pm.schedule.name,
             "virtual_stages": pm.schedule.virtual_stages,
-            "tied": [tie.names for tie in pm.tied.ties],
+            "tied": pm.state_map.ties,
             "never_drain": rule_state(pm),
             "mesh3d_version": _installed_version(),
             "torch_version": torch.__version__,
@@ -315,7 +315,7 @@ def load(
         planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
     )
     apply_loaded(state, to_load)
-    pm.tied.sync_values()
+    pm.weights_replaced()
     restore_kept(pm, train_state.get("never_drain"), to_load)
 
     saved = train_state.get("layout", {})

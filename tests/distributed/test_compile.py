@@ -37,7 +37,7 @@ def _losses(layout, compile, steps=3, **options):
         optimizer.zero_grad()
     graphs = counters["stats"]["unique_graphs"]  # what torch.compile built (0 when eager)
     names = sorted(name for name, _ in pm.named_parameters())
-    return losses, names, pm.runtime.counters.recomputed_forwards, graphs, options["activation_checkpoint"]
+    return losses, names, pm.counters.recomputed_forwards, graphs, options["activation_checkpoint"]
 
 
 def _eager_and_compiled(sizes):

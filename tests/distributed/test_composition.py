@@ -66,10 +66,10 @@ def _sync_bytes_and_state():
         groups = sum(len(stage.layers) + int(index in (0, pm.schedule.n_stages - 1)) for index, stage in pm.stages.items())
         evaluated = pm.evaluate(inputs, targets).item()
         counts = _count_dp_reductions(layout, lambda: pm.step(inputs, targets))
-        synced_backwards = pm.grad_sync.synced_backwards
-        counters = pm.runtime.counters
-        sends = sum(1 for a in pm.runtime.train_actions if a.kind in (Kind.SEND_F, Kind.SEND_B))
-        receives = sum(1 for a in pm.runtime.train_actions if a.kind in (Kind.RECV_F, Kind.RECV_B))
+        synced_backwards = pm._grad_sync.synced_backwards
+        counters = pm.counters
+        sends = sum(1 for a in pm._runtime.train_actions if a.kind in (Kind.SEND_F, Kind.SEND_B))
+        receives = sum(1 for a in pm._runtime.train_actions if a.kind in (Kind.RECV_F, Kind.RECV_B))
         # One microbatch's boundary activation is (batch/m, seq, dim) fp32; sequence parallel sends 1/tp of it.
         message_bytes = (len(inputs) // m) * SEQ_LEN * tp_args(True).dim * 4 // layout.tp
         # Evaluation between steps must not leave gathered parameters for the next step to reuse stale.
@@ -88,7 +88,7 @@ def _sync_bytes_and_state():
             "local_stages": len(pm.stages),
             "bytes": (counters.bytes_sent, counters.bytes_received, counters.messages_sent),
             "expected_bytes": (sends * message_bytes, receives * message_bytes, sends),
-            "evaluate_then_step": (evaluated, pm.runtime.counters.peak_live_activations > 0),
+            "evaluate_then_step": (evaluated, pm.counters.peak_live_activations > 0),
         }
     # Whole-model state through DTensor shards: read, change, load, read back; the tie follows the load.
     state = pm.full_state_dict()

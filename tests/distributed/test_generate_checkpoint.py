@@ -39,7 +39,7 @@ def _save(root: str, tokenizer: str) -> dict[str, dict[str, np.ndarray]]:
         with torch.device("meta"):
             model = Transformer(ARGS)
         pm = mesh3d.parallelize(model, layout)
-        pm.load_full_state_dict({n: strong_value(n, tuple(shape)) for n, (shape, _) in pm.state_specs.items()})
+        pm.load_full_state_dict({n: strong_value(n, tuple(shape)) for n, (shape, _) in pm.state_map.specs.items()})
         train_args = {"config": "debug", "n_layers": 2, "vocab_size": None, "seq_len": SEQ_LEN, "tokenizer": tokenizer}
         mesh3d.checkpoint.save(f"{root}/{name}/step3", pm, step=3, extra={"args": train_args})
         saved[name] = {k: v.numpy() for k, v in pm.full_state_dict().items()}

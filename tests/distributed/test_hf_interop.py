@@ -102,14 +102,14 @@ def _import_evaluate_export(directories: dict, tokens: np.ndarray) -> dict:
         read.clear()
         mesh3d.checkpoint.import_safetensors(pm, hf_dir)
         local_numel = sum(t.to_local().numel() if hasattr(t, "to_local") else t.numel()
-                          for t in pm.local_state_dict().values())
+                          for t in pm.state_map.local().values())
         _captured.clear()
         pm.evaluate(tokens[share], tokens[share])
         logits = torch.cat(_captured).numpy() if _captured else None
         mesh3d.checkpoint.export_safetensors(pm, out_dir)
         mesh3d.checkpoint.export_safetensors(pm, sharded_dir, max_shard_size=SHARD_BYTES)
         results[tied] = {"logits": logits, "dp_rank": layout.dp_rank, "read": sum(read), "local": local_numel,
-                         "whole": sum(s[0].numel() for s in pm.state_specs.values())}
+                         "whole": sum(s[0].numel() for s in pm.state_map.specs.values())}
     return results
 
 

@@ -74,8 +74,8 @@ def _bf16_runs(data, checkpoint_dir):
             "losses": losses,
             "param dtypes": sorted({str(p.dtype) for p in pm.parameters()}),
             "grad dtypes": grad_dtypes,
-            "bytes": (pm.runtime.counters.bytes_sent, pm.runtime.counters.bytes_received),
-            "fp32 bytes": (fp32.runtime.counters.bytes_sent, fp32.runtime.counters.bytes_received),
+            "bytes": (pm.counters.bytes_sent, pm.counters.bytes_received),
+            "fp32 bytes": (fp32.counters.bytes_sent, fp32.counters.bytes_received),
         }
         if sizes == (2, 2, 2):
             saved_pm, saved_layout = pm, layout

@@ -50,7 +50,7 @@ def _run(pp, dp, tp):
     for schedule, m, optimizer, tied in cases((pp, dp, tp)):
         data = call_batches(MICROBATCH_SIZE * m * dp)
         losses, state, owners, pm = mesh3d_run(layout, schedule, m, tied, data, optimizer)
-        kept = (pm.runtime.never_drain.versions.kept_bytes(), _kept_by_the_rule(pm, schedule, pp))
+        kept = (pm._runtime.never_drain.versions.kept_bytes(), _kept_by_the_rule(pm, schedule, pp))
         inputs, targets = data[0]
         share = slice(layout.dp_rank * len(inputs) // dp, (layout.dp_rank + 1) * len(inputs) // dp)
         evaluated = pm.evaluate(inputs[share], targets[share]).item()
@@ -66,7 +66,7 @@ def _kept_by_the_rule(pm, schedule: str, pp: int) -> int:
     from mesh3d.distributed.shards import local_tensor
 
     total = 0
-    for group in pm.runtime.never_drain.versions.groups():
+    for group in pm._runtime.never_drain.versions.groups():
         kept = 1 if schedule == "pipedream_2bw" else pp - 1 - group.rule_stage
         total += kept * sum(local_tensor(p.data).nbytes for p in group.params)
     return total
@@ -163,7 +163,7 @@ def _across_calls(root):
     losses += [resumed.step(*share(batch)).item() for batch in data[3:]]
     resumed.flush()
     state = {k: v.numpy().copy() for k, v in resumed.full_state_dict().items()}
-    out.append((losses, state if layout.rank == 0 else None, {n: resumed.state_owner_pp_rank(n) for n in state}))
+    out.append((losses, state if layout.rank == 0 else None, {n: resumed.state_map.owner_pp_rank(n) for n in state}))
     return out
 
 
@@ -190,7 +190,7 @@ def _save_then_resume(root):
         share = inputs.chunk(2)[saved_at.dp_rank], targets.chunk(2)[saved_at.dp_rank]
         losses.append(pm.step(*share).item())
     mesh3d.checkpoint.save(f"{root}/step3", pm, pm.optimizer)
-    kept_after_save = pm.runtime.never_drain.versions.kept_bytes()
+    kept_after_save = pm._runtime.never_drain.versions.kept_bytes()
     resumed = mesh3d.parallelize(meta_model(True), resumed_at, schedule="pipedream_2bw", microbatches=4,
                                  optimizer=OPTIMIZERS["adamw"], seed=1)
     mesh3d.checkpoint.load(f"{root}/step3", resumed, resumed.optimizer)
@@ -198,7 +198,7 @@ def _save_then_resume(root):
         losses.append(resumed.step(inputs, targets).item())
     resumed.flush()
     state = {k: v.numpy().copy() for k, v in resumed.full_state_dict().items()}
-    owners = {name: resumed.state_owner_pp_rank(name) for name in state}
+    owners = {name: resumed.state_map.owner_pp_rank(name) for name in state}
     return losses, state if resumed_at.rank == 0 else None, owners, kept_after_save
 
 
@@ -223,7 +223,7 @@ def _fail_then_reload(root):
     def broken(module, inputs):
         raise RuntimeError("injected")
 
-    hook = pm.runtime.stages[0].layers["0"].register_forward_pre_hook(broken)
+    hook = pm._runtime.stages[0].layers["0"].register_forward_pre_hook(broken)
     messages = []
     for attempt in (lambda: pm.step(*data[1]), lambda: pm.step(*data[1]), pm.flush):
         try:
@@ -258,7 +258,7 @@ def _fail_mid_batch_then_refuse(root):
                             optimizer=OPTIMIZERS["adamw"])
     pm.step(*share(data[0]))
     mesh3d.checkpoint.save(f"{root}/step1", pm, pm.optimizer)
-    versions = pm.runtime.never_drain.versions
+    versions = pm._runtime.never_drain.versions
     original = versions.before_compute
     backwards = set()
 

@@ -20,7 +20,7 @@ def _receives_and_reuse(schedule: str, virtual_stages: int) -> dict:
     m = 4
     pm = mesh3d.parallelize(meta_model(False), layout, schedule=schedule, microbatches=m, virtual_stages=virtual_stages)
     inputs, targets = batches(2 * m)[0]
-    receives = [a for a in pm.runtime.train_actions if a.kind in (Kind.RECV_F, Kind.RECV_B)]
+    receives = [a for a in pm._runtime.train_actions if a.kind in (Kind.RECV_F, Kind.RECV_B)]
 
     posted, at_first_compute = [], []
     original_irecv = dist.irecv
@@ -43,7 +43,7 @@ def _receives_and_reuse(schedule: str, virtual_stages: int) -> dict:
             loss = pm.step(inputs, targets)
             grads = {name: p.grad.clone() for name, p in pm.named_parameters()}
             pm.zero_grad()
-            buffers = {slot: buffer.data_ptr() for slot, buffer in pm.runtime.receive_buffers._free.items()}
+            buffers = {slot: buffer.data_ptr() for slot, buffer in pm._runtime.receive_buffers._free.items()}
             steps.append((loss.item(), grads, buffers, at_first_compute[0], len(posted)))
     finally:
         dist.irecv = original_irecv

@@ -70,9 +70,9 @@ def _one_rank_interleaved(reference):
     layout = mesh3d.build_mesh(pp=1, dp=1, tp=1)
     result = pipeline_run(layout, True, batches(6), schedule="interleaved_1f1b", microbatches=3, virtual_stages=2)
     pm = result[-1]
-    tie = pm.tied.ties[0]
+    tie = pm._tied.ties[0]
     shared = pm.stages[0].tok_embeddings.weight is pm.stages[1].output.weight
-    return worst_error(result, reference), tie.group is None, tie.ranks, shared, pm.runtime.counters.messages_sent
+    return worst_error(result, reference), tie.group is None, tie.ranks, shared, pm.counters.messages_sent
 
 
 def test_tie_on_one_rank_is_shared_not_sent():
@@ -86,7 +86,7 @@ def _defaults_and_counters():
     pm = mesh3d.parallelize(meta_model(tied=False), pp=2)  # the mesh from keywords; interleaved, v=2, m=pp
     inputs, targets = batches(4)[0]
     pm.step(inputs, targets)
-    c = pm.runtime.counters
+    c = pm.counters
     assert (pm.layout.pp, pm.layout.dp, pm.layout.tp) == (2, 1, 1)
     return pm.schedule.name, pm.schedule.virtual_stages, pm.schedule.microbatches, c.bytes_sent, c.messages_sent, repr(pm)
 
@@ -128,7 +128,7 @@ def _edge_cases(reference_grads):
     out["accumulated"] = max(relative(p.grad, torch.from_numpy(reference_grads[n])) for n, p in pm.named_parameters())
     out["groups reused"] = len(layout._subgroups) == groups_after_first
     pm2 = mesh3d.parallelize(meta_model(tied=True), layout, schedule="gpipe", microbatches=2, loss_fn=loss_fn)
-    out["groups reused"] &= len(layout._subgroups) == groups_after_first and pm2.tied.ties[0].group is pm.tied.ties[0].group
+    out["groups reused"] &= len(layout._subgroups) == groups_after_first and pm2._tied.ties[0].group is pm._tied.ties[0].group
 
     # evaluate leaves the training counters and the modules' modes alone.
     pm.train(False)

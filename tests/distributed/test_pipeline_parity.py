@@ -56,9 +56,9 @@ def _run_cases(pp, references):
         error, where = worst_error(result, references[(tied, m)])
         pm = result[-1]
         simulated = simulate(schedule, pp, m, v).peak_activations[layout.pp_rank]
-        recomputed = (pm.runtime.counters.recomputed_forwards, pm.runtime.counters.checkpointed_blocks,
-                      sum(len(stage.layers) for stage in pm.runtime.stages.values()))
-        tie_groups = sum(tie.group is not None for tie in pm.tied.ties)
+        recomputed = (pm.counters.recomputed_forwards, pm.counters.checkpointed_blocks,
+                      sum(len(stage.layers) for stage in pm._runtime.stages.values()))
+        tie_groups = sum(tie.group is not None for tie in pm._tied.ties)
         outcome[((schedule, v), m, tied, ac)] = (error, where, pm.peak_live_activations, simulated, recomputed, tie_groups)
     return outcome
 

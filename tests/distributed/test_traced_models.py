@@ -49,7 +49,7 @@ def _run(references):
         outcome[index] = (worst((losses, state), references[index]), sent, want, sharded)
         if options.get("activation_checkpoint") and not pm.schedule.splits_backward:
             # a traced stage's graph calls each block as a module: its patched forward checkpoints it
-            checkpointed[index] = (bool(pm.runtime.checkpointing.per_block_stages), pm.runtime.counters.checkpointed_blocks)
+            checkpointed[index] = (bool(pm._runtime.checkpointing.per_block_stages), pm.counters.checkpointed_blocks)
     return outcome, checkpointed
 
 

@@ -162,7 +162,7 @@ def test_verify_as_a_command_exits_0_for_whole_and_1_for_damaged(pm, tmp_path):
 
 def test_a_checkpoint_without_checksums_loads_with_one_notice(pm, tmp_path, capsys):
     path = _saved(pm, tmp_path)
-    want = {n: t.detach().clone() for n, t in pm.local_state_dict().items()}
+    want = {n: t.detach().clone() for n, t in pm.state_map.local().items()}
     (path / checksums.CHECKSUM_FILE).unlink()
     integrity._NOTICED.clear()
     with torch.no_grad():
@@ -172,7 +172,7 @@ def test_a_checkpoint_without_checksums_loads_with_one_notice(pm, tmp_path, caps
     mesh3d.checkpoint.load(path, pm)
     notices = [line for line in capsys.readouterr().err.splitlines() if "checksums.json" in line]
     assert len(notices) == 1 and str(path) in notices[0], notices
-    for name, tensor in pm.local_state_dict().items():
+    for name, tensor in pm.state_map.local().items():
         assert torch.equal(tensor, want[name]), name
     assert _verify(path, capsys)[0] == 0
 
