@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mesh3d.step.batch_check import agree_on_batch, batch_problem
-from mesh3d.data_parallel import GradientSync
+from mesh3d.data_parallel.gradient_sync import GradientSync
 from mesh3d.step.global_loss import GlobalLoss
 from mesh3d.step.grad_norm import clip_grad_norm_
 from mesh3d.mesh import Layout
@@ -20,7 +20,9 @@ from mesh3d.pipeline.never_drain_calls import NeverDrainCalls
 from mesh3d.pipeline.runtime import PipelineRuntime, RuntimeCounters
 from mesh3d.pipeline.tied import TiedWeights
 from mesh3d.model.state_map import StateMap
-from mesh3d.tensor import TensorParallelConfig, check_loss_parallel_output, settle_gradients
+from mesh3d.tensor.apply import check_loss_parallel_output
+from mesh3d.tensor.gradients import settle_gradients
+from mesh3d.tensor.plan import TensorParallelConfig
 
 
 def named_stage_parameters(stages: dict[int, nn.Module]) -> Iterator[tuple[str, nn.Parameter]]:

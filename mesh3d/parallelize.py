@@ -31,7 +31,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from mesh3d.distributed.agree import check_same_everywhere
 from mesh3d.step.batch_check import declared_vocab_size
 from mesh3d.model.compiled_blocks import compile_blocks, resolve_compile
-from mesh3d.data_parallel import DataParallelConfig, MixedPrecision, apply_data_parallel
+from mesh3d.data_parallel.mixed_precision import MixedPrecision
+from mesh3d.data_parallel.wrap import DataParallelConfig, apply_data_parallel
 from mesh3d.model.initialize import initialize, make_replicas_identical, to_device
 from mesh3d.model.loss import LossFn, cross_entropy_loss
 from mesh3d.step.global_loss import GlobalLoss
@@ -46,7 +47,8 @@ from mesh3d.pipeline.split import Split, split_model
 from mesh3d.pipeline.tied import TiedWeights, find_ties, tied_copies
 from mesh3d.pipeline.weight_versions import WeightVersions
 from mesh3d.model.state_map import StateMap
-from mesh3d.tensor import TensorParallelConfig, apply_tensor_parallel, loss_context
+from mesh3d.tensor.apply import apply_tensor_parallel, loss_context
+from mesh3d.tensor.plan import TensorParallelConfig
 
 __all__ = ["parallelize"]
 

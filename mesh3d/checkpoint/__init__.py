@@ -8,6 +8,8 @@
     mesh3d.checkpoint.import_safetensors(pm, in_dir)
     class MyAdapter(mesh3d.checkpoint.HFAdapter): ...              # a model's names <-> Hugging Face's
     python -m mesh3d.checkpoint.verify ckpt/step100                 # every file against its checksum; exit 0/1
+
+A damaged checkpoint raises DamagedCheckpoint (a ValueError).
 """
 
 from mesh3d.checkpoint.directories import complete_checkpoints, latest

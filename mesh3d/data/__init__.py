@@ -1,4 +1,9 @@
-"""Data: token sources and cache, tokenizers, samples, the held-out split and the deterministic data-parallel loader."""
+"""Data: token sources and cache, tokenizers, samples, the held-out split and the deterministic data-parallel loader.
+
+    sources: expand_data_paths, stdlib_sources, tokenize_files, load_token_file, build_token_cache
+    tokenizers: ByteTokenizer, HFTokenizer
+    samples: TokenDataset, split_heldout -> SampleSubset; DistributedLoader (each dp rank its share)
+"""
 
 from mesh3d.data.corpus import load_token_file, stdlib_sources, tokenize_files
 from mesh3d.data.dataset import TokenDataset

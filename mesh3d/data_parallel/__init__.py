@@ -1,8 +1,9 @@
 """Data parallelism over the dp axis: FSDP2 or DDP per pipeline stage, gradients reduced once per
-step, and the mixed-precision policy they carry."""
+step, and the mixed-precision policy they carry.
 
-from mesh3d.data_parallel.gradient_sync import GradientSync
-from mesh3d.data_parallel.mixed_precision import MixedPrecision
-from mesh3d.data_parallel.wrap import DP_MODES, DataParallelConfig, apply_data_parallel
+    DP_MODES        # the values parallelize(dp_mode=) takes
+"""
 
-__all__ = ["DP_MODES", "DataParallelConfig", "GradientSync", "MixedPrecision", "apply_data_parallel"]
+from mesh3d.data_parallel.wrap import DP_MODES
+
+__all__ = ["DP_MODES"]

@@ -1,17 +1,2 @@
-"""Tensor parallelism: plans of torch ParallelStyles, applied per pipeline stage."""
-
-from mesh3d.tensor.apply import apply_tensor_parallel, check_loss_parallel_output, loss_context
-from mesh3d.tensor.gradients import settle_gradients
-from mesh3d.tensor.plan import TensorParallelConfig, check_plan, model_plan, resolve_plan, uses_sequence_parallel
-
-__all__ = [
-    "TensorParallelConfig",
-    "apply_tensor_parallel",
-    "check_loss_parallel_output",
-    "check_plan",
-    "loss_context",
-    "model_plan",
-    "resolve_plan",
-    "settle_gradients",
-    "uses_sequence_parallel",
-]
+"""Tensor parallelism: plans of torch ParallelStyles, applied per pipeline stage. Nothing here is
+called from outside mesh3d (a plan is passed to `parallelize(tp_plan=)`), so this face exports nothing."""

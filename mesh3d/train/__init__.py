@@ -3,16 +3,17 @@
     from mesh3d.train import resume_latest, resume_from, BadStepGuard, HeldOutEvaluator, Progress
 
 - resume.py: the newest undamaged checkpoint under a root, agreed by every rank
-  (`resume_latest`), or exactly the checkpoint asked for (`resume_from`);
+  (`resume_latest`; `checkpoints_newest_first`), or exactly the checkpoint asked for (`resume_from`);
 - nonfinite_steps.py: skip an optimizer step whose gradient norm is NaN or Inf, stop after
   `max_bad_steps` in a row (`BadStepGuard`, `TooManyBadSteps`); for the never-drain schedules,
   which update inside `pm.step`, stop after `max_bad_steps` non-finite losses in a row (`BadLossGuard`);
 - heldout_eval.py: the held-out loss on the same fixed batches at every evaluation
   (`HeldOutEvaluator`, `due`);
-- flops.py: FLOPs per token counted over one forward and backward of the model, the device's
-  peak FLOP/s, and the model FLOPs utilization (MFU);
+- flops.py: FLOPs per token counted over one forward and backward of the model
+  (`flops_per_token`), the device's peak FLOP/s (`peak_flops`), and the model FLOPs utilization
+  (`mfu`);
 - progress.py: the progress line (step, loss, lr, elapsed time, ETA, tokens/s, MFU) in human
-  units.
+  units (`Progress`, `human_count`, `human_duration`).
 
 examples/llama/train.py composes them; a loop of your own can take any of them alone. They sit
 above the rest of mesh3d (they use checkpoint, data and a ParallelModel); no other room of mesh3d

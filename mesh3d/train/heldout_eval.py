@@ -17,7 +17,8 @@ import math
 
 import torch
 
-from mesh3d.data import DistributedLoader, SampleSubset
+from mesh3d.data.heldout import SampleSubset
+from mesh3d.data.loader import DistributedLoader
 from mesh3d.mesh import Layout
 from mesh3d.parallel_model import ParallelModel
 

@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mesh3d.checkpoint import DamagedCheckpoint, complete_checkpoints, load
+from mesh3d.checkpoint.directories import complete_checkpoints
+from mesh3d.checkpoint.integrity import DamagedCheckpoint
+from mesh3d.checkpoint.save_load import load
 from mesh3d.checkpoint.directories import is_complete
 from mesh3d.distributed.agree import raise_if_any
 from mesh3d.parallel_model import ParallelModel

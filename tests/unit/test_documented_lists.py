@@ -178,7 +178,8 @@ def test_the_documented_modes_are_the_ones_accepted():
             tiny_model(2), protocol_anatomy(tiny_model(2)), 1, schedule="gpipe", microbatches=None, virtual_stages=None,
             activation_checkpoint="sometimes", layers_per_stage=None, stage_balance="layers", end_weight=0.0,
         )
-    from mesh3d.data_parallel import DataParallelConfig, MixedPrecision
+    from mesh3d.data_parallel.mixed_precision import MixedPrecision
+    from mesh3d.data_parallel.wrap import DataParallelConfig
 
     precision = MixedPrecision.resolve(tiny_model(1), None, torch.float32)
     for mode in DP_MODES:

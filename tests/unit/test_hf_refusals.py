@@ -9,7 +9,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import hf_cases
 from mesh3d.model.hugging_face.tp_plan import declared_tp_plan
 from mesh3d.model.intake import anatomy_of
-from mesh3d.tensor import TensorParallelConfig
+from mesh3d.tensor.plan import TensorParallelConfig
 
 pytest.importorskip("transformers")
 
