@@ -46,14 +46,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mesh3d  # noqa: E402
 from examples.llama import arguments, hf_model  # noqa: E402
-from examples.llama.config import ModelArgs, get_config  # noqa: E402
 from examples.llama.config_errors import flags_of, reported_once  # noqa: E402
 from examples.llama.fault_injection import FaultInjection  # noqa: E402
-from examples.llama.model import Transformer, count_parameters, llama_tp_plan  # noqa: E402
+from examples.llama.model import count_parameters, llama_tp_plan  # noqa: E402
+from examples.llama.model_choice import build_model  # noqa: E402
+from examples.llama.optimization import build_optimizer, lr_at  # noqa: E402
 from examples.llama.placement import placement_report  # noqa: E402
 from examples.llama.run_config import effective_config_toml  # noqa: E402
 from examples.llama.tensorboard_log import TensorBoardLog  # noqa: E402
-from examples.llama.text_data import build_datasets, build_tokenizer, check_fits, fit_vocab  # noqa: E402
+from examples.llama.text_data import build_datasets, build_tokenizer  # noqa: E402
 from mesh3d.data import DistributedLoader  # noqa: E402
 from mesh3d.distributed.rendezvous import restart_count  # noqa: E402
 from mesh3d.train import (  # noqa: E402
@@ -64,49 +65,6 @@ from mesh3d.train.flops import device_name, flops_per_token, peak_flops  # noqa:
 
 def parse_args(argv: list[str] | None = None):
     return arguments.parse_args(argv, description=__doc__)
-
-
-def lr_at(step: int, *, peak: float, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warmup from peak/warmup to peak, then cosine decay to min_ratio*peak at `total`."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def build_optimizer(params: list[torch.nn.Parameter], args) -> torch.optim.AdamW:
-    """AdamW over this rank's parameters; matrices decay, norm gains (1-D) do not. A never-drain
-    schedule gets it as parallelize's `optimizer=` factory (it steps inside the pipeline)."""
-    params = list(params)
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
-
-
-def model_config(args) -> ModelArgs:
-    """--config with its overrides, or the shape of the Hugging Face model given by --init-from-hf."""
-    if args.init_from_hf:
-        config = ModelArgs.from_hf_config(json.loads((Path(args.init_from_hf) / "config.json").read_text()))
-        return config.with_(max_seq_len=max(config.max_seq_len, args.seq_len))
-    overrides = {"max_seq_len": max(args.seq_len, 1), "n_layers": args.n_layers, "tie_embeddings": args.tied,
-                 "vocab_size": args.vocab_size}
-    return get_config(args.config, **{k: v for k, v in overrides.items() if v is not None})
-
-
-def build_model(args, tokenizer) -> tuple[torch.nn.Module, str]:
-    """The whole model on the meta device (no memory until parallelize materializes this rank's
-    part), and how to name it: the LLaMA example's Transformer, or with --hf-model a Hugging Face
-    model (a directory's config, or an architecture at --config's sizes)."""
-    if args.hf_model and hf_model.is_directory(args.hf_model):
-        config = hf_model.hf_config(args, None)
-        check_fits(config.vocab_size, args.hf_model, tokenizer, args)
-        return hf_model.build(config), f"{args.hf_model}: {hf_model.describe(config)}"
-    sizes = fit_vocab(model_config(args), tokenizer, args)  # the tokenizer's vocabulary unless --vocab-size
-    if args.hf_model:
-        config = hf_model.hf_config(args, sizes)
-        return hf_model.build(config), f"{hf_model.describe(config)} at --config {args.config}'s sizes"
-    with torch.device("meta"):
-        return Transformer(sizes), args.init_from_hf or args.config
 
 
 def set_up(args):

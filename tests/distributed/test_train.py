@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from examples.llama.train import lr_at
+from examples.llama.optimization import lr_at
 
 ROOT = Path(__file__).resolve().parents[2]
 
