@@ -17,22 +17,13 @@ from mesh3d.distributed.peer_timeout import located
 from mesh3d.pipeline.boundary import Boundaries
 from mesh3d.pipeline.schedule.ir import Schedule
 from mesh3d.pipeline.never_drain_calls import NeverDrainCalls
+from mesh3d.pipeline.split import named_stage_parameters
 from mesh3d.pipeline.runtime import PipelineRuntime, RuntimeCounters
 from mesh3d.pipeline.tied import TiedWeights
 from mesh3d.model.state_map import StateMap
 from mesh3d.tensor.apply import check_loss_parallel_output
 from mesh3d.tensor.gradients import settle_gradients
 from mesh3d.tensor.plan import TensorParallelConfig
-
-
-def named_stage_parameters(stages: dict[int, nn.Module]) -> Iterator[tuple[str, nn.Parameter]]:
-    """The parameters of these stages, in stage order, under the unsplit model's names (a shared tensor once)."""
-    seen: set[int] = set()
-    for index in sorted(stages):
-        for name, param in stages[index].named_parameters():
-            if id(param) not in seen:
-                seen.add(id(param))
-                yield name, param
 
 
 class ParallelModel:

@@ -37,13 +37,13 @@ from mesh3d.model.initialize import initialize, make_replicas_identical, to_devi
 from mesh3d.model.loss import LossFn, cross_entropy_loss
 from mesh3d.step.global_loss import GlobalLoss
 from mesh3d.mesh import Layout, build_mesh
-from mesh3d.parallel_model import ParallelModel, named_stage_parameters
+from mesh3d.parallel_model import ParallelModel
 from mesh3d.pipeline.config import PipelineConfig
 from mesh3d.pipeline.p2p import PipelinePeers
 from mesh3d.pipeline.runtime import PipelineRuntime
 from mesh3d.model.anatomy import Anatomy
 from mesh3d.model.intake import anatomy_of
-from mesh3d.pipeline.split import Split, split_model
+from mesh3d.pipeline.split import Split, named_stage_parameters, split_model
 from mesh3d.pipeline.tied import TiedWeights, find_ties, tied_copies
 from mesh3d.pipeline.weight_versions import WeightVersions
 from mesh3d.model.state_map import StateMap

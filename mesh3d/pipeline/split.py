@@ -5,7 +5,7 @@ meta, this rank's for real.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -144,3 +144,13 @@ def split_model(model: nn.Module, anatomy: Anatomy, stage_layers: list[range], l
     meta_stages = [cut_stage(meta_model, anatomy, s, n_stages, stage_layers[s]) for s in range(n_stages)]
     stages = {s: cut_stage(model, anatomy, s, n_stages, stage_layers[s]) for s in local_stages}
     return Split(on_meta, meta_model, meta_stages, stages)
+
+
+def named_stage_parameters(stages: dict[int, nn.Module]) -> Iterator[tuple[str, nn.Parameter]]:
+    """The parameters of these stages, in stage order, under the unsplit model's names (a shared tensor once)."""
+    seen: set[int] = set()
+    for index in sorted(stages):
+        for name, param in stages[index].named_parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield name, param
