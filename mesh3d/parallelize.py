@@ -8,13 +8,15 @@ its axis (torchtitan's parallelize_llama has the same shape):
    collective; then one small all-gather that every rank asked for the same configuration;
 2. split (pipeline/split.py): every stage on meta (boundary shapes, the state map's owners),
    this rank's stages for real; tied weights shared across this rank's stages;
-3. initialize (initialize.py): materialize, init, tied copies equal along pp, replicas equal
-   along tp and dp;
+3. a model given with values: replicas made equal along tp and dp (initialize.py), one tensor at
+   a time; a model given on meta stays on meta through steps 4-6;
 4. tensor parallelism per stage (tensor/apply.py), on the meta stages too, so boundary shapes are
    the local shards' shapes;
 5. torch.compile per block (compiled_blocks.py), when asked;
 6. data parallelism per stage (data_parallel/), each stage its own FSDP/DDP root, carrying the
-   mixed-precision policy (with dp = 1 too, when a compute dtype is asked for);
+   mixed-precision policy (with dp = 1 too, when a compute dtype is asked for); then, for a model
+   given on meta, each rank allocates its shards and fills them with the one-process values
+   (initialize.py, full_view.py), and tied copies take their primary's values;
 7. the pipeline runtime (pipeline/runtime.py), running the two lowered schedules the pipeline
    config made (training, evaluation), with the once-per-step gradient sync as its hook; and the
    step's loss (step/global_loss.py), the one holder of the loss function.
@@ -33,7 +35,7 @@ from mesh3d.step.batch_check import declared_vocab_size
 from mesh3d.model.compiled_blocks import compile_blocks, resolve_compile
 from mesh3d.data_parallel.mixed_precision import MixedPrecision
 from mesh3d.data_parallel.wrap import DataParallelConfig, apply_data_parallel
-from mesh3d.model.initialize import initialize, make_replicas_identical, to_device
+from mesh3d.model.initialize import agree_on_seed, initialize, make_replicas_identical, to_device
 from mesh3d.model.loss import LossFn, cross_entropy_loss
 from mesh3d.step.global_loss import GlobalLoss
 from mesh3d.mesh import Layout, build_mesh
@@ -179,13 +181,14 @@ def parallelize(
     _check_same_config_everywhere(f"{pipe} {data} {tensor} compile={compile_backend}")
 
     split = split_model(model, anatomy, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank), pipe.traced)
-    stages = to_device(split.stages, layout.device, materialize=split.from_meta)
+    stages = split.stages if split.from_meta else to_device(split.stages, layout.device, materialize=False)
     ties = find_ties(model)
     tie_holders = pipe.tie_holders(ties, split.meta_stages)
     state = StateMap.from_stages(layout, split.meta_model, split.meta_stages, pipe.schedule.stage_rank, ties, stages)
     tied = TiedWeights(ties, split.meta_stages, pipe.schedule.stage_rank, layout, stages)
     tied.tie_locally()
-    _initialize(split, stages, tied, layout, seed, anatomy)
+    if not split.from_meta:
+        make_replicas_identical(stages, layout)  # values given: sharding starts from the first rank's
     if tensor.plan:
         _apply_tensor_parallel(split, stages, tied, tensor, layout)
     if compile_backend is not None:
@@ -194,6 +197,9 @@ def parallelize(
     if data.wraps(layout.dp) or pipe.never_drains:  # never-drain: versions are swapped through FSDP (weight_versions.py)
         tied.separate_stages()  # each stage is its own FSDP/DDP root: no Parameter shared by two
         grad_sync = apply_data_parallel(stages, layout, data, anatomy.blocks)
+    if split.from_meta:
+        _initialize_shards(stages, layout, seed, anatomy)
+    tied.sync_values()
     built_optimizer = _build_optimizer(optimizer, stages) if optimizer is not None else None
     stream = pipe.never_drain_stream(tie_holders)
     versions = None
@@ -268,15 +274,13 @@ def _check_same_config_everywhere(config: str) -> None:
     ))
 
 
-def _initialize(
-    split: Split, stages: dict[int, nn.Module], tied: TiedWeights, layout: Layout, seed: int | None, anatomy: Anatomy
-) -> None:
-    """Fresh values for a model given on meta; then every copy and replica equal to its first."""
-    if split.from_meta:
-        for index, stage in stages.items():
-            initialize(stage, index, layout.device, seed, anatomy.init_stage)
-    tied.sync_values()
-    make_replicas_identical(stages, layout)
+def _initialize_shards(stages: dict[int, nn.Module], layout: Layout, seed: int | None, anatomy: Anatomy) -> None:
+    """A model given on meta, sharded on meta: each rank allocates its shards only and fills them
+    with the values one process would initialize (model/full_view.py)."""
+    base_seed = agree_on_seed(seed, layout.device)
+    for index, stage in stages.items():
+        stage.to_empty(device=layout.device)
+        initialize(stage, index, layout.device, seed, anatomy.init_stage, base_seed=base_seed)
 
 
 def _apply_tensor_parallel(

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 from examples.llama.config import ModelArgs
 from examples.llama.hf_adapter import LlamaHFAdapter
 from examples.llama.kv_cache import KVCache, LayerCache
+from mesh3d.distributed.shards import local_tensor, local_window
 
 INIT_STD = 0.02
 
@@ -194,26 +195,49 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """Initialize every parameter this (possibly partial) model holds, deterministically.
+        """Initialize every parameter this (possibly partial, possibly sharded) model holds, deterministically.
 
-        Each parameter draws from its own generator, seeded by `seed` and the parameter's name in
-        the whole model, so a pipeline stage gets exactly the values the unsplit model would.
-        A tied output head draws the embedding's values. Buffers are `to_empty`'s job.
+        A parameter's values come in chunks of whole rows (INIT_CHUNK elements at most), each drawn
+        from its own generator seeded by `seed`, the parameter's name in the whole model and the
+        chunk's index. The values therefore depend on nothing but the name, so a pipeline stage gets
+        exactly the values the unsplit model would; and a rank holding a shard (tensor or data
+        parallelism) draws only the chunks its shard overlaps, never the whole tensor. A tied
+        output head draws the embedding's values. Buffers are `to_empty`'s job.
         """
         for name, param in self.named_parameters():
             name = canonical_name(name)
             key = "tok_embeddings.weight" if self.args.tie_embeddings and name == "output.weight" else name
-            generator = torch.Generator().manual_seed(_seed_for(seed, key))
-            values = torch.empty(param.shape, dtype=torch.float32)
             if key.endswith("norm.weight"):
-                values.fill_(1.0)
-            elif key.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-                # Residual-branch outputs shrink with depth so the residual stream keeps its scale.
-                std = INIT_STD / math.sqrt(2 * self.args.n_layers)
-                nn.init.trunc_normal_(values, std=std, a=-3 * std, b=3 * std, generator=generator)
-            else:
-                nn.init.trunc_normal_(values, std=INIT_STD, a=-3 * INIT_STD, b=3 * INIT_STD, generator=generator)
-            _copy_full_into(param, values)
+                local_tensor(param).detach().fill_(1.0)
+                continue
+            # Residual-branch outputs shrink with depth so the residual stream keeps its scale.
+            residual = key.endswith(("attention.wo.weight", "feed_forward.w2.weight"))
+            std = INIT_STD / math.sqrt(2 * self.args.n_layers) if residual else INIT_STD
+            _fill_by_chunks(param, _seed_for(seed, key), std)
+
+
+INIT_CHUNK = 2**20  # elements per independently seeded chunk of a parameter: bounds init's transient memory
+
+
+@torch.no_grad()
+def _fill_by_chunks(param: torch.Tensor, seed: int, std: float) -> None:
+    """This rank's window of a truncated-normal tensor drawn chunk by chunk of whole rows."""
+    window = local_window(param)
+    if window is None:
+        return
+    local = local_tensor(param).detach()
+    shape = tuple(param.shape)
+    row = math.prod(shape[1:])
+    rows_per_chunk = max(1, INIT_CHUNK // max(row, 1))
+    first, stop = window[0].start, window[0].stop
+    for chunk in range(first // rows_per_chunk, (stop - 1) // rows_per_chunk + 1):
+        begin, end = chunk * rows_per_chunk, min((chunk + 1) * rows_per_chunk, shape[0])
+        generator = torch.Generator().manual_seed((seed + chunk * 7_919) % (2**63))
+        values = torch.empty((end - begin, *shape[1:]), dtype=torch.float32)
+        nn.init.trunc_normal_(values, std=std, a=-3 * std, b=3 * std, generator=generator)
+        lo, hi = max(begin, first), min(end, stop)
+        part = values[(slice(lo - begin, hi - begin), *window[1:])]
+        local[lo - first:hi - first].copy_(part.to(local.device, local.dtype))
 
 
 # Wrappers (activation checkpointing, torch.compile, FSDP1) insert these into parameter names.
@@ -229,13 +253,6 @@ def canonical_name(name: str) -> str:
 
 def _seed_for(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
-
-
-def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    if isinstance(param, DTensor):
-        # Every rank holds the same full values, so each takes its own shard without communication.
-        full = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-    param.copy_(full)
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

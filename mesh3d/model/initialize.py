@@ -1,9 +1,12 @@
-"""Fresh, identical values for this rank's stages before tensor and data parallelism shard them.
+"""Fresh, identical values for this rank's stages.
 
-A model built on the meta device is materialized stage by stage on this rank's device and
-initialized by its own `init_weights()` (or each module's `reset_parameters()`); a model given
-with values keeps them. Either way every rank of a (dp, tp) replica group then takes the group's
-first rank's values, so sharding starts from one model.
+A model built on the meta device is sharded on meta (tensor and data parallelism), then each
+rank allocates its shards (`to_empty`) and fills them with what the model's own initializer
+(`init_weights()`, or each module's `reset_parameters()`) gives the whole model in one process:
+`FullView` (full_view.py) shows it whole tensors one at a time. Ranks agree on the seed first,
+so replicas are equal by construction. A model given with values keeps them; every rank of a
+(dp, tp) replica group takes its group's first rank's values before sharding, one tensor at a
+time.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mesh3d.mesh import Layout
+from mesh3d.model.full_view import FullView
 
 
 def to_device(stages: dict[int, nn.Module], device: torch.device, materialize: bool) -> dict[int, nn.Module]:
@@ -26,9 +30,12 @@ def to_device(stages: dict[int, nn.Module], device: torch.device, materialize: b
 @torch.no_grad()
 def initialize(
     stage: nn.Module, index: int, device: torch.device, seed: int | None = None,
-    init_stage: Callable[[nn.Module, int], None] | None = None,
+    init_stage: Callable[[nn.Module, int], None] | None = None, base_seed: int | None = None,
 ) -> None:
-    """Fresh values for a stage materialized from meta: the model's own init_weights() if it has one.
+    """Fresh values for a stage allocated from meta: the model's own init_weights() if it has one.
+
+    The stage may be sharded already (DTensor parameters): the initializer runs inside
+    `FullView`, so each shard gets the window of the values the whole tensor would get.
 
     With a `seed`, an `init_weights` that takes a `seed` argument gets it: a model that seeds each
     parameter by its name (as the LLaMA example does) then initializes the same model for one
@@ -38,11 +45,12 @@ def initialize(
 
     `init_stage` (the anatomy's, e.g. a Hugging Face model's per-module seeded init) replaces
     init_weights: called with `seed`, or without one with the initial seed, the same on every rank
-    that seeded alike.
+    that seeded alike. `base_seed` (from `agree_on_seed`) replaces the initial seed in both.
     """
     devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
-    base_seed = torch.initial_seed() if seed is None else seed
-    with torch.random.fork_rng(devices=devices):
+    if base_seed is None:
+        base_seed = torch.initial_seed() if seed is None else seed
+    with torch.random.fork_rng(devices=devices), FullView(stage):
         torch.manual_seed(base_seed + index)
         if init_stage is not None:
             init_stage(stage, base_seed)
@@ -66,26 +74,33 @@ def _takes_seed(init_weights) -> bool:
         return False
 
 
+def agree_on_seed(seed: int | None, device: torch.device) -> int:
+    """The initialization seed every rank uses: `seed`, or global rank 0's initial seed (ranks
+    seeded differently would otherwise fill the shards of one tensor from different draws)."""
+    if seed is not None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return torch.initial_seed() if seed is None else seed
+    value = torch.tensor([torch.initial_seed() % 2**63], dtype=torch.int64, device=device)
+    dist.broadcast(value, src=0)
+    return int(value.item())
+
+
 @torch.no_grad()
 def make_replicas_identical(stages: dict[int, nn.Module], layout: Layout) -> None:
     """Every rank of a (dp, tp) replica group takes the values of the group's first rank.
 
-    Runs before sharding, on plain tensors, so that FSDP (which keeps each rank's own slice) and
-    TP (which takes values as they are) start from one model even if ranks initialized differently.
-    One flat broadcast per dtype per stage along tp, then along dp.
+    For a model given with values, before sharding: FSDP keeps each rank's own slice and TP takes
+    values as they are, so ranks that built the model differently would otherwise train different
+    models. One broadcast per tensor (never a flat copy of the stage), along tp, then along dp.
     """
     for dim in ("tp", "dp"):
         if getattr(layout, dim) == 1:
             continue
         group, source = layout.group(dim), layout.group_ranks(dim)[0]
         for index in sorted(stages):
-            tensors = [t for t in stages[index].state_dict(keep_vars=True).values()]
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for tensor in {id(t): t for t in tensors}.values():
-                by_dtype.setdefault(tensor.dtype, []).append(tensor)
-            for same_dtype in by_dtype.values():
-                flat = torch.cat([t.detach().reshape(-1) for t in same_dtype])
-                dist.broadcast(flat, src=source, group=group)
-                for tensor, values in zip(same_dtype, flat.split([t.numel() for t in same_dtype])):
-                    tensor.detach().copy_(values.view_as(tensor))
-
+            tensors = {id(t): t for t in stages[index].state_dict(keep_vars=True).values()}
+            for tensor in tensors.values():
+                values = tensor.detach()
+                staged = values if values.is_contiguous() else values.contiguous()
+                dist.broadcast(staged, src=source, group=group)
+                if staged is not values:
+                    values.copy_(staged)
