@@ -45,9 +45,11 @@ class TokenCrossEntropy:
         self.ignore_index = ignore_index
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        loss_sum = F.cross_entropy(
-            output.flatten(0, -2).float(), target.flatten(), ignore_index=self.ignore_index, reduction="sum"
-        )
+        logits, flat_target = output.flatten(0, -2), target.flatten()
+        if isinstance(logits, DTensor):  # loss parallel: torch's loss_parallel() takes the vocab-sharded logits
+            loss_sum = F.cross_entropy(logits.float(), flat_target, ignore_index=self.ignore_index, reduction="sum")
+        else:
+            loss_sum = _ChunkedCrossEntropy.apply(logits, flat_target, self.ignore_index)
         return loss_sum, self.count(target)
 
     def count(self, target: torch.Tensor) -> torch.Tensor:
@@ -58,6 +60,46 @@ class TokenCrossEntropy:
 
 
 cross_entropy_loss = TokenCrossEntropy()
+
+LOSS_CHUNK_ELEMENTS = 2**24  # fp32 logits the loss holds at once (64 MiB), whatever the microbatch
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy over rows of logits, a chunk of rows at a time, never a whole fp32 copy.
+
+    `F.cross_entropy(logits.float())` keeps an fp32 copy of the logits and their fp32 log-softmax
+    for its backward (8k tokens x 128k vocabulary: 4 GB each). Here the forward sums the loss a
+    chunk of rows at a time, saving nothing but the logits (the stage's output, kept for its
+    backward anyway); the backward runs cross-entropy's own backward on each chunk again and writes
+    it into one gradient of the logits' dtype. Rows are independent, so every gradient is exactly
+    the unchunked one; only the order of the loss's fp32 sum over chunks differs.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        ctx.ignore_index = ignore_index
+        ctx.save_for_backward(logits, target)
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        for rows in _row_chunks(logits):
+            total += F.cross_entropy(logits[rows].float(), target[rows], ignore_index=ignore_index, reduction="sum")
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        logits, target = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for rows in _row_chunks(logits):
+            with torch.enable_grad():
+                chunk = logits[rows].detach().float().requires_grad_()
+                loss = F.cross_entropy(chunk, target[rows], ignore_index=ctx.ignore_index, reduction="sum")
+                (chunk_grad,) = torch.autograd.grad(loss, chunk, grad_output)
+            grad[rows] = chunk_grad
+        return grad, None, None
+
+
+def _row_chunks(logits: torch.Tensor):
+    rows = max(1, LOSS_CHUNK_ELEMENTS // max(logits.shape[-1], 1))
+    return [slice(start, start + rows) for start in range(0, logits.shape[0], rows)]
 
 
 def loss_kind(result: object) -> str:
