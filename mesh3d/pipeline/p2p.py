@@ -6,7 +6,8 @@ when the consuming stage sits on this rank, and goes out with `isend` otherwise;
 posted early (`irecv` into a buffer shaped from the meta run) and waited on only when the compute
 that consumes it starts. Every message has a tag unique within the step, so gloo (which matches
 by tag) and NCCL (which matches by order; the lowering fixed one order on both ends) both pair
-them correctly. Sends are waited on at the end of the step.
+them correctly. Sends are waited on at the end of the step; a completed send is dropped as soon as
+the next one is posted, so a step holds the messages in flight, not all it sent.
 
 On CPU (gloo) two things go further, because there a receive posted late is paid on the critical
 path (posting an `irecv` for a message the peer already sent took 2-6 ms of the receiving rank's
@@ -191,8 +192,15 @@ class Mailbox:
         )
         what = (f"P2P send of the {'output' if forward else 'input gradient'} of stage {stage}, microbatch {microbatch}, "
                 f"to stage {other} on global rank {self.peers.global_ranks[action.peer]}")
+        self._release_completed_sends()
         self.sends.append((work, tensor, what))  # the tensor must live until the send completes
         self.traffic.count_send(stage, other, tensor.numel() * tensor.element_size())
+
+    def _release_completed_sends(self) -> None:
+        """Drop the sends that completed, and with them the last reference to what they sent (an
+        input gradient nothing else holds): a step then keeps what is in flight, not every message
+        it sent. The work itself keeps a tensor alive until it completes (NCCL stashes it)."""
+        self.sends = [send for send in self.sends if not send[0].is_completed()]
 
     def _slot(self, action: Action) -> Action:
         """The receive buffer a message lands in: one per message of a step (modulo the window)."""
