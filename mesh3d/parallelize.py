@@ -35,7 +35,7 @@ from mesh3d.step.batch_check import declared_vocab_size
 from mesh3d.model.compiled_blocks import compile_blocks, resolve_compile
 from mesh3d.data_parallel.mixed_precision import MixedPrecision
 from mesh3d.data_parallel.wrap import DataParallelConfig, apply_data_parallel
-from mesh3d.model.initialize import agree_on_seed, initialize, make_replicas_identical, to_device
+from mesh3d.model.initialize import agree_on_seed, allocate, initialize, make_replicas_identical, to_device
 from mesh3d.model.loss import LossFn, cross_entropy_loss
 from mesh3d.step.global_loss import GlobalLoss
 from mesh3d.mesh import Layout, build_mesh
@@ -278,8 +278,8 @@ def _initialize_shards(stages: dict[int, nn.Module], layout: Layout, seed: int |
     """A model given on meta, sharded on meta: each rank allocates its shards only and fills them
     with the values one process would initialize (model/full_view.py)."""
     base_seed = agree_on_seed(seed, layout.device)
+    allocate(stages, layout.device)
     for index, stage in stages.items():
-        stage.to_empty(device=layout.device)
         initialize(stage, index, layout.device, seed, anatomy.init_stage, base_seed=base_seed)
 
 

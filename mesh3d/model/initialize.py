@@ -27,6 +27,24 @@ def to_device(stages: dict[int, nn.Module], device: torch.device, materialize: b
     return {index: stage.to_empty(device=device) if materialize else stage.to(device) for index, stage in stages.items()}
 
 
+def allocate(stages: dict[int, nn.Module], device: torch.device) -> None:
+    """`to_empty(device)` for every stage, keeping Parameters shared between modules (of one stage
+    or of this rank's stages) shared: `to_empty` gives each module a fresh Parameter of its own
+    where a plain tensor changes device."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for stage in stages.values():
+        for module in stage.modules():
+            for attr, param in module._parameters.items():
+                if param is not None:
+                    holders.setdefault(id(param), []).append((module, attr))
+    for stage in stages.values():
+        stage.to_empty(device=device)
+    for shared in holders.values():
+        (first, first_attr), *others = shared
+        for module, attr in others:
+            module._parameters[attr] = first._parameters[first_attr]
+
+
 @torch.no_grad()
 def initialize(
     stage: nn.Module, index: int, device: torch.device, seed: int | None = None,
