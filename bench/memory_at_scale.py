@@ -41,7 +41,8 @@ def _peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def measure(model_dims: tuple[int, int, int], layout: str, phase: str, microbatches: int, seq_len: int) -> dict:
+def measure(model_dims: tuple[int, int, int], layout: str, phase: str, microbatches: int, seq_len: int,
+            reshard: bool | None = None) -> dict:
     import mesh3d
     from examples.llama.config import ModelArgs
     from examples.llama.model import Transformer
@@ -56,7 +57,8 @@ def measure(model_dims: tuple[int, int, int], layout: str, phase: str, microbatc
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     layout_ = mesh3d.build_mesh(pp=pp, dp=dp, tp=tp)
     before = _resident()
-    pm = mesh3d.parallelize(model, layout_, schedule="1f1b", microbatches=microbatches, dp_mode=dp_mode, seed=0)
+    extra = {"reshard_after_forward": reshard} if dp_mode == "fsdp" and reshard is not None else {}
+    pm = mesh3d.parallelize(model, layout_, schedule="1f1b", microbatches=microbatches, dp_mode=dp_mode, seed=0, **extra)
     setup_peak = _peak() - before
     if phase == "step":
         optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-4)
@@ -79,16 +81,21 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=1536)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--reshard-after-forward", choices=["true", "false"], default=None,
+                        help="FSDP's reshard_after_forward (default: parallelize's, False when pp > 1)")
     args = parser.parse_args()
     dims = (args.dim, args.layers, args.vocab)
     for layout in args.layouts:
         pp, dp, tp = (int(x) for x in layout.split(",")[:3])
         for phase in args.phases:
             for m in args.microbatches if phase == "step" else [max(args.microbatches[0], pp)]:
-                ranks = run_on_ranks(measure, pp * dp * tp, dims, layout, phase, m, args.seq_len, timeout=3600)
+                reshard = None if args.reshard_after_forward is None else args.reshard_after_forward == "true"
+                ranks = run_on_ranks(measure, pp * dp * tp, dims, layout, phase, m, args.seq_len, reshard, timeout=3600)
                 share = ranks[0]["share"]
                 rises = [r["rise"] for r in ranks]
                 label = phase if phase == "setup" else f"step m={m}"
+                if reshard is not None:
+                    label += f" reshard={reshard}"
                 print(
                     f"{layout:>11} {label:>10}: model {ranks[0]['params'] / 4e6:.0f}M params, share {share / MIB:.0f} MiB; "
                     f"peak rise per rank {', '.join(f'{r / MIB:.0f}' for r in rises)} MiB "
