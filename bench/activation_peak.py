@@ -22,13 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
+from multiprocess import run_on_ranks  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 import mesh3d  # noqa: E402
 from examples.llama.config import get_config  # noqa: E402
 from examples.llama.model import Transformer, loss_fn  # noqa: E402
-from multiprocess import run_on_ranks  # noqa: E402
 
 MIB = 2**20
 
@@ -70,8 +70,14 @@ def peaks(modes: list[str], batch: int, seq_len: int, n_layers: int = 8) -> dict
     for mode in modes:
         with torch.device("meta"):
             model = Transformer(get_config("debug", max_seq_len=seq_len, n_layers=n_layers))
-        pm = mesh3d.parallelize(model, mesh3d.build_mesh(pp=1, dp=1, tp=1), schedule="gpipe", microbatches=1,
-                                loss_fn=loss_fn, activation_checkpoint=mode)
+        pm = mesh3d.parallelize(
+            model,
+            mesh3d.build_mesh(pp=1, dp=1, tp=1),
+            schedule="gpipe",
+            microbatches=1,
+            loss_fn=loss_fn,
+            activation_checkpoint=mode,
+        )
         tokens = torch.randint(0, 256, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
         inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         pm.step(inputs, targets)  # warm-up: gradients allocated, as in every later step

@@ -73,11 +73,17 @@ def step_with_and_without(args) -> None:
             if step >= 2:  # the first steps build buffers and caches
                 timings[name].append(time.perf_counter() - began)
     if layout.rank == 0:
-        print(f"{layout}\nagreement (all-reduce of one int32 flag over {layout.world_size} ranks): "
-              f"{flag_s * 1e6:.0f} us median", flush=True)
+        print(
+            f"{layout}\nagreement (all-reduce of one int32 flag over {layout.world_size} ranks): "
+            f"{flag_s * 1e6:.0f} us median",
+            flush=True,
+        )
         for name, times in timings.items():
-            print(f"pm.step {name}: {statistics.median(times) * 1e3:.1f} ms median of {len(times)} "
-                  f"(debug config, global batch {args.global_batch} x {args.seq_len})", flush=True)
+            print(
+                f"pm.step {name}: {statistics.median(times) * 1e3:.1f} ms median of {len(times)} "
+                f"(debug config, global batch {args.global_batch} x {args.seq_len})",
+                flush=True,
+            )
     dist.destroy_process_group()
 
 

@@ -52,7 +52,9 @@ def _timed(layout, fn) -> float:
 
 def _build(args, layout):
     with torch.device("meta"):
-        model = Transformer(get_config(args.config, max_seq_len=args.seq_len, **({"n_layers": args.n_layers} if args.n_layers else {})))
+        model = Transformer(
+            get_config(args.config, max_seq_len=args.seq_len, **({"n_layers": args.n_layers} if args.n_layers else {}))
+        )
     pm = mesh3d.parallelize(model, layout, loss_fn=loss_fn, tp_plan=llama_tp_plan())
     optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-4)
     return model, pm, optimizer
@@ -102,9 +104,18 @@ def main() -> None:
     _, pm2, optimizer2 = _build(args, layout)
     exact = True
     for _ in range(args.repeats):  # alternating, so that neither side gets all the warm caches
-        for path, sums, saves, loads in ((unchecked, False, save_unchecked_s, load_unchecked_s), (ckpt, True, save_s, load_s)):
-            saves.append(_timed(layout, lambda: mesh3d.checkpoint.save(
-                path, pm, optimizer, step=1, writer_threads=args.writer_threads, checksums=sums)))
+        for path, sums, saves, loads in (
+            (unchecked, False, save_unchecked_s, load_unchecked_s),
+            (ckpt, True, save_s, load_s),
+        ):
+            saves.append(
+                _timed(
+                    layout,
+                    lambda: mesh3d.checkpoint.save(
+                        path, pm, optimizer, step=1, writer_threads=args.writer_threads, checksums=sums
+                    ),
+                )
+            )
             loads.append(_timed(layout, lambda: mesh3d.checkpoint.load(path, pm2, optimizer2)))
             after = _snapshot(pm2, optimizer2)
             exact = exact and len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
@@ -123,14 +134,24 @@ def main() -> None:
         print(f"{layout}\nmodel {args.config} ({count_parameters(model) / 1e6:.1f}M parameters), AdamW state")
         print("| operation | wall s | on disk GiB | GiB/s |")
         print("| --- | --- | --- | --- |")
-        print(f"| save (DCP: model + AdamW + train state, {args.writer_threads} writer threads), checksums | {save_s:.2f} | {ckpt_bytes / gib:.3f} | {ckpt_bytes / gib / save_s:.2f} |")
+        print(
+            f"| save (DCP: model + AdamW + train state, {args.writer_threads} writer threads), checksums | {save_s:.2f} | {ckpt_bytes / gib:.3f} | {ckpt_bytes / gib / save_s:.2f} |"
+        )
         print(f"| save without checksums | {save_unchecked_s:.2f} | | {ckpt_bytes / gib / save_unchecked_s:.2f} |")
-        print(f"| load into a fresh model and optimizer, verifying checksums | {load_s:.2f} | | {ckpt_bytes / gib / load_s:.2f} |")
-        print(f"| load without checksums (sizes checked) | {load_unchecked_s:.2f} | | {ckpt_bytes / gib / load_unchecked_s:.2f} |")
-        print(f"| export safetensors ({args.export_dtype}) | {export_s:.2f} | {hf_bytes / gib:.3f} | {hf_bytes / gib / export_s:.2f} |")
+        print(
+            f"| load into a fresh model and optimizer, verifying checksums | {load_s:.2f} | | {ckpt_bytes / gib / load_s:.2f} |"
+        )
+        print(
+            f"| load without checksums (sizes checked) | {load_unchecked_s:.2f} | | {ckpt_bytes / gib / load_unchecked_s:.2f} |"
+        )
+        print(
+            f"| export safetensors ({args.export_dtype}) | {export_s:.2f} | {hf_bytes / gib:.3f} | {hf_bytes / gib / export_s:.2f} |"
+        )
         print(f"| import safetensors | {import_s:.2f} | | {hf_bytes / gib / import_s:.2f} |")
-        print(f"checksums' overhead: save +{100 * (save_s / save_unchecked_s - 1):.1f} %, "
-              f"load +{100 * (load_s / load_unchecked_s - 1):.1f} % (fastest of {args.repeats})")
+        print(
+            f"checksums' overhead: save +{100 * (save_s / save_unchecked_s - 1):.1f} %, "
+            f"load +{100 * (load_s / load_unchecked_s - 1):.1f} % (fastest of {args.repeats})"
+        )
         print(f"every model and optimizer value equal after load: {bool(flags.item())}", flush=True)
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)

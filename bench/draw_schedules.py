@@ -39,8 +39,12 @@ def main() -> None:
     for name, pp, microbatches, calls in CALLS_IN_A_ROW:
         path = IMAGES / f"{name}_pp{pp}_m{microbatches}_{calls}calls.png"
         report = simulate(name, pp, microbatches, calls=calls)
-        draw(report, path=path, title=f"{name}, pp={pp}: {calls} calls of m={microbatches} take {report.makespan:g} "
-                                      f"(forward = 1, backward = 2)")
+        draw(
+            report,
+            path=path,
+            title=f"{name}, pp={pp}: {calls} calls of m={microbatches} take {report.makespan:g} "
+            f"(forward = 1, backward = 2)",
+        )
         print(f"{path.name}: makespan {report.makespan:g}, {path.stat().st_size // 1024} KB")
 
 

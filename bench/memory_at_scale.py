@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import torch  # noqa: E402
-
 from multiprocess import run_on_ranks  # noqa: E402
 
 LAYOUTS = ["2,2,1,fsdp", "1,4,1,fsdp", "2,1,2,fsdp", "4,1,1,fsdp"]
@@ -41,8 +40,14 @@ def _peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def measure(model_dims: tuple[int, int, int], layout: str, phase: str, microbatches: int, seq_len: int,
-            reshard: bool | None = None) -> dict:
+def measure(
+    model_dims: tuple[int, int, int],
+    layout: str,
+    phase: str,
+    microbatches: int,
+    seq_len: int,
+    reshard: bool | None = None,
+) -> dict:
     import mesh3d
     from examples.llama.config import ModelArgs
     from examples.llama.model import Transformer
@@ -50,15 +55,18 @@ def measure(model_dims: tuple[int, int, int], layout: str, phase: str, microbatc
     dim, n_layers, vocab = model_dims
     pp, dp, tp, dp_mode = layout.split(",")
     pp, dp, tp = int(pp), int(dp), int(tp)
-    args = ModelArgs(dim=dim, n_layers=n_layers, n_heads=16, n_kv_heads=4, vocab_size=vocab, multiple_of=256,
-                     max_seq_len=seq_len)
+    args = ModelArgs(
+        dim=dim, n_layers=n_layers, n_heads=16, n_kv_heads=4, vocab_size=vocab, multiple_of=256, max_seq_len=seq_len
+    )
     with torch.device("meta"):
         model = Transformer(args)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     layout_ = mesh3d.build_mesh(pp=pp, dp=dp, tp=tp)
     before = _resident()
     extra = {"reshard_after_forward": reshard} if dp_mode == "fsdp" and reshard is not None else {}
-    pm = mesh3d.parallelize(model, layout_, schedule="1f1b", microbatches=microbatches, dp_mode=dp_mode, seed=0, **extra)
+    pm = mesh3d.parallelize(
+        model, layout_, schedule="1f1b", microbatches=microbatches, dp_mode=dp_mode, seed=0, **extra
+    )
     setup_peak = _peak() - before
     if phase == "step":
         optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-4)
@@ -81,8 +89,12 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=1536)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--reshard-after-forward", choices=["true", "false"], default=None,
-                        help="FSDP's reshard_after_forward (default: parallelize's, False when pp > 1)")
+    parser.add_argument(
+        "--reshard-after-forward",
+        choices=["true", "false"],
+        default=None,
+        help="FSDP's reshard_after_forward (default: parallelize's, False when pp > 1)",
+    )
     args = parser.parse_args()
     dims = (args.dim, args.layers, args.vocab)
     for layout in args.layouts:

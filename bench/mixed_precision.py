@@ -25,9 +25,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from checkpoint_io import _timed  # noqa: E402
 
 import mesh3d  # noqa: E402
-from checkpoint_io import _timed  # noqa: E402
 from examples.llama.config import CONFIGS, get_config  # noqa: E402
 from examples.llama.model import Transformer, count_parameters  # noqa: E402
 
@@ -38,7 +38,11 @@ def _build(args, layout, param_dtype):
     with torch.device("meta"):
         model = Transformer(get_config(args.config, max_seq_len=args.seq_len))
     pm = mesh3d.parallelize(
-        model, layout, schedule=args.schedule, microbatches=args.microbatches or 2 * layout.pp, param_dtype=param_dtype,
+        model,
+        layout,
+        schedule=args.schedule,
+        microbatches=args.microbatches or 2 * layout.pp,
+        param_dtype=param_dtype,
     )
     return model, pm, torch.optim.AdamW(pm.parameters(), lr=1e-3)
 
@@ -51,7 +55,9 @@ def _bench(args, layout) -> dict:
     """
     runs = {name: _build(args, layout, dtype) for name, dtype in DTYPES.items()}
     generator = torch.Generator().manual_seed(0)
-    share = slice(layout.dp_rank * args.global_batch // layout.dp, (layout.dp_rank + 1) * args.global_batch // layout.dp)
+    share = slice(
+        layout.dp_rank * args.global_batch // layout.dp, (layout.dp_rank + 1) * args.global_batch // layout.dp
+    )
     times = {name: [] for name in runs}
     losses = {}
 
@@ -71,11 +77,19 @@ def _bench(args, layout) -> dict:
     results = {}
     for name, (model, pm, _) in runs.items():
         c = pm.counters  # of the last step; every step sends the same
-        traffic = torch.tensor([c.bytes_sent, c.bytes_received, c.messages_sent], dtype=torch.int64, device=layout.device)
+        traffic = torch.tensor(
+            [c.bytes_sent, c.bytes_received, c.messages_sent], dtype=torch.int64, device=layout.device
+        )
         dist.all_reduce(traffic)
         sent, received, messages = traffic.tolist()
-        results[name] = {"step": statistics.median(times[name]), "loss": losses[name], "sent": sent, "received": received,
-                         "messages": messages, "params": count_parameters(model)}
+        results[name] = {
+            "step": statistics.median(times[name]),
+            "loss": losses[name],
+            "sent": sent,
+            "received": received,
+            "messages": messages,
+            "params": count_parameters(model),
+        }
     return results
 
 
@@ -103,16 +117,23 @@ def main() -> None:
         fp32 = results["fp32"]
         tokens = args.global_batch * args.seq_len
         mib = 2**20
-        print(f"{layout}\nmodel {args.config} ({fp32['params'] / 1e6:.2f}M parameters), {args.schedule}, "
-              f"microbatches {args.microbatches or 2 * layout.pp}, global batch {args.global_batch} x {args.seq_len} tokens, "
-              f"{layout.backend} on {layout.device.type}, median of {args.steps} steps after {args.warmup} warm-up")
-        print("| dtype | step ms | tokens/s | loss (last step) | p2p sent/step, all ranks | messages | time vs fp32 | bytes vs fp32 |")
+        print(
+            f"{layout}\nmodel {args.config} ({fp32['params'] / 1e6:.2f}M parameters), {args.schedule}, "
+            f"microbatches {args.microbatches or 2 * layout.pp}, global batch {args.global_batch} x {args.seq_len} tokens, "
+            f"{layout.backend} on {layout.device.type}, median of {args.steps} steps after {args.warmup} warm-up"
+        )
+        print(
+            "| dtype | step ms | tokens/s | loss (last step) | p2p sent/step, all ranks | messages | time vs fp32 | bytes vs fp32 |"
+        )
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for name, r in results.items():
             assert r["sent"] == r["received"], f"{name}: {r['sent']} bytes sent but {r['received']} received"
-            print(f"| {name} | {r['step'] * 1000:.0f} | {tokens / r['step']:,.0f} | {r['loss']:.4f} | "
-                  f"{r['sent'] / mib:.3f} MiB ({r['sent']:,} B) | {r['messages']} | {r['step'] / fp32['step']:.3f} | "
-                  f"{r['sent'] / fp32['sent'] if fp32['sent'] else float('nan'):.4f} |", flush=True)
+            print(
+                f"| {name} | {r['step'] * 1000:.0f} | {tokens / r['step']:,.0f} | {r['loss']:.4f} | "
+                f"{r['sent'] / mib:.3f} MiB ({r['sent']:,} B) | {r['messages']} | {r['step'] / fp32['step']:.3f} | "
+                f"{r['sent'] / fp32['sent'] if fp32['sent'] else float('nan'):.4f} |",
+                flush=True,
+            )
     dist.destroy_process_group()
 
 

@@ -23,12 +23,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
+from multiprocess import run_on_ranks  # noqa: E402
 
 import mesh3d  # noqa: E402
 from examples.llama.config import get_config  # noqa: E402
 from examples.llama.model import Transformer  # noqa: E402
 from mesh3d.planner.measure.meters import SavedBytesMeter  # noqa: E402
-from multiprocess import run_on_ranks  # noqa: E402
 
 SCHEDULES = [("1f1b", 1), ("zbv", 2), ("pipedream_2bw", 1), ("pipedream", 1)]
 
@@ -40,8 +40,14 @@ def _bench(pp, microbatches, batch, seq_len, calls):
     for schedule, v in SCHEDULES:
         with torch.device("meta"):
             model = Transformer(get_config("debug", max_seq_len=seq_len))
-        pm = mesh3d.parallelize(model, layout, schedule=schedule, microbatches=microbatches, virtual_stages=v,
-                                optimizer=functools.partial(torch.optim.AdamW, lr=1e-4))
+        pm = mesh3d.parallelize(
+            model,
+            layout,
+            schedule=schedule,
+            microbatches=microbatches,
+            virtual_stages=v,
+            optimizer=functools.partial(torch.optim.AdamW, lr=1e-4),
+        )
         generator = torch.Generator().manual_seed(0)
         meter = SavedBytesMeter()
         start = None
@@ -66,22 +72,35 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--calls", type=int, default=6)
     args = parser.parse_args()
-    per_rank = run_on_ranks(_bench, args.pp, args.pp, args.microbatches, args.batch, args.seq_len, args.calls,
-                            timeout=1800)
+    per_rank = run_on_ranks(
+        _bench, args.pp, args.pp, args.microbatches, args.batch, args.seq_len, args.calls, timeout=1800
+    )
     tokens = args.batch * args.seq_len
-    print(f"debug config, pp={args.pp}, microbatches={args.microbatches}, batch {args.batch} x {args.seq_len} tokens, "
-          f"{args.calls} calls after one warm-up, gloo on CPU")
+    print(
+        f"debug config, pp={args.pp}, microbatches={args.microbatches}, batch {args.batch} x {args.seq_len} tokens, "
+        f"{args.calls} calls after one warm-up, gloo on CPU"
+    )
     for schedule, v in SCHEDULES:
         per_batch = max(r[schedule][0] for r in per_rank)
         # A rank's whole forward costs 1 and backward 2 whatever v (v stages of 1/v each); zbv's
         # backward splits in halves.
-        steady = mesh3d.pipeline.simulate(schedule, args.pp, args.microbatches, v, calls=args.calls, f_cost=1 / v,
-                                          b_cost=2 / v, w_cost=1 / v if v == 2 else 0.0)
+        steady = mesh3d.pipeline.simulate(
+            schedule,
+            args.pp,
+            args.microbatches,
+            v,
+            calls=args.calls,
+            f_cost=1 / v,
+            b_cost=2 / v,
+            w_cost=1 / v if v == 2 else 0.0,
+        )
         kept = [f"{r[schedule][1] / 2**20:.1f}" for r in per_rank]
         saved = [f"{r[schedule][2] / 2**20:.1f}" for r in per_rank]
-        print(f"  {schedule:14s} {per_batch * 1e3:7.1f} ms/batch  {tokens / per_batch:8.0f} tokens/s  "
-              f"simulated {steady.makespan / args.calls:5.1f} units/batch  kept versions MiB per rank {kept}  "
-              f"peak saved activations MiB per rank {saved}")
+        print(
+            f"  {schedule:14s} {per_batch * 1e3:7.1f} ms/batch  {tokens / per_batch:8.0f} tokens/s  "
+            f"simulated {steady.makespan / args.calls:5.1f} units/batch  kept versions MiB per rank {kept}  "
+            f"peak saved activations MiB per rank {saved}"
+        )
 
 
 if __name__ == "__main__":

@@ -42,16 +42,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
+from multiprocess import run_on_ranks  # noqa: E402
 
 import mesh3d  # noqa: E402
 from examples.llama.config import get_config  # noqa: E402
 from examples.llama.model import Transformer, loss_fn  # noqa: E402
 from mesh3d.distributed.shards import local_tensor  # noqa: E402
+from mesh3d.pipeline import activation_checkpoint, stage_compute  # noqa: E402
 from mesh3d.pipeline.schedule.catalog import default_virtual_stages  # noqa: E402
 from mesh3d.pipeline.schedule.never_drain import NEVER_DRAIN  # noqa: E402
-from mesh3d.pipeline import activation_checkpoint, stage_compute  # noqa: E402
 from mesh3d.planner.measure.meters import SavedBytesMeter  # noqa: E402
-from multiprocess import run_on_ranks  # noqa: E402
 
 MIB = 2**20
 
@@ -163,8 +163,13 @@ def kept_between_actions(meter: SavedBytesMeter, after_action: Callable[[], None
         activation_checkpoint.selective_contexts = contexts
 
 
-def measure(cases: dict[str, Case], batch: int, seq_len: int, steps: int, model_overrides: dict | None = None,
-            ) -> dict[str, Measured]:
+def measure(
+    cases: dict[str, Case],
+    batch: int,
+    seq_len: int,
+    steps: int,
+    model_overrides: dict | None = None,
+) -> dict[str, Measured]:
     """On each rank: run `steps` + 1 AdamW steps (the first warms up) of each case; this rank's figures.
     A never-drain case's optimizer runs inside `pm.step`, and a flush ends its run."""
     torch.set_num_threads(1)
@@ -175,8 +180,16 @@ def _measure_case(case: Case, batch: int, seq_len: int, steps: int, model_overri
     layout = mesh3d.build_mesh(pp=case.pp, dp=case.dp, tp=case.tp)
     model = debug_model(seq_len, tie_embeddings=case.tie_embeddings, **(model_overrides or {}))
     inside = functools.partial(torch.optim.AdamW, lr=1e-3) if case.never_drains else None
-    pm = mesh3d.parallelize(model, layout, schedule=case.schedule, microbatches=case.m, loss_fn=loss_fn,
-                            dp_mode=case.dp_mode, activation_checkpoint=case.activation_checkpoint, optimizer=inside)
+    pm = mesh3d.parallelize(
+        model,
+        layout,
+        schedule=case.schedule,
+        microbatches=case.m,
+        loss_fn=loss_fn,
+        dp_mode=case.dp_mode,
+        activation_checkpoint=case.activation_checkpoint,
+        optimizer=inside,
+    )
     optimizer = pm.optimizer if case.never_drains else torch.optim.AdamW(pm.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(0)
     times, meter, kept_peak, grads, versions = [], SavedBytesMeter(), 0, 0, 0
@@ -187,8 +200,10 @@ def _measure_case(case: Case, batch: int, seq_len: int, steps: int, model_overri
 
     def metered(run: Callable, *args) -> None:
         nonlocal kept_peak
-        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack), \
-                kept_between_actions(meter, sample_grads if case.never_drains else None) as kept:
+        with (
+            torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack),
+            kept_between_actions(meter, sample_grads if case.never_drains else None) as kept,
+        ):
             run(*args)
         kept_peak = max(kept_peak, kept[0])
 
@@ -199,7 +214,7 @@ def _measure_case(case: Case, batch: int, seq_len: int, steps: int, model_overri
     for _ in range(steps + 1):
         tokens = torch.randint(0, 256, (batch, seq_len + 1), generator=generator)
         # the rank's own share, as its loader gives it (a view would keep the global batch alive)
-        tokens = tokens[layout.dp_rank * share:(layout.dp_rank + 1) * share].clone()
+        tokens = tokens[layout.dp_rank * share : (layout.dp_rank + 1) * share].clone()
         start = time.perf_counter()
         # contiguous, as a copy to the device makes them (a view would keep seq_len + 1 ids a row)
         metered(pm.step, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
@@ -216,8 +231,9 @@ def _measure_case(case: Case, batch: int, seq_len: int, steps: int, model_overri
         metered(pm.flush)  # the backwards and updates still in flight
         versions = max(versions, kept_versions())
     params = _local_bytes(pm.parameters())
-    adam = _local_bytes(t for s in optimizer.state.values() for t in s.values()
-                        if isinstance(t, torch.Tensor) and t.dim() > 0)
+    adam = _local_bytes(
+        t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
     step = statistics.median(times[1:]) if steps else times[0]
     activations = kept_peak if case.activation_checkpoint == "selective" else meter.peak
     return Measured(step, params, grads, adam, activations, versions, p2p_sent, layout.pp_rank)
@@ -227,11 +243,28 @@ def predict(case: Case, world: int, batch: int, seq_len: int, model_overrides: d
     """mesh3d.plan's Plan for `case` (every choice pinned, fp32): .memory_per_rank is its fullest
     rank's MemoryBreakdown, .memory_by_pp_rank each pp rank's."""
     model = debug_model(seq_len, tie_embeddings=case.tie_embeddings, **(model_overrides or {}))
-    fix = dict(pp=case.pp, dp=case.dp, tp=case.tp, dp_mode=case.dp_mode, schedule=case.schedule,
-               virtual_stages=case.virtual_stages(len(model.layers)), microbatches=case.m,
-               activation_checkpoint=case.activation_checkpoint, param_dtype=None, compile=False)
-    plans = mesh3d.plan(model, gpus=world, gpus_per_node=world, hardware="h100", seq_len=seq_len,
-                        global_batch=batch, fix=fix, memory_limit=2**60)
+    fix = dict(
+        pp=case.pp,
+        dp=case.dp,
+        tp=case.tp,
+        dp_mode=case.dp_mode,
+        schedule=case.schedule,
+        virtual_stages=case.virtual_stages(len(model.layers)),
+        microbatches=case.m,
+        activation_checkpoint=case.activation_checkpoint,
+        param_dtype=None,
+        compile=False,
+    )
+    plans = mesh3d.plan(
+        model,
+        gpus=world,
+        gpus_per_node=world,
+        hardware="h100",
+        seq_len=seq_len,
+        global_batch=batch,
+        fix=fix,
+        memory_limit=2**60,
+    )
     return plans[0]
 
 
@@ -244,8 +277,9 @@ def worst(per_rank: list[dict[str, Measured]], name: str, pp_rank: int | None = 
 def parse_layout(text: str, args) -> Case:
     parts = text.split(",")
     pp, dp, tp = (int(p) for p in parts[:3])
-    return Case(pp, dp, tp, parts[3] if len(parts) > 3 else "fsdp", args.schedule, args.microbatches,
-                args.activation_checkpoint)
+    return Case(
+        pp, dp, tp, parts[3] if len(parts) > 3 else "fsdp", args.schedule, args.microbatches, args.activation_checkpoint
+    )
 
 
 def main() -> None:
@@ -261,34 +295,44 @@ def main() -> None:
     parser.add_argument("--predict", action="store_true", help="also print mesh3d.plan's prediction per layout")
     args = parser.parse_args()
     if args.predict and args.schedule in NEVER_DRAIN:
-        parser.error(f"--predict: mesh3d.plan does not model the never-drain schedules ({args.schedule}); "
-                     "drop --predict or choose a schedule that drains")
+        parser.error(
+            f"--predict: mesh3d.plan does not model the never-drain schedules ({args.schedule}); "
+            "drop --predict or choose a schedule that drains"
+        )
     cases = {text: parse_layout(text, args) for text in args.layouts}
     for text, case in cases.items():
         if case.pp * case.dp * case.tp != args.world:
             raise SystemExit(f"layout {text}: pp*dp*tp={case.pp * case.dp * case.tp} is not --world {args.world}")
     # before the ranks start: planning at tp > 1 needs a process without a process group
-    predicted = {text: predict(c, args.world, args.batch, args.seq_len) for text, c in cases.items()} if args.predict else {}
+    predicted = (
+        {text: predict(c, args.world, args.batch, args.seq_len) for text, c in cases.items()} if args.predict else {}
+    )
     per_rank = run_on_ranks(measure, args.world, cases, args.batch, args.seq_len, args.steps, timeout=3600)
     tokens = args.batch * args.seq_len
     m = "2*pp" if args.microbatches is None else args.microbatches
-    print(f"debug config, {args.world} ranks, global batch {args.batch} x {args.seq_len} tokens, FSDP unless noted, "
-          f"{args.schedule} with microbatches = {m}, activation_checkpoint={args.activation_checkpoint}, gloo on CPU; "
-          "memory figures: max over ranks, MiB")
+    print(
+        f"debug config, {args.world} ranks, global batch {args.batch} x {args.seq_len} tokens, FSDP unless noted, "
+        f"{args.schedule} with microbatches = {m}, activation_checkpoint={args.activation_checkpoint}, gloo on CPU; "
+        "memory figures: max over ranks, MiB"
+    )
     print("layout (pp,dp,tp)  step ms  tokens/s  params  grads  adam  saved-activations  versions  p2p-sent/step")
     for name, case in cases.items():
         got = worst(per_rank, name)
-        print(f"{name:>17}  {got.step_seconds * 1000:7.0f}  {tokens / got.step_seconds:8,.0f}  "
-              f"{got.parameters / MIB:6.3f}  {got.gradients / MIB:5.3f}  {got.optimizer / MIB:5.3f}  "
-              f"{got.activations / MIB:17.3f}  {got.weight_versions / MIB:8.3f}  {got.p2p_sent / MIB:13.2f}")
+        print(
+            f"{name:>17}  {got.step_seconds * 1000:7.0f}  {tokens / got.step_seconds:8,.0f}  "
+            f"{got.parameters / MIB:6.3f}  {got.gradients / MIB:5.3f}  {got.optimizer / MIB:5.3f}  "
+            f"{got.activations / MIB:17.3f}  {got.weight_versions / MIB:8.3f}  {got.p2p_sent / MIB:13.2f}"
+        )
         if case.never_drains:
             kept = ", ".join(f"{r[name].weight_versions / MIB:.3f}" for r in per_rank)
             pp_ranks = ", ".join(str(r[name].pp_rank) for r in per_rank)
             print(f"{'':>17}  weight versions kept, peak MiB per rank: [{kept}] (pp ranks [{pp_ranks}])")
         if name in predicted:
             p = predicted[name].memory_per_rank
-            print(f"{'predicted':>17}  {'':7}  {'':8}  {p.parameters / MIB:6.3f}  {p.gradients / MIB:5.3f}  "
-                  f"{p.optimizer / MIB:5.3f}  {p.activations / MIB:17.3f}")
+            print(
+                f"{'predicted':>17}  {'':7}  {'':8}  {p.parameters / MIB:6.3f}  {p.gradients / MIB:5.3f}  "
+                f"{p.optimizer / MIB:5.3f}  {p.activations / MIB:17.3f}"
+            )
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from multiprocess import run_on_ranks  # noqa: E402
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble  # noqa: E402
 from torch.distributed.pipelining.schedules import _PipelineSchedule  # noqa: E402
 from torch.distributed.pipelining.stage import _PipelineStageBase  # noqa: E402
@@ -68,15 +69,20 @@ from examples.llama.config import get_config  # noqa: E402
 from examples.llama.model import Transformer  # noqa: E402
 from mesh3d.pipeline import p2p, stage_compute  # noqa: E402
 from mesh3d.planner.measure.meters import SavedBytesMeter  # noqa: E402
-from multiprocess import run_on_ranks  # noqa: E402
 
 TORCH_SCHEDULES = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble}
 
 
 def _model(args) -> Transformer:
     torch.manual_seed(0)
-    config = get_config("debug", max_seq_len=args.seq_len, dim=args.dim, n_heads=args.dim // 32,
-                        n_kv_heads=args.dim // 32, n_layers=args.layers)
+    config = get_config(
+        "debug",
+        max_seq_len=args.seq_len,
+        dim=args.dim,
+        n_heads=args.dim // 32,
+        n_kv_heads=args.dim // 32,
+        n_layers=args.layers,
+    )
     return Transformer(config)
 
 
@@ -110,11 +116,16 @@ class _ComputeClock:
 
     def __init__(self):
         self.seconds = 0.0
-        for owner, names, sign in ((_PipelineStageBase, ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk",
-                                                          "scale_grads"), 1),
-                                   (_PipelineSchedule, ("_maybe_compute_loss",), 1),
-                                   (stage_compute.StageCompute, ("forward", "backward", "backward_input", "backward_weight"), 1),
-                                   (p2p.Mailbox, ("take",), -1)):
+        for owner, names, sign in (
+            (
+                _PipelineStageBase,
+                ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk", "scale_grads"),
+                1,
+            ),
+            (_PipelineSchedule, ("_maybe_compute_loss",), 1),
+            (stage_compute.StageCompute, ("forward", "backward", "backward_input", "backward_weight"), 1),
+            (p2p.Mailbox, ("take",), -1),
+        ):
             for name in names:
                 setattr(owner, name, self._timed(getattr(owner, name), sign))
 
@@ -143,13 +154,25 @@ class _Engines:
         model = _model(args)
         self.steps = {}
         for schedule in TORCH_SCHEDULES:
-            pm = mesh3d.parallelize(copy.deepcopy(model), layout, schedule=schedule, microbatches=m, virtual_stages=2,
-                                    layers_per_stage=[args.layers // (2 * pp)] * (2 * pp), loss_fn=_cross_entropy)
+            pm = mesh3d.parallelize(
+                copy.deepcopy(model),
+                layout,
+                schedule=schedule,
+                microbatches=m,
+                virtual_stages=2,
+                layers_per_stage=[args.layers // (2 * pp)] * (2 * pp),
+                loss_fn=_cross_entropy,
+            )
             self.steps[f"mesh3d {schedule}"] = (pm.step, list(pm.parameters()))  # a list: cleared every step
-            stages = [PipelineStage(_torch_stage(model, s, 2 * pp), s, 2 * pp, torch.device("cpu"), group=layout.group("pp"))
-                      for s in _stage_indices(schedule, pp, layout.pp_rank)]
+            stages = [
+                PipelineStage(_torch_stage(model, s, 2 * pp), s, 2 * pp, torch.device("cpu"), group=layout.group("pp"))
+                for s in _stage_indices(schedule, pp, layout.pp_rank)
+            ]
             runner = TORCH_SCHEDULES[schedule](stages, n_microbatches=m, loss_fn=_cross_entropy, scale_grads=True)
-            self.steps[f"torch {schedule}"] = (self._torch_step(runner, stages), [p for s in stages for p in s.submod.parameters()])
+            self.steps[f"torch {schedule}"] = (
+                self._torch_step(runner, stages),
+                [p for s in stages for p in s.submod.parameters()],
+            )
         self.whole = model
 
     def _torch_step(self, runner, stages):
@@ -191,7 +214,7 @@ def _bench(args):
         tokens = torch.randint(0, 256, (args.batch, args.seq_len + 1), generator=generator)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         names = list(engines.steps)
-        for name in names[step_index % len(names):] + names[:step_index % len(names)]:
+        for name in names[step_index % len(names) :] + names[: step_index % len(names)]:
             step, params = engines.steps[name]
             dist.barrier()
             clock.reset()
@@ -236,28 +259,42 @@ def main() -> None:
     per_rank = run_on_ranks(_bench, args.pp, args, timeout=3600)
     medians = per_rank[0][0]
     # Per step: step time less the busiest rank's compute in that step; medians of both.
-    busiest = {name: [max(rank[3][name][i] for rank in per_rank) for i in range(len(per_rank[0][2][name]))]
-               for name in per_rank[0][3]}
+    busiest = {
+        name: [max(rank[3][name][i] for rank in per_rank) for i in range(len(per_rank[0][2][name]))]
+        for name in per_rank[0][3]
+    }
     rest = {name: statistics.median(t - c for t, c in zip(per_rank[0][2][name], busiest[name])) for name in busiest}
     compute = {name: [statistics.median(rank[3][name]) for rank in per_rank] for name in busiest}
     losses = {name: values for rank_losses in per_rank for name, values in rank_losses[1].items() if values}
     whole = medians.pop("one process")
     microbatched = medians.pop("one process, microbatched")
-    print(f"model: dim {args.dim}, {args.layers} layers, batch {args.batch} x {args.seq_len} tokens, "
-          f"pp={args.pp}, {args.microbatches} microbatches, gloo on CPU, one thread per rank")
-    print(f"one process, whole batch, one thread: {whole * 1e3:.1f} ms (limit for pp={args.pp}: {whole / args.pp * 1e3:.1f} ms)")
-    print(f"one process, the same {args.microbatches} microbatches one after another: {microbatched * 1e3:.1f} ms "
-          f"(limit for pp={args.pp}: {microbatched / args.pp * 1e3:.1f} ms)")
+    print(
+        f"model: dim {args.dim}, {args.layers} layers, batch {args.batch} x {args.seq_len} tokens, "
+        f"pp={args.pp}, {args.microbatches} microbatches, gloo on CPU, one thread per rank"
+    )
+    print(
+        f"one process, whole batch, one thread: {whole * 1e3:.1f} ms (limit for pp={args.pp}: {whole / args.pp * 1e3:.1f} ms)"
+    )
+    print(
+        f"one process, the same {args.microbatches} microbatches one after another: {microbatched * 1e3:.1f} ms "
+        f"(limit for pp={args.pp}: {microbatched / args.pp * 1e3:.1f} ms)"
+    )
     for name, seconds in medians.items():
-        print(f"{name:>26}: step {seconds * 1e3:7.1f} ms, efficiency {whole / args.pp / seconds:.3f} "
-              f"(against the microbatched run: {microbatched / args.pp / seconds:.3f}), "
-              f"first losses {[round(v, 5) for v in losses.get(name, [])[:2]]}")
-        print(f"{'':>28}compute per rank {[round(c * 1e3, 1) for c in compute[name]]} ms, "
-              f"rest of the step {rest[name] * 1e3:.1f} ms ({rest[name] / seconds:.1%})")
+        print(
+            f"{name:>26}: step {seconds * 1e3:7.1f} ms, efficiency {whole / args.pp / seconds:.3f} "
+            f"(against the microbatched run: {microbatched / args.pp / seconds:.3f}), "
+            f"first losses {[round(v, 5) for v in losses.get(name, [])[:2]]}"
+        )
+        print(
+            f"{'':>28}compute per rank {[round(c * 1e3, 1) for c in compute[name]]} ms, "
+            f"rest of the step {rest[name] * 1e3:.1f} ms ({rest[name] / seconds:.1%})"
+        )
         print(f"{'':>28}peak saved activations MiB per rank {[round(rank[4][name] / 2**20, 2) for rank in per_rank]}")
     best = {side: min((s, n) for n, s in medians.items() if n.startswith(side)) for side in ("mesh3d", "torch")}
-    print(f"best: mesh3d {best['mesh3d'][1]} {best['mesh3d'][0] * 1e3:.1f} ms, torch {best['torch'][1]} "
-          f"{best['torch'][0] * 1e3:.1f} ms, ratio {best['mesh3d'][0] / best['torch'][0]:.3f}")
+    print(
+        f"best: mesh3d {best['mesh3d'][1]} {best['mesh3d'][0] * 1e3:.1f} ms, torch {best['torch'][1]} "
+        f"{best['torch'][0] * 1e3:.1f} ms, ratio {best['mesh3d'][0] / best['torch'][0]:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -22,13 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
+from multiprocess import run_on_ranks  # noqa: E402
 
 import mesh3d  # noqa: E402
-from mesh3d.pipeline.config import ACTIVATION_CHECKPOINT_MODES  # noqa: E402
 from examples.llama.config import get_config  # noqa: E402
 from examples.llama.model import Transformer, loss_fn  # noqa: E402
+from mesh3d.pipeline.config import ACTIVATION_CHECKPOINT_MODES  # noqa: E402
 from mesh3d.planner.measure.meters import SavedBytesMeter  # noqa: E402
-from multiprocess import run_on_ranks  # noqa: E402
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
 
@@ -41,7 +41,12 @@ def _bench(pp, microbatches, batch, seq_len, steps, activation_checkpoint):
         with torch.device("meta"):
             model = Transformer(get_config("debug", max_seq_len=seq_len))
         pm = mesh3d.parallelize(
-            model, layout, schedule=schedule, microbatches=microbatches, virtual_stages=v, loss_fn=loss_fn,
+            model,
+            layout,
+            schedule=schedule,
+            microbatches=microbatches,
+            virtual_stages=v,
+            loss_fn=loss_fn,
             activation_checkpoint=activation_checkpoint,
         )
         optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-3)
@@ -68,10 +73,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--activation-checkpoint", default="never", choices=list(ACTIVATION_CHECKPOINT_MODES))
     args = parser.parse_args()
-    per_rank = run_on_ranks(_bench, args.pp, args.pp, args.microbatches, args.batch, args.seq_len, args.steps, args.activation_checkpoint, timeout=1800)
+    per_rank = run_on_ranks(
+        _bench,
+        args.pp,
+        args.pp,
+        args.microbatches,
+        args.batch,
+        args.seq_len,
+        args.steps,
+        args.activation_checkpoint,
+        timeout=1800,
+    )
     tokens = args.batch * args.seq_len
-    print(f"debug config, pp={args.pp}, microbatches={args.microbatches}, batch {args.batch} x {args.seq_len} tokens, "
-          f"activation_checkpoint={args.activation_checkpoint}, gloo on CPU")
+    print(
+        f"debug config, pp={args.pp}, microbatches={args.microbatches}, batch {args.batch} x {args.seq_len} tokens, "
+        f"activation_checkpoint={args.activation_checkpoint}, gloo on CPU"
+    )
     for schedule, v in SCHEDULES:
         step_time = max(r[schedule][0] for r in per_rank)
         bubble = mesh3d.pipeline.simulate(schedule, args.pp, args.microbatches, v).bubble_fraction

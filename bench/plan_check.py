@@ -23,12 +23,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
+from multiprocess import run_on_ranks  # noqa: E402
 
 import mesh3d  # noqa: E402
 from examples.llama.config import ModelArgs  # noqa: E402
 from examples.llama.model import Transformer  # noqa: E402
 from mesh3d.planner.measure.machine_bench import measure_this_machine  # noqa: E402
-from multiprocess import run_on_ranks  # noqa: E402
 
 # (name, pp, dp, tp, schedule, virtual_stages, dp_mode)
 LAYOUTS = [
@@ -54,8 +54,18 @@ def meta_model(seq_len: int) -> Transformer:
 
 def fix_of(layout, microbatches: int) -> dict:
     _, pp, dp, tp, schedule, v, dp_mode = layout
-    return dict(pp=pp, dp=dp, tp=tp, schedule=schedule, virtual_stages=v, dp_mode=dp_mode, microbatches=microbatches,
-                activation_checkpoint="never", param_dtype=None, compile=False)
+    return dict(
+        pp=pp,
+        dp=dp,
+        tp=tp,
+        schedule=schedule,
+        virtual_stages=v,
+        dp_mode=dp_mode,
+        microbatches=microbatches,
+        activation_checkpoint="never",
+        param_dtype=None,
+        compile=False,
+    )
 
 
 def _measure(layouts, microbatches, batch, seq_len, steps):
@@ -68,7 +78,7 @@ def _measure(layouts, microbatches, batch, seq_len, steps):
         dp, dp_rank, samples = pm.layout.dp, pm.layout.dp_rank, []
         for _ in range(steps + 1):
             tokens = torch.randint(0, 512, (batch, seq_len + 1), generator=generator)
-            share = tokens[dp_rank * batch // dp:(dp_rank + 1) * batch // dp]
+            share = tokens[dp_rank * batch // dp : (dp_rank + 1) * batch // dp]
             start = time.perf_counter()
             pm.step(share[:, :-1], share[:, 1:])
             optimizer.step()
@@ -89,16 +99,28 @@ def main() -> None:
     print(f"this machine: {machine.source}")
     predicted = {}
     for layout in LAYOUTS:
-        plans = mesh3d.plan(meta_model(args.seq_len), gpus=2, gpus_per_node=2, hardware=machine, seq_len=args.seq_len,
-                            global_batch=args.batch, fix=fix_of(layout, args.microbatches), memory_limit="1TiB")
+        plans = mesh3d.plan(
+            meta_model(args.seq_len),
+            gpus=2,
+            gpus_per_node=2,
+            hardware=machine,
+            seq_len=args.seq_len,
+            global_batch=args.batch,
+            fix=fix_of(layout, args.microbatches),
+            memory_limit="1TiB",
+        )
         predicted[layout[0]] = plans[0].step_seconds
     measured, median = {}, {}
-    for result in run_on_ranks(_measure, 2, LAYOUTS, args.microbatches, args.batch, args.seq_len, args.steps, timeout=3600):
+    for result in run_on_ranks(
+        _measure, 2, LAYOUTS, args.microbatches, args.batch, args.seq_len, args.steps, timeout=3600
+    ):
         for name, (middle, best) in result.items():
             median[name] = max(median.get(name, 0.0), middle)
             measured[name] = max(measured.get(name, 0.0), best)
-    print(f"LLaMA dim 256, 8 layers, batch {args.batch} x {args.seq_len}, {args.microbatches} microbatches, fp32, "
-          "2 ranks (gloo)")
+    print(
+        f"LLaMA dim 256, 8 layers, batch {args.batch} x {args.seq_len}, {args.microbatches} microbatches, fp32, "
+        "2 ranks (gloo)"
+    )
     print(f"{'layout':>26}  median s  best s  predicted s  error (vs best)")
     for name in measured:
         error = predicted[name] / measured[name] - 1

@@ -23,8 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from mesh3d.data import ByteTokenizer, HFTokenizer, build_token_cache  # noqa: E402
 from text_corpus import documents, train_bpe, write_jsonl  # noqa: E402
+
+from mesh3d.data import ByteTokenizer, HFTokenizer, build_token_cache  # noqa: E402
 
 
 def _rss_mb(field: str) -> float:
@@ -57,8 +58,10 @@ def main(argv=None) -> None:
         size_mb = corpus.stat().st_size / 1e6
         bpe = HFTokenizer(train_bpe(root / "tok" / "tokenizer.json", documents(5000, seed=0), vocab_size=args.vocab))
         print(f"corpus: {size_mb:.1f} MB of JSONL; BPE vocabulary {bpe.vocab_size}")
-        print(f"{'tokenizer':>10} {'workers':>7} {'seconds':>8} {'MB/s':>7} {'Mtokens/s':>9} {'main +MB':>8} "
-              f"{'worker +MB':>10}")
+        print(
+            f"{'tokenizer':>10} {'workers':>7} {'seconds':>8} {'MB/s':>7} {'Mtokens/s':>9} {'main +MB':>8} "
+            f"{'worker +MB':>10}"
+        )
         for name, tokenizer in (("bytes", ByteTokenizer()), ("bpe", bpe)):
             for workers in args.workers:
                 cache = root / f"cache-{name}-{workers}"
@@ -68,11 +71,16 @@ def main(argv=None) -> None:
                 tokens = build_token_cache([corpus], tokenizer, cache_dir=cache, workers=workers)
                 seconds = time.perf_counter() - began
                 workers_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-                print(f"{name:>10} {workers:>7} {seconds:8.2f} {size_mb / seconds:7.1f} {len(tokens) / seconds / 1e6:9.2f} "
-                      f"{_rss_mb('VmHWM') - before:8.0f} {workers_peak - before if workers > 1 else 0:10.0f}", flush=True)
+                print(
+                    f"{name:>10} {workers:>7} {seconds:8.2f} {size_mb / seconds:7.1f} {len(tokens) / seconds / 1e6:9.2f} "
+                    f"{_rss_mb('VmHWM') - before:8.0f} {workers_peak - before if workers > 1 else 0:10.0f}",
+                    flush=True,
+                )
             began = time.perf_counter()
             build_token_cache([corpus], tokenizer, cache_dir=cache)
-            print(f"{name:>10} {'hit':>7} {time.perf_counter() - began:8.3f}   (the cache in place: {len(tokens):,} tokens)")
+            print(
+                f"{name:>10} {'hit':>7} {time.perf_counter() - began:8.3f}   (the cache in place: {len(tokens):,} tokens)"
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

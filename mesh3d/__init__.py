@@ -1,20 +1,31 @@
 """mesh3d: train LLaMA-style models with pipeline x data x tensor (3D) parallelism on plain PyTorch.
 
-    layout = mesh3d.build_mesh(pp=2, dp=2, tp=2)        # a Layout
-    pm = mesh3d.parallelize(model, layout, ...)        # a ParallelModel; a silent peer: PeerTimeout
-    plans = mesh3d.plan(...)                           # Plan rows; Hardware (mesh3d.planner)
-    mesh3d.checkpoint, mesh3d.data, mesh3d.pipeline, mesh3d.train: the packages' faces
+layout = mesh3d.build_mesh(pp=2, dp=2, tp=2)        # a Layout
+pm = mesh3d.parallelize(model, layout, ...)        # a ParallelModel; a silent peer: PeerTimeout
+plans = mesh3d.plan(...)                           # Plan rows; Hardware (mesh3d.planner)
+mesh3d.checkpoint, mesh3d.data, mesh3d.pipeline, mesh3d.train: the packages' faces
 """
 
 from mesh3d import checkpoint, data, pipeline, train
+from mesh3d.distributed.peer_timeout import PeerTimeout
 from mesh3d.mesh import Layout, build_mesh
 from mesh3d.parallel_model import ParallelModel
 from mesh3d.parallelize import parallelize
-from mesh3d.distributed.peer_timeout import PeerTimeout
 from mesh3d.planner import Hardware, Plan, plan
 
 __all__ = [
-    "Hardware", "Layout", "ParallelModel", "PeerTimeout", "Plan", "build_mesh", "checkpoint", "data", "parallelize", "pipeline",
-    "plan", "planner", "train",
+    "Hardware",
+    "Layout",
+    "ParallelModel",
+    "PeerTimeout",
+    "Plan",
+    "build_mesh",
+    "checkpoint",
+    "data",
+    "parallelize",
+    "pipeline",
+    "plan",
+    "planner",
+    "train",
 ]
 __version__ = "0.1.0"

@@ -183,8 +183,12 @@ def _init_default_group(backend: str, device: torch.device, timeout: timedelta |
         # torchrun's store outlives a restart: each attempt needs keys of its own (rendezvous.py).
         store = attempt_store(timeout or DEFAULT_TIMEOUT)
         dist.init_process_group(
-            backend=backend, store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-            timeout=timeout, device_id=device_id,
+            backend=backend,
+            store=store,
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout,
+            device_id=device_id,
         )
     elif _launched_by_torchrun():
         # Started by torchrun (or anything that sets its environment variables).

@@ -8,19 +8,19 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mesh3d.step.batch_check import agree_on_batch, batch_problem
 from mesh3d.data_parallel.gradient_sync import GradientSync
+from mesh3d.distributed.peer_timeout import located
+from mesh3d.mesh import Layout
+from mesh3d.model.state_map import StateMap
+from mesh3d.pipeline.boundary import Boundaries
+from mesh3d.pipeline.never_drain_calls import NeverDrainCalls
+from mesh3d.pipeline.runtime import PipelineRuntime, RuntimeCounters
+from mesh3d.pipeline.schedule.ir import Schedule
+from mesh3d.pipeline.split import named_stage_parameters
+from mesh3d.pipeline.tied import TiedWeights
+from mesh3d.step.batch_check import agree_on_batch, batch_problem
 from mesh3d.step.global_loss import GlobalLoss
 from mesh3d.step.grad_norm import clip_grad_norm_
-from mesh3d.mesh import Layout
-from mesh3d.distributed.peer_timeout import located
-from mesh3d.pipeline.boundary import Boundaries
-from mesh3d.pipeline.schedule.ir import Schedule
-from mesh3d.pipeline.never_drain_calls import NeverDrainCalls
-from mesh3d.pipeline.split import named_stage_parameters
-from mesh3d.pipeline.runtime import PipelineRuntime, RuntimeCounters
-from mesh3d.pipeline.tied import TiedWeights
-from mesh3d.model.state_map import StateMap
 from mesh3d.tensor.apply import check_loss_parallel_output
 from mesh3d.tensor.gradients import settle_gradients
 from mesh3d.tensor.plan import TensorParallelConfig

@@ -30,25 +30,25 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from mesh3d.distributed.agree import check_same_everywhere
-from mesh3d.step.batch_check import declared_vocab_size
-from mesh3d.model.compiled_blocks import compile_blocks, resolve_compile
 from mesh3d.data_parallel.mixed_precision import MixedPrecision
 from mesh3d.data_parallel.wrap import DataParallelConfig, apply_data_parallel
-from mesh3d.model.initialize import agree_on_seed, allocate, initialize, make_replicas_identical, to_device
-from mesh3d.model.loss import LossFn, cross_entropy_loss
-from mesh3d.step.global_loss import GlobalLoss
+from mesh3d.distributed.agree import check_same_everywhere
 from mesh3d.mesh import Layout, build_mesh
+from mesh3d.model.anatomy import Anatomy
+from mesh3d.model.compiled_blocks import compile_blocks, resolve_compile
+from mesh3d.model.initialize import agree_on_seed, allocate, initialize, make_replicas_identical, to_device
+from mesh3d.model.intake import anatomy_of
+from mesh3d.model.loss import LossFn, cross_entropy_loss
+from mesh3d.model.state_map import StateMap
 from mesh3d.parallel_model import ParallelModel
 from mesh3d.pipeline.config import PipelineConfig
 from mesh3d.pipeline.p2p import PipelinePeers
 from mesh3d.pipeline.runtime import PipelineRuntime
-from mesh3d.model.anatomy import Anatomy
-from mesh3d.model.intake import anatomy_of
 from mesh3d.pipeline.split import Split, named_stage_parameters, split_model
 from mesh3d.pipeline.tied import TiedWeights, find_ties, tied_copies
 from mesh3d.pipeline.weight_versions import WeightVersions
-from mesh3d.model.state_map import StateMap
+from mesh3d.step.batch_check import declared_vocab_size
+from mesh3d.step.global_loss import GlobalLoss
 from mesh3d.tensor.apply import apply_tensor_parallel, loss_context
 from mesh3d.tensor.plan import TensorParallelConfig
 
@@ -169,13 +169,25 @@ def parallelize(
     data = DataParallelConfig.resolve(dp_mode, reshard_after_forward, layout.pp, layout.dp, precision)
     compile_backend = resolve_compile(compile)
     tensor = TensorParallelConfig.resolve(
-        model, layout.tp, tp_plan if tp_plan is not None else anatomy.tp_plan, loss_parallel,
-        anatomy.tensor_parallel_sizes, refusal=anatomy.tp_plan_refusal,
+        model,
+        layout.tp,
+        tp_plan if tp_plan is not None else anatomy.tp_plan,
+        loss_parallel,
+        anatomy.tensor_parallel_sizes,
+        refusal=anatomy.tp_plan_refusal,
     )
     pipe = PipelineConfig.resolve(
-        model, anatomy, layout.pp, schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
-        activation_checkpoint=activation_checkpoint, layers_per_stage=layers_per_stage,
-        stage_balance=stage_balance, end_weight=end_weight, split_points=split_points,
+        model,
+        anatomy,
+        layout.pp,
+        schedule=schedule,
+        microbatches=microbatches,
+        virtual_stages=virtual_stages,
+        activation_checkpoint=activation_checkpoint,
+        layers_per_stage=layers_per_stage,
+        stage_balance=stage_balance,
+        end_weight=end_weight,
+        split_points=split_points,
     )
     _check_optimizer(pipe, optimizer)
     _check_same_config_everywhere(f"{pipe} {data} {tensor} compile={compile_backend}")
@@ -194,7 +206,9 @@ def parallelize(
     if compile_backend is not None:
         compile_blocks(stages.values(), anatomy, compile_backend, split_backward=pipe.schedule.splits_backward)
     grad_sync = None
-    if data.wraps(layout.dp) or pipe.never_drains:  # never-drain: versions are swapped through FSDP (weight_versions.py)
+    if (
+        data.wraps(layout.dp) or pipe.never_drains
+    ):  # never-drain: versions are swapped through FSDP (weight_versions.py)
         tied.separate_stages()  # each stage is its own FSDP/DDP root: no Parameter shared by two
         grad_sync = apply_data_parallel(stages, layout, data, anatomy.blocks)
     if split.from_meta:
@@ -210,19 +224,39 @@ def parallelize(
         layout.pp_rank, layout.group_ranks("pp"), layout.group("pp") if layout.pp > 1 else None, layout.device
     )
     runtime = PipelineRuntime(
-        stages, precision.computed(split.meta_stages), pipe.training, pipe.evaluation, peers, pipe.activation_checkpoint,
+        stages,
+        precision.computed(split.meta_stages),
+        pipe.training,
+        pipe.evaluation,
+        peers,
+        pipe.activation_checkpoint,
         before_backward=grad_sync.before_backward if grad_sync is not None else None,
         after_weight_backward=grad_sync.after_weight_backward if grad_sync is not None else None,
-        fake_shape_run=anatomy.fake_shape_run, routes=pipe.routes, blocks=anatomy.blocks,
-        stream=stream, versions=versions,
+        fake_shape_run=anatomy.fake_shape_run,
+        routes=pipe.routes,
+        blocks=anatomy.blocks,
+        stream=stream,
+        versions=versions,
     )
     has_last_stage = pipe.schedule.n_stages - 1 in stages
     loss = GlobalLoss(
-        layout, loss_fn or cross_entropy_loss, loss_context(tensor.loss_parallel), pipe.schedule.microbatches,
-        has_last_stage, per_microbatch=pipe.loss_per_microbatch,
+        layout,
+        loss_fn or cross_entropy_loss,
+        loss_context(tensor.loss_parallel),
+        pipe.schedule.microbatches,
+        has_last_stage,
+        per_microbatch=pipe.loss_per_microbatch,
     )
     return ParallelModel(
-        layout, runtime, loss, tied, state, pipe.stage_layers, tensor, grad_sync, declared_vocab_size(anatomy.vocab_size),
+        layout,
+        runtime,
+        loss,
+        tied,
+        state,
+        pipe.stage_layers,
+        tensor,
+        grad_sync,
+        declared_vocab_size(anatomy.vocab_size),
         built_optimizer,
     )
 
@@ -268,10 +302,13 @@ def _resolve_layout(layout: Layout | None, pp: int | None, dp: int | None, tp: i
 
 def _check_same_config_everywhere(config: str) -> None:
     """Ranks with different schedules or splits would send mismatched messages and hang."""
-    check_same_everywhere(config, lambda everyone: (
-        f"parallelize: ranks were given different pipeline configurations (this rank: {config}); "
-        "pass the same schedule, microbatches, virtual_stages, activation_checkpoint and split on every rank"
-    ))
+    check_same_everywhere(
+        config,
+        lambda everyone: (
+            f"parallelize: ranks were given different pipeline configurations (this rank: {config}); "
+            "pass the same schedule, microbatches, virtual_stages, activation_checkpoint and split on every rank"
+        ),
+    )
 
 
 def _initialize_shards(stages: dict[int, nn.Module], layout: Layout, seed: int | None, anatomy: Anatomy) -> None:

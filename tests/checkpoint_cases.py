@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from pipeline_cases import LR, MAX_NORM, SEQ_LEN, VOCAB, meta_model, tiny_args, tp_args
 
 import mesh3d
 from examples.llama.model import loss_fn
 from mesh3d.data import DistributedLoader, TokenDataset
-from pipeline_cases import LR, MAX_NORM, SEQ_LEN, VOCAB, meta_model, tiny_args, tp_args
 
 GLOBAL_BATCH = 16
 

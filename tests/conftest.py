@@ -8,6 +8,7 @@ harnesses (`multiprocess.py`, `rank_errors.py`, `pipeline_cases.py`, `checkpoint
 `text_corpus.py`) live beside this file and are importable from both folders; test file names are
 unique across the two folders (pytest imports them by basename).
 """
+
 from __future__ import annotations
 
 import sys

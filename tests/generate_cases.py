@@ -34,4 +34,4 @@ def full_forward_greedy(model: nn.Module, prompt: list[int], n: int) -> list[int
     ids = list(prompt)
     for _ in range(n):
         ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]

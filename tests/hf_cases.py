@@ -15,13 +15,31 @@ LR = 0.1
 TOLERANCE = 1e-5
 
 # Every size tensor parallelism splits (4 heads, 2 kv heads, FFN 96, vocab 96) divides tp = 2.
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 ARCHITECTURES = {
     # Llama 3 rope scaling, grouped-query attention, tied embeddings
-    "llama": dict(tie_word_embeddings=True, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16, "rope_theta": 10000.0}),
+    "llama": dict(
+        tie_word_embeddings=True,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "rope_theta": 10000.0,
+        },
+    ),
     "qwen2": dict(tie_word_embeddings=True),  # q/k/v biases
     "qwen3": dict(head_dim=16, tie_word_embeddings=True),  # q/k norms; head_dim * heads != hidden_size
     "mistral": dict(tie_word_embeddings=False),

@@ -13,11 +13,11 @@ from __future__ import annotations
 import functools
 
 import torch
+from pipeline_cases import SEQ_LEN, VOCAB, meta_model, tiny_args
 from torch.func import functional_call
 
 import mesh3d
 from examples.llama.model import Transformer
-from pipeline_cases import SEQ_LEN, VOCAB, meta_model, tiny_args
 
 CALLS = 6
 MICROBATCH_SIZE = 2
@@ -48,12 +48,14 @@ def microbatch_union(inputs: torch.Tensor, dp: int, m: int, k: int) -> torch.Ten
 def _loss_sum_count(model, values, tokens, targets):
     logits = functional_call(model, values, (tokens,))
     loss_sum = torch.nn.functional.cross_entropy(
-        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum")
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum"
+    )
     return loss_sum, int((targets != -100).sum())
 
 
-def reference(schedule: str, pp: int, m: int, dp: int, tied: bool, data, optimizer: str,
-              stage_of: dict[str, int], lr_factor=None) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(
+    schedule: str, pp: int, m: int, dp: int, tied: bool, data, optimizer: str, stage_of: dict[str, int], lr_factor=None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses per call and the final weights (after every update), one process. `lr_factor(t)`:
     the learning rate's factor for the updates of call t's batch (an LR scheduler stepped after
     each call)."""
@@ -95,8 +97,9 @@ def reference(schedule: str, pp: int, m: int, dp: int, tied: bool, data, optimiz
         for i in range(m):
             k = t * m + i
             values = weights_for(lambda stage: max(0, k - (pp - stage) + 1))
-            loss_sum, count = _loss_sum_count(model, values, microbatch_union(inputs, dp, m, i),
-                                              microbatch_union(targets, dp, m, i))
+            loss_sum, count = _loss_sum_count(
+                model, values, microbatch_union(inputs, dp, m, i), microbatch_union(targets, dp, m, i)
+            )
             (loss_sum / count).backward()
             total_sum, total_count = total_sum + loss_sum.item(), total_count + count
             apply({n: v.grad for n, v in values.items()})
@@ -109,13 +112,23 @@ def reference(schedule: str, pp: int, m: int, dp: int, tied: bool, data, optimiz
     return losses, state
 
 
-def mesh3d_run(layout, schedule: str, m: int, tied: bool, data, optimizer: str, lr_factor=None,
-               flush_after: int | None = None, **kwargs):
+def mesh3d_run(
+    layout,
+    schedule: str,
+    m: int,
+    tied: bool,
+    data,
+    optimizer: str,
+    lr_factor=None,
+    flush_after: int | None = None,
+    **kwargs,
+):
     """The same calls through mesh3d: losses, the full state after flush, and which stage owns each
     name. `lr_factor`: a LambdaLR on pm.optimizer, stepped after each call; `flush_after`: a
     `pm.flush()` after that many calls, between the others."""
-    pm = mesh3d.parallelize(meta_model(tied), layout, schedule=schedule, microbatches=m,
-                            optimizer=OPTIMIZERS[optimizer], **kwargs)
+    pm = mesh3d.parallelize(
+        meta_model(tied), layout, schedule=schedule, microbatches=m, optimizer=OPTIMIZERS[optimizer], **kwargs
+    )
     scheduler = None if lr_factor is None else torch.optim.lr_scheduler.LambdaLR(pm.optimizer, lr_factor)
     losses = []
     for call, (inputs, targets) in enumerate(data):
@@ -141,7 +154,9 @@ def reference_evaluation(tied: bool, state: dict[str, torch.Tensor], tokens, tar
 
 
 def worst(losses, state, ref_losses, ref_state) -> tuple[float, str]:
-    errors = [(abs(a - b) / max(abs(b), 1e-12), f"loss of call {i}") for i, (a, b) in enumerate(zip(losses, ref_losses))]
+    errors = [
+        (abs(a - b) / max(abs(b), 1e-12), f"loss of call {i}") for i, (a, b) in enumerate(zip(losses, ref_losses))
+    ]
     for name, want in ref_state.items():
         got = torch.as_tensor(state[name])
         want = torch.as_tensor(want)

@@ -18,16 +18,28 @@ TOLERANCE = 1e-5  # fp32, relative (norm-relative for tensors)
 
 def tiny_args(tied: bool, n_layers: int = 8) -> ModelArgs:
     return ModelArgs(
-        dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=16,
-        max_seq_len=SEQ_LEN, tie_embeddings=tied,
+        dim=32,
+        n_layers=n_layers,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=VOCAB,
+        multiple_of=16,
+        max_seq_len=SEQ_LEN,
+        tie_embeddings=tied,
     )
 
 
 def tp_args(tied: bool, n_layers: int = 8) -> ModelArgs:
     """Every size tensor parallelism splits (16 heads, 8 kv heads, FFN 176, vocab 64, seq 8) divides tp <= 8."""
     return ModelArgs(
-        dim=64, n_layers=n_layers, n_heads=16, n_kv_heads=8, vocab_size=VOCAB, multiple_of=16,
-        max_seq_len=SEQ_LEN, tie_embeddings=tied,
+        dim=64,
+        n_layers=n_layers,
+        n_heads=16,
+        n_kv_heads=8,
+        vocab_size=VOCAB,
+        multiple_of=16,
+        max_seq_len=SEQ_LEN,
+        tie_embeddings=tied,
     )
 
 
@@ -39,13 +51,17 @@ def meta_model(tied: bool, n_layers: int = 8, args: ModelArgs | None = None) -> 
 def batches(batch_size: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     return [
-        (torch.randint(0, VOCAB, (batch_size, SEQ_LEN), generator=generator),
-         torch.randint(0, VOCAB, (batch_size, SEQ_LEN), generator=generator))
+        (
+            torch.randint(0, VOCAB, (batch_size, SEQ_LEN), generator=generator),
+            torch.randint(0, VOCAB, (batch_size, SEQ_LEN), generator=generator),
+        )
         for _ in range(STEPS)
     ]
 
 
-def reference_run(tied: bool, data, args: ModelArgs | None = None) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+def reference_run(
+    tied: bool, data, args: ModelArgs | None = None
+) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """One process, whole model, whole batch: losses, grad norms, final state_dict (as numpy arrays,
     which pickle by value: tensors would travel to the ranks as shared-memory file descriptors)."""
     model = Transformer(args or tiny_args(tied))

@@ -7,11 +7,11 @@ from __future__ import annotations
 import copy
 
 import torch
+from pipeline_cases import LR, MAX_NORM, STEPS, TOLERANCE, relative
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import mesh3d
-from pipeline_cases import LR, MAX_NORM, STEPS, TOLERANCE, relative
 
 DIM, HIDDEN, VOCAB, SEQ = 16, 32, 48, 6
 N_BLOCKS = 8
@@ -42,8 +42,9 @@ def blocks_model(seed: int = 0) -> nn.Sequential:
 def token_model(tied: bool, seed: int = 0) -> nn.Sequential:
     """Embedding, 8 blocks, a head: logits over the vocabulary, the head tied to the embedding or not."""
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Embedding(VOCAB, DIM), *[Residual() for _ in range(N_BLOCKS)],
-                          nn.Linear(DIM, VOCAB, bias=False))
+    model = nn.Sequential(
+        nn.Embedding(VOCAB, DIM), *[Residual() for _ in range(N_BLOCKS)], nn.Linear(DIM, VOCAB, bias=False)
+    )
     if tied:
         model[-1].weight = model[0].weight
     return model
@@ -83,8 +84,10 @@ def data(kind: str, batch: int, seed: int = 0) -> list[tuple[torch.Tensor, torch
     g = torch.Generator().manual_seed(seed)
     if kind == "blocks":
         return [(torch.randn(batch, DIM, generator=g), torch.randn(batch, DIM, generator=g)) for _ in range(STEPS)]
-    return [(torch.randint(0, VOCAB, (batch, SEQ), generator=g), torch.randint(0, VOCAB, (batch, SEQ), generator=g))
-            for _ in range(STEPS)]
+    return [
+        (torch.randint(0, VOCAB, (batch, SEQ), generator=g), torch.randint(0, VOCAB, (batch, SEQ), generator=g))
+        for _ in range(STEPS)
+    ]
 
 
 def reference(model: nn.Module, loss_fn, batches) -> tuple[list[float], dict]:

@@ -19,7 +19,9 @@ def documents(count: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     docs = []
     for i in range(count):
-        sentences = [f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}." for _ in range(rng.randint(2, 6))]
+        sentences = [
+            f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}." for _ in range(rng.randint(2, 6))
+        ]
         docs.append(f"document {i}: " + " ".join(sentences).capitalize())
     return docs
 
@@ -31,8 +33,12 @@ def train_bpe(path: Path, texts: list[str], vocab_size: int = 384, special_token
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer)
     path.parent.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(path))

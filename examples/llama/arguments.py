@@ -51,15 +51,29 @@ def build_parser(description: str | None = None) -> Parser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (consecutive ranks, one node)")
     p.add_argument("--schedule", default=LIBRARY_DEFAULTS["schedule"], choices=sorted(mesh3d.pipeline.SCHEDULES))
     p.add_argument("--microbatches", type=int, default=None, help="per step and dp rank (default: pp)")
-    p.add_argument("--virtual-stages", type=int, default=None, help="stages per pp rank (default: the schedule's, see docs/pipeline.md)")
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        help="stages per pp rank (default: the schedule's, see docs/pipeline.md)",
+    )
     p.add_argument("--dp-mode", default=LIBRARY_DEFAULTS["dp_mode"], choices=list(DP_MODES))
-    p.add_argument("--activation-checkpoint", default=LIBRARY_DEFAULTS["activation_checkpoint"],
-                   choices=list(ACTIVATION_CHECKPOINT_MODES))
+    p.add_argument(
+        "--activation-checkpoint",
+        default=LIBRARY_DEFAULTS["activation_checkpoint"],
+        choices=list(ACTIVATION_CHECKPOINT_MODES),
+    )
     p.add_argument("--loss-parallel", action="store_true", help="keep logits vocab-sharded over tp for the loss")
-    p.add_argument("--param-dtype", default="fp32", choices=sorted(PARAM_DTYPES),
-                   help="compute dtype; bf16 keeps fp32 master weights, reduces gradients in fp32")
+    p.add_argument(
+        "--param-dtype",
+        default="fp32",
+        choices=sorted(PARAM_DTYPES),
+        help="compute dtype; bf16 keeps fp32 master weights, reduces gradients in fp32",
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (inductor)")
-    p.add_argument("--placement-report", default=None, help="rank 0 writes each rank's node and mesh coordinate here (JSON)")
+    p.add_argument(
+        "--placement-report", default=None, help="rank 0 writes each rank's node and mesh coordinate here (JSON)"
+    )
     p.add_argument("--config", default="debug", choices=sorted(CONFIGS))
     p.add_argument("--n-layers", type=int, default=None, help="override the config's number of layers")
     p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None, help="tie embedding and output")
@@ -70,48 +84,99 @@ def build_parser(description: str | None = None) -> Parser:
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of the peak")
     p.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
     p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--grad-clip", type=float, default=None,
-                   help="max global grad norm; 0 disables clipping (default 1.0; off, and refused, with the "
-                        "never-drain schedules pipedream and pipedream_2bw)")
+    p.add_argument(
+        "--grad-clip",
+        type=float,
+        default=None,
+        help="max global grad norm; 0 disables clipping (default 1.0; off, and refused, with the "
+        "never-drain schedules pipedream and pipedream_2bw)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
-    p.add_argument("--data", nargs="*", default=None,
-                   help=".txt/.jsonl/.parquet files, directories and globs (default: the stdlib corpus)")
+    p.add_argument(
+        "--data",
+        nargs="*",
+        default=None,
+        help=".txt/.jsonl/.parquet files, directories and globs (default: the stdlib corpus)",
+    )
     p.add_argument("--text-field", default="text", help="the JSONL field / Parquet column holding each document")
-    p.add_argument("--tokenizer", default=None, metavar="PATH",
-                   help="a Hugging Face tokenizer.json (default: --init-from-hf's tokenizer.json, else bytes)")
-    p.add_argument("--eos-token", default=None, metavar="TOKEN",
-                   help="the --tokenizer token that ends each document (default: the one it declares)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="a Hugging Face tokenizer.json (default: --init-from-hf's tokenizer.json, else bytes)",
+    )
+    p.add_argument(
+        "--eos-token",
+        default=None,
+        metavar="TOKEN",
+        help="the --tokenizer token that ends each document (default: the one it declares)",
+    )
     p.add_argument("--tokenize-workers", type=int, default=None, help="processes that tokenize (default: CPUs, <= 8)")
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help="the model's vocabulary (default: the tokenizer's, padded to a multiple of 64 and of --tp)")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="the model's vocabulary (default: the tokenizer's, padded to a multiple of 64 and of --tp)",
+    )
     p.add_argument("--eval-every", type=int, default=0, help="evaluate on held-out data every N steps (0: never)")
     p.add_argument("--eval-batches", type=int, default=4, help="global batches held out (by --seed) and evaluated")
     p.add_argument("--token-file", default=None, help="a pre-tokenized .npy (or raw, with --token-dtype) file")
     p.add_argument("--token-dtype", default=None)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--metrics", default="runs/train.jsonl", help="JSONL file, one line per step")
-    p.add_argument("--tensorboard", default=None, metavar="DIR", help="also log the metrics as TensorBoard scalars here")
-    p.add_argument("--config-file", default=None, metavar="TOML",
-                   help="settings under the flags' long names with underscores; the command line overrides them")
+    p.add_argument(
+        "--tensorboard", default=None, metavar="DIR", help="also log the metrics as TensorBoard scalars here"
+    )
+    p.add_argument(
+        "--config-file",
+        default=None,
+        metavar="TOML",
+        help="settings under the flags' long names with underscores; the command line overrides them",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here, as DIR/step<N>")
     p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (and after the last step)")
     p.add_argument("--keep-last", type=int, default=None, help="keep only the newest K checkpoints")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in --checkpoint-dir that loads, if any (and append to --metrics)")
-    p.add_argument("--resume-from", default=None, metavar="DIR",
-                   help="continue from exactly this checkpoint (an error if it is missing or damaged; appends to --metrics)")
-    p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds a collective or P2P wait may last before the job fails (a stopped rank); "
-                        "default 600, Megatron's --distributed-timeout-minutes 10")
-    p.add_argument("--max-bad-steps", type=int, default=3,
-                   help="stop after this many optimizer steps in a row skipped for a non-finite gradient norm")
-    p.add_argument("--init-from-hf", default=None, metavar="DIR",
-                   help="model config and weights from a Hugging Face Llama directory (config.json + safetensors)")
-    p.add_argument("--hf-model", default=None, metavar="DIR_OR_ARCH",
-                   help="train a Hugging Face model as transformers builds it: a directory with a config.json (its "
-                        "weights too, when there) or a model type (qwen2, llama, ...) at --config's sizes")
-    p.add_argument("--export-hf", default=None, metavar="DIR", help="after training, write the model as Hugging Face safetensors")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --checkpoint-dir that loads, if any (and append to --metrics)",
+    )
+    p.add_argument(
+        "--resume-from",
+        default=None,
+        metavar="DIR",
+        help="continue from exactly this checkpoint (an error if it is missing or damaged; appends to --metrics)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds a collective or P2P wait may last before the job fails (a stopped rank); "
+        "default 600, Megatron's --distributed-timeout-minutes 10",
+    )
+    p.add_argument(
+        "--max-bad-steps",
+        type=int,
+        default=3,
+        help="stop after this many optimizer steps in a row skipped for a non-finite gradient norm",
+    )
+    p.add_argument(
+        "--init-from-hf",
+        default=None,
+        metavar="DIR",
+        help="model config and weights from a Hugging Face Llama directory (config.json + safetensors)",
+    )
+    p.add_argument(
+        "--hf-model",
+        default=None,
+        metavar="DIR_OR_ARCH",
+        help="train a Hugging Face model as transformers builds it: a directory with a config.json (its "
+        "weights too, when there) or a model type (qwen2, llama, ...) at --config's sizes",
+    )
+    p.add_argument(
+        "--export-hf", default=None, metavar="DIR", help="after training, write the model as Hugging Face safetensors"
+    )
     return p
 
 
@@ -154,9 +219,11 @@ def _grad_clip(p: Parser, args: argparse.Namespace) -> float:
     if not never_drains(args.schedule):
         return 1.0 if args.grad_clip is None else args.grad_clip
     if args.grad_clip is not None and args.grad_clip > 0:
-        p.error(f"--grad-clip {args.grad_clip} cannot apply with --schedule {args.schedule}: its stages update at "
-                "different times, so no whole gradient exists to clip by its global norm; leave --grad-clip out "
-                "(or pass --grad-clip 0)")
+        p.error(
+            f"--grad-clip {args.grad_clip} cannot apply with --schedule {args.schedule}: its stages update at "
+            "different times, so no whole gradient exists to clip by its global norm; leave --grad-clip out "
+            "(or pass --grad-clip 0)"
+        )
     return 0.0
 
 
@@ -165,6 +232,10 @@ def _check_hf_model(p: Parser, args: argparse.Namespace) -> None:
     if problem:
         p.error(problem)
     if args.init_from_hf:
-        p.error("--hf-model DIR already starts from DIR's weights; --init-from-hf is the LLaMA example's: pass one of them")
-    if hf_model.is_directory(args.hf_model) and (args.n_layers is not None or args.tied is not None or args.vocab_size is not None):
+        p.error(
+            "--hf-model DIR already starts from DIR's weights; --init-from-hf is the LLaMA example's: pass one of them"
+        )
+    if hf_model.is_directory(args.hf_model) and (
+        args.n_layers is not None or args.tied is not None or args.vocab_size is not None
+    ):
         p.error("--hf-model DIR takes the model's shape from its config.json; drop --n-layers/--tied/--vocab-size")

@@ -44,8 +44,10 @@ class ModelArgs:
     def __post_init__(self):
         kv_heads = self.kv_heads
         if self.tokenizer_vocab_size is not None and not 1 <= self.tokenizer_vocab_size <= self.vocab_size:
-            raise ValueError(f"ModelArgs: tokenizer_vocab_size={self.tokenizer_vocab_size} must be in "
-                             f"[1, vocab_size={self.vocab_size}]")
+            raise ValueError(
+                f"ModelArgs: tokenizer_vocab_size={self.tokenizer_vocab_size} must be in "
+                f"[1, vocab_size={self.vocab_size}]"
+            )
         if self.dim % self.n_heads != 0:
             raise ValueError(f"ModelArgs: dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if (self.dim // self.n_heads) % 2 != 0:
@@ -81,18 +83,34 @@ class ModelArgs:
         if self.rope_scaling is not None:
             s = self.rope_scaling
             scaling = {
-                "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position,
+                "rope_type": "llama3",
+                "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position,
             }
             rope = {**scaling, "rope_theta": self.rope_theta}
         return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "hidden_size": self.dim, "intermediate_size": self.ffn_hidden_dim, "num_hidden_layers": self.n_layers,
-            "num_attention_heads": self.n_heads, "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
-            "vocab_size": self.vocab_size, "rms_norm_eps": self.norm_eps, "max_position_embeddings": self.max_seq_len,
-            "rope_theta": self.rope_theta, "rope_scaling": scaling, "rope_parameters": rope,
-            "tie_word_embeddings": self.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-            "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": self.dim,
+            "intermediate_size": self.ffn_hidden_dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.norm_eps,
+            "max_position_embeddings": self.max_seq_len,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": scaling,
+            "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
         }
 
     @classmethod
@@ -112,7 +130,9 @@ class ModelArgs:
             unsupported["head_dim"] = (config["head_dim"], config["hidden_size"] // heads)
         for key, (got, supported) in unsupported.items():
             if got != supported:
-                raise ValueError(f"Hugging Face config has {key}={got!r}; the LLaMA example supports only {supported!r}")
+                raise ValueError(
+                    f"Hugging Face config has {key}={got!r}; the LLaMA example supports only {supported!r}"
+                )
         rope = dict(config.get("rope_parameters") or {})
         legacy = config.get("rope_scaling") or {}
         rope_type = rope.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
@@ -121,16 +141,24 @@ class ModelArgs:
         if rope_type == "llama3":
             fields = {**legacy, **rope}
             scaling = RopeScaling(
-                factor=float(fields["factor"]), low_freq_factor=float(fields["low_freq_factor"]),
+                factor=float(fields["factor"]),
+                low_freq_factor=float(fields["low_freq_factor"]),
                 high_freq_factor=float(fields["high_freq_factor"]),
                 original_max_position=int(fields["original_max_position_embeddings"]),
             )
         elif rope_type != "default":
-            raise ValueError(f"Hugging Face config has rope_type={rope_type!r}; the LLaMA example supports default and llama3")
+            raise ValueError(
+                f"Hugging Face config has rope_type={rope_type!r}; the LLaMA example supports default and llama3"
+            )
         return cls(
-            dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=heads,
-            n_kv_heads=config.get("num_key_value_heads") or heads, vocab_size=config["vocab_size"],
-            norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
+            dim=config["hidden_size"],
+            n_layers=config["num_hidden_layers"],
+            n_heads=heads,
+            n_kv_heads=config.get("num_key_value_heads") or heads,
+            vocab_size=config["vocab_size"],
+            norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
             max_seq_len=config.get("max_position_embeddings", 2048),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             ffn_hidden_dim_override=config["intermediate_size"],
@@ -143,26 +171,63 @@ CONFIGS: dict[str, ModelArgs] = {
     # Byte-level vocabulary (256) so it trains on the default corpus. Heads (16), kv heads (8),
     # FFN width (352) and vocabulary all divide by every tp <= 8; 8 layers fill pp=4 x v=2 stages.
     "debug": ModelArgs(
-        dim=128, n_layers=8, n_heads=16, n_kv_heads=8, vocab_size=256, multiple_of=32,
-        rope_theta=10000.0, max_seq_len=1024, tie_embeddings=False,
+        dim=128,
+        n_layers=8,
+        n_heads=16,
+        n_kv_heads=8,
+        vocab_size=256,
+        multiple_of=32,
+        rope_theta=10000.0,
+        max_seq_len=1024,
+        tie_embeddings=False,
     ),
     # Llama 3.2 1B and 3B (tied embeddings, rope scaling factor 32).
     "1B": ModelArgs(
-        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
-        rope_scaling=RopeScaling(factor=32.0), max_seq_len=131072, tie_embeddings=True, **_LLAMA3_COMMON,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.5,
+        multiple_of=256,
+        rope_scaling=RopeScaling(factor=32.0),
+        max_seq_len=131072,
+        tie_embeddings=True,
+        **_LLAMA3_COMMON,
     ),
     "3B": ModelArgs(
-        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256,
-        rope_scaling=RopeScaling(factor=32.0), max_seq_len=131072, tie_embeddings=True, **_LLAMA3_COMMON,
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.0,
+        multiple_of=256,
+        rope_scaling=RopeScaling(factor=32.0),
+        max_seq_len=131072,
+        tie_embeddings=True,
+        **_LLAMA3_COMMON,
     ),
     # Llama 3.1 8B and 70B.
     "8B": ModelArgs(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
-        rope_scaling=RopeScaling(factor=8.0), max_seq_len=131072, **_LLAMA3_COMMON,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        rope_scaling=RopeScaling(factor=8.0),
+        max_seq_len=131072,
+        **_LLAMA3_COMMON,
     ),
     "70B": ModelArgs(
-        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
-        rope_scaling=RopeScaling(factor=8.0), max_seq_len=131072, **_LLAMA3_COMMON,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
+        rope_scaling=RopeScaling(factor=8.0),
+        max_seq_len=131072,
+        **_LLAMA3_COMMON,
     ),
 }
 

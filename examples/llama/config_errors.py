@@ -34,8 +34,11 @@ _VALUE = r"'[^']*'|\"[^\"]*\"|[^\s,;)\]]+"
 
 def flags_of(parser: argparse.ArgumentParser) -> dict[str, str]:
     """{parameter name: its flag}: every long flag of the parser under its destination, plus ALIASES."""
-    flags = {a.dest: next(s for s in a.option_strings if s.startswith("--"))
-             for a in parser._actions if any(s.startswith("--") for s in a.option_strings) and a.dest != "help"}
+    flags = {
+        a.dest: next(s for s in a.option_strings if s.startswith("--"))
+        for a in parser._actions
+        if any(s.startswith("--") for s in a.option_strings) and a.dest != "help"
+    }
     return {**flags, **ALIASES}
 
 

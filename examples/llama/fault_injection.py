@@ -49,8 +49,9 @@ class FaultInjection:
             if phase not in _PHASES:
                 raise KeyError(phase)
         except (ValueError, KeyError):
-            raise SystemExit(f"{ENV}={spec!r}: expected ACTION@RANK:PHASE:STEP, ACTION in {sorted(_SIGNALS)}, "
-                             f"PHASE in {_PHASES}") from None
+            raise SystemExit(
+                f"{ENV}={spec!r}: expected ACTION@RANK:PHASE:STEP, ACTION in {sorted(_SIGNALS)}, PHASE in {_PHASES}"
+            ) from None
         return fault if int(target_rank) == rank else None
 
     def arm(self, pm) -> None:

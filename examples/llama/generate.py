@@ -59,7 +59,9 @@ def generate(
     prompt = torch.as_tensor(prompt, dtype=torch.long, device=device)
     prompt = prompt[None] if prompt.ndim == 1 else prompt
     if prompt.ndim != 2 or prompt.shape[1] == 0:
-        raise ValueError(f"generate: prompt must be a non-empty (seq,) or (batch, seq) of ids, got shape {tuple(prompt.shape)}")
+        raise ValueError(
+            f"generate: prompt must be a non-empty (seq,) or (batch, seq) of ids, got shape {tuple(prompt.shape)}"
+        )
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
     length = prompt.shape[1] + max_new_tokens
@@ -107,9 +109,15 @@ def pick_tokenizer(path: str | None, source: TrainedSource, eos_token: str | Non
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="a mesh3d checkpoint (any layout), a directory of them (the newest), or a Hugging Face directory")
-    p.add_argument("--prompt", action="append", default=None, help="text to continue (repeat for several; default: empty)")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="DIR",
+        help="a mesh3d checkpoint (any layout), a directory of them (the newest), or a Hugging Face directory",
+    )
+    p.add_argument(
+        "--prompt", action="append", default=None, help="text to continue (repeat for several; default: empty)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-samples", type=int, default=1, help="continuations per prompt")
     p.add_argument("--greedy", action="store_true", help="always the most likely token (same as --temperature 0)")
@@ -117,9 +125,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
     p.add_argument("--top-p", type=float, default=None, help="sample among the most likely tokens that sum to p only")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokenizer", default=None, metavar="PATH", help="a tokenizer.json (default: the model's own, else bytes)")
-    p.add_argument("--eos-token", default=None, metavar="TOKEN",
-                   help="the token that ends each document (default: train.py's --eos-token, else the tokenizer's own)")
+    p.add_argument(
+        "--tokenizer", default=None, metavar="PATH", help="a tokenizer.json (default: the model's own, else bytes)"
+    )
+    p.add_argument(
+        "--eos-token",
+        default=None,
+        metavar="TOKEN",
+        help="the token that ends each document (default: train.py's --eos-token, else the tokenizer's own)",
+    )
     p.add_argument("--raw-prompt", action="store_true", help="do not put the document separator before the prompt")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
@@ -158,12 +172,19 @@ def main(argv=None) -> list[str]:
     texts = []
     for text, ids in zip(prompts, encoded):
         rows = torch.tensor([ids] * args.num_samples)
-        new = generate(model, rows, args.max_new_tokens, args.sampling, seed=args.seed,
-                       stop_id=tokenizer.separator_id, vocab_size=tokenizer.vocab_size)
+        new = generate(
+            model,
+            rows,
+            args.max_new_tokens,
+            args.sampling,
+            seed=args.seed,
+            stop_id=tokenizer.separator_id,
+            vocab_size=tokenizer.vocab_size,
+        )
         for row in new.tolist():
             if tokenizer.separator_id in row:
                 row = row[: row.index(tokenizer.separator_id)]
-            texts.append(tokenizer.decode(ids[len(start):] + row))  # whole: a BPE piece may join the two
+            texts.append(tokenizer.decode(ids[len(start) :] + row))  # whole: a BPE piece may join the two
             print(f"--- {text!r}\n{texts[-1]}", flush=True)
     return texts
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import re
 
-from mesh3d.checkpoint import HFAdapter
-
 from examples.llama.config import ModelArgs
+from mesh3d.checkpoint import HFAdapter
 
 # This model's name within a block -> transformers' name within `model.layers.{i}`.
 _LAYER_NAMES = {

@@ -28,9 +28,19 @@ CONFIG_FILE = "config.json"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 # The Hugging Face config fields that the LLaMA example's sizes set (ModelArgs.to_hf_config's names);
 # an architecture takes those its config has.
-SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-               "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings", "rope_parameters",
-               "tie_word_embeddings")
+SIZE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "rope_parameters",
+    "tie_word_embeddings",
+)
 
 
 def is_directory(spec: str) -> bool:
@@ -61,8 +71,10 @@ def check_spec(spec: str) -> str | None:
             return f"--hf-model {spec} is a directory without a {CONFIG_FILE}; pass a Hugging Face model directory"
         return None
     if spec not in transformers.CONFIG_MAPPING:
-        return (f"--hf-model {spec!r} is neither a directory nor a transformers model type; pass a directory with a "
-                f"{CONFIG_FILE} or a model type such as qwen2, llama, mistral, qwen3")
+        return (
+            f"--hf-model {spec!r} is neither a directory nor a transformers model type; pass a directory with a "
+            f"{CONFIG_FILE} or a model type such as qwen2, llama, mistral, qwen3"
+        )
     return None
 
 
@@ -76,10 +88,14 @@ def hf_config(args: argparse.Namespace, sizes: ModelArgs | None):
     default = transformers.AutoConfig.for_model(args.hf_model)
     llama = sizes.to_hf_config()
     fields = {name: llama[name] for name in SIZE_FIELDS if hasattr(default, name)}
-    missing = [name for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if name not in fields]
+    missing = [
+        name for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if name not in fields
+    ]
     if missing:
-        raise SystemExit(f"--hf-model {args.hf_model}: its config ({type(default).__name__}) has no field "
-                         f"{', '.join(missing)} to take --config {args.config}'s sizes; pass a directory with a config.json")
+        raise SystemExit(
+            f"--hf-model {args.hf_model}: its config ({type(default).__name__}) has no field "
+            f"{', '.join(missing)} to take --config {args.config}'s sizes; pass a directory with a config.json"
+        )
     if not _is_flat_rope(getattr(default, "rope_parameters", None)):
         fields.pop("rope_parameters", None)  # rotary settings per layer type: keep the architecture's own
     return transformers.AutoConfig.for_model(args.hf_model, **fields)

@@ -29,8 +29,8 @@ class LayerCache:
         """Store this call's keys and values (batch, kv_heads, new, head_dim) after the cached ones;
         return all of them so far."""
         end = self.start + k.shape[-2]
-        self.keys[:, :, self.start:end] = k
-        self.values[:, :, self.start:end] = v
+        self.keys[:, :, self.start : end] = k
+        self.values[:, :, self.start : end] = v
         return self.keys[:, :, :end], self.values[:, :, :end]
 
 

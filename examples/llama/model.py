@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -175,7 +175,12 @@ class Transformer(nn.Module):
     def tensor_parallel_sizes(self) -> dict[str, int]:
         """Sizes the tensor-parallel degree must divide (mesh3d checks them before sharding)."""
         a = self.args
-        return {"n_heads": a.n_heads, "n_kv_heads": a.kv_heads, "ffn_hidden_dim": a.ffn_hidden_dim, "vocab_size": a.vocab_size}
+        return {
+            "n_heads": a.n_heads,
+            "n_kv_heads": a.kv_heads,
+            "ffn_hidden_dim": a.ffn_hidden_dim,
+            "vocab_size": a.vocab_size,
+        }
 
     def to_empty(self, *, device, recurse: bool = True) -> "Transformer":
         """Materialize from meta; the rotary table is recomputed, parameters stay uninitialized.
@@ -237,7 +242,7 @@ def _fill_by_chunks(param: torch.Tensor, seed: int, std: float) -> None:
         nn.init.trunc_normal_(values, std=std, a=-3 * std, b=3 * std, generator=generator)
         lo, hi = max(begin, first), min(end, stop)
         part = values[(slice(lo - begin, hi - begin), *window[1:])]
-        local[lo - first:hi - first].copy_(part.to(local.device, local.dtype))
+        local[lo - first : hi - first].copy_(part.to(local.device, local.dtype))
 
 
 # Wrappers (activation checkpointing, torch.compile, FSDP1) insert these into parameter names.

@@ -19,8 +19,12 @@ def model_config(args) -> ModelArgs:
     if args.init_from_hf:
         config = ModelArgs.from_hf_config(json.loads((Path(args.init_from_hf) / "config.json").read_text()))
         return config.with_(max_seq_len=max(config.max_seq_len, args.seq_len))
-    overrides = {"max_seq_len": max(args.seq_len, 1), "n_layers": args.n_layers, "tie_embeddings": args.tied,
-                 "vocab_size": args.vocab_size}
+    overrides = {
+        "max_seq_len": max(args.seq_len, 1),
+        "n_layers": args.n_layers,
+        "tie_embeddings": args.tied,
+        "vocab_size": args.vocab_size,
+    }
     return get_config(args.config, **{k: v for k, v in overrides.items() if v is not None})
 
 

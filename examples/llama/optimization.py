@@ -20,6 +20,8 @@ def build_optimizer(params: list[torch.nn.Parameter], args) -> torch.optim.AdamW
     """AdamW over this rank's parameters; matrices decay, norm gains (1-D) do not. A never-drain
     schedule gets it as parallelize's `optimizer=` factory (it steps inside the pipeline)."""
     params = list(params)
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))

@@ -83,8 +83,10 @@ def main(argv=None) -> Path:
     try:
         import matplotlib  # noqa: F401 - only to say clearly what is missing
     except ImportError:
-        raise SystemExit("plot.py draws with matplotlib, which is not installed: pip install matplotlib "
-                         "(or pip install 'mesh3d[draw]')") from None
+        raise SystemExit(
+            "plot.py draws with matplotlib, which is not installed: pip install matplotlib "
+            "(or pip install 'mesh3d[draw]')"
+        ) from None
     labels = args.labels or [Path(m).stem for m in args.metrics]
     if len(set(labels)) != len(labels):  # two runs named alike: tell them apart by their folders
         labels = [str(Path(m).with_suffix("")) for m in args.metrics]

@@ -16,8 +16,9 @@ lists the valid ones.
 from __future__ import annotations
 
 import argparse
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 CONFIG_FILE_FLAG = "--config-file"
 

@@ -29,7 +29,9 @@ class Sampling:
     def __post_init__(self):
         if not self.temperature >= 0:
             raise ValueError(f"Sampling: temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
+        if self.top_k is not None and (
+            isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1
+        ):
             raise ValueError(f"Sampling: top_k must be None or an int >= 1, got {self.top_k!r}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"Sampling: top_p must be None or in (0, 1], got {self.top_p}")

@@ -9,8 +9,12 @@ import importlib.util
 
 # The record's numbers worth a curve, and the TensorBoard tag each goes under.
 SCALARS = {
-    "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens_per_s": "train/tokens_per_s",
-    "eval_loss": "eval/loss", "eval_perplexity": "eval/perplexity",
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "train/tokens_per_s",
+    "eval_loss": "eval/loss",
+    "eval_perplexity": "eval/perplexity",
 }
 
 

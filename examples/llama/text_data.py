@@ -35,8 +35,10 @@ def build_tokenizer(args: argparse.Namespace):
         path = Path(model_dir) / "tokenizer.json"
     if path is None:
         if args.eos_token is not None:
-            raise SystemExit(f"--eos-token {args.eos_token} needs a Hugging Face tokenizer (--tokenizer); "
-                             f"the byte tokenizer ends each document with byte 0")
+            raise SystemExit(
+                f"--eos-token {args.eos_token} needs a Hugging Face tokenizer (--tokenizer); "
+                f"the byte tokenizer ends each document with byte 0"
+            )
         return ByteTokenizer()
     try:
         return HFTokenizer(path, eos_token=args.eos_token)
@@ -60,9 +62,11 @@ def fit_vocab(config: ModelArgs, tokenizer, args: argparse.Namespace) -> ModelAr
         check_fits(config.vocab_size, args.init_from_hf, tokenizer, args)
     elif args.vocab_size is not None:
         if tokens > args.vocab_size:
-            raise SystemExit(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's {tokens} tokens "
-                             f"({described}): pass --vocab-size {tokens} or more, or leave it out to take the "
-                             f"tokenizer's ({padded_vocab_size(tokens, args.tp)} with padding)")
+            raise SystemExit(
+                f"--vocab-size {args.vocab_size} is smaller than the tokenizer's {tokens} tokens "
+                f"({described}): pass --vocab-size {tokens} or more, or leave it out to take the "
+                f"tokenizer's ({padded_vocab_size(tokens, args.tp)} with padding)"
+            )
     else:
         config = config.with_(vocab_size=padded_vocab_size(tokens, args.tp))
     return config.with_(tokenizer_vocab_size=tokens)
@@ -76,8 +80,10 @@ def check_fits(vocab_size: int, model_dir: str, tokenizer, args: argparse.Namesp
     tokens = tokenizer.vocab_size
     if tokens > vocab_size:
         described = getattr(tokenizer, "path", "the byte tokenizer")
-        raise SystemExit(f"the tokenizer ({described}) has {tokens} tokens, more than the vocab_size="
-                         f"{vocab_size} of the model in {model_dir}; use the model's own tokenizer")
+        raise SystemExit(
+            f"the tokenizer ({described}) has {tokens} tokens, more than the vocab_size="
+            f"{vocab_size} of the model in {model_dir}; use the model's own tokenizer"
+        )
 
 
 def build_datasets(args: argparse.Namespace, tokenizer) -> tuple[TokenDataset | SampleSubset, SampleSubset | None]:
@@ -87,8 +93,9 @@ def build_datasets(args: argparse.Namespace, tokenizer) -> tuple[TokenDataset | 
     else:
         paths = args.data if args.data else stdlib_sources()
         try:
-            dataset = TokenDataset.from_corpus(paths, args.seq_len, tokenizer, text_field=args.text_field,
-                                               workers=args.tokenize_workers, progress=True)
+            dataset = TokenDataset.from_corpus(
+                paths, args.seq_len, tokenizer, text_field=args.text_field, workers=args.tokenize_workers, progress=True
+            )
         except (ValueError, FileNotFoundError) as e:
             e.add_note(_FLAGS)  # the library's errors name its parameters
             raise

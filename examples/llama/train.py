@@ -58,7 +58,13 @@ from examples.llama.text_data import build_datasets, build_tokenizer  # noqa: E4
 from mesh3d.data import DistributedLoader  # noqa: E402
 from mesh3d.distributed.rendezvous import restart_count  # noqa: E402
 from mesh3d.train import (  # noqa: E402
-    BadLossGuard, BadStepGuard, HeldOutEvaluator, Progress, due, resume_from, resume_latest,
+    BadLossGuard,
+    BadStepGuard,
+    HeldOutEvaluator,
+    Progress,
+    due,
+    resume_from,
+    resume_latest,
 )
 from mesh3d.train.flops import device_name, flops_per_token, peak_flops  # noqa: E402
 
@@ -82,11 +88,20 @@ def set_up(args):
     # A never-drain schedule updates inside pm.step, so parallelize builds the optimizer (pm.optimizer).
     inside = functools.partial(build_optimizer, args=args) if arguments.never_drains(args.schedule) else None
     pm = mesh3d.parallelize(
-        model, layout, schedule=args.schedule, microbatches=args.microbatches, virtual_stages=args.virtual_stages,
-        activation_checkpoint=args.activation_checkpoint, dp_mode=args.dp_mode,
+        model,
+        layout,
+        schedule=args.schedule,
+        microbatches=args.microbatches,
+        virtual_stages=args.virtual_stages,
+        activation_checkpoint=args.activation_checkpoint,
+        dp_mode=args.dp_mode,
         # A Hugging Face model's plan is its own (its config's base_model_tp_plan)
-        tp_plan=None if args.hf_model else llama_tp_plan(loss_parallel=args.loss_parallel), loss_parallel=args.loss_parallel,
-        param_dtype=arguments.PARAM_DTYPES[args.param_dtype], compile=args.compile, seed=args.seed, optimizer=inside,
+        tp_plan=None if args.hf_model else llama_tp_plan(loss_parallel=args.loss_parallel),
+        loss_parallel=args.loss_parallel,
+        param_dtype=arguments.PARAM_DTYPES[args.param_dtype],
+        compile=args.compile,
+        seed=args.seed,
+        optimizer=inside,
     )  # the default loss: next-token cross-entropy over the global batch's counted tokens, any layout
     dataset, heldout = build_datasets(args, tokenizer)
     loader = DistributedLoader.for_layout(dataset, args.global_batch, layout, seed=args.seed)
@@ -109,14 +124,23 @@ def set_up(args):
                 error.add_note(f"to train the model in {weights} as its own architecture, pass --hf-model {weights}")
             raise
         origin = f"weights from {weights}"
-    say(f"effective config (TOML):\n{effective_config_toml(args)}\n{layout}\n{pm}\n"
+    say(
+        f"effective config (TOML):\n{effective_config_toml(args)}\n{layout}\n{pm}\n"
         f"model {described}: {n_params / 1e6:.2f}M parameters, {origin}\n"
         f"tokenizer: {'pre-tokenized' if args.token_file else repr(tokenizer)}\n"
         f"data: {mesh3d.train.human_count(len(dataset.tokens))} tokens ({len(dataset)} samples of {args.seq_len} "
         f"to train on{f', {len(heldout)} held out' if heldout else ''}), "
-        f"global batch {args.global_batch} = dp {layout.dp} x {loader.local_batch_size}")
-    progress = Progress(args.steps, args.global_batch * args.seq_len, start_step, per_token,
-                        peak_flops(layout.device), layout.world_size, device_name(layout.device))
+        f"global batch {args.global_batch} = dp {layout.dp} x {loader.local_batch_size}"
+    )
+    progress = Progress(
+        args.steps,
+        args.global_batch * args.seq_len,
+        start_step,
+        per_token,
+        peak_flops(layout.device),
+        layout.world_size,
+        device_name(layout.device),
+    )
     evaluator = HeldOutEvaluator(heldout, args.global_batch, layout, args.eval_batches) if heldout else None
     return layout, pm, optimizer, loader, evaluator, progress, state is not None
 
@@ -158,10 +182,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if stepped:
                 optimizer.step()
         seconds = time.perf_counter() - step_start
-        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                  "tokens_per_s": progress.tokens_per_step / seconds, "elapsed_s": progress.elapsed(),
-                  "param_dtype": args.param_dtype, "compile": args.compile, "restart": restart,
-                  "skipped": not stepped, "tokens": (step + 1) * progress.tokens_per_step}
+        record = {
+            "step": step + 1,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": progress.tokens_per_step / seconds,
+            "elapsed_s": progress.elapsed(),
+            "param_dtype": args.param_dtype,
+            "compile": args.compile,
+            "restart": restart,
+            "skipped": not stepped,
+            "tokens": (step + 1) * progress.tokens_per_step,
+        }
         if evaluator and due(step + 1, args.eval_every, args.steps):
             record.update(evaluator(pm))
         history.append(record)
@@ -171,10 +204,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if tensorboard:  # rank 0 only
             tensorboard.write(record)
         if is_main and (step % args.log_every == 0 or step + 1 == args.steps or "eval_loss" in record):
-            evaluated = (f"  eval_loss {record['eval_loss']:.4f}  eval_ppl {record['eval_perplexity']:.2f}"
-                         if "eval_loss" in record else "")
-            print(progress.line(step + 1, record["loss"], lr, record["grad_norm"], seconds) + evaluated
-                  + ("  SKIPPED (non-finite gradient norm)" if not stepped else ""), flush=True)
+            evaluated = (
+                f"  eval_loss {record['eval_loss']:.4f}  eval_ppl {record['eval_perplexity']:.2f}"
+                if "eval_loss" in record
+                else ""
+            )
+            print(
+                progress.line(step + 1, record["loss"], lr, record["grad_norm"], seconds)
+                + evaluated
+                + ("  SKIPPED (non-finite gradient norm)" if not stepped else ""),
+                flush=True,
+            )
         guard.raise_if_too_many(step + 1, loss if pm.never_drains else grad_norm)
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             save_checkpoint(pm, optimizer, loader, step + 1, args, is_main, fault)
@@ -196,8 +236,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def save_checkpoint(pm, optimizer, loader, step: int, args, is_main: bool, fault: FaultInjection | None) -> None:
     began = time.perf_counter()
     path = mesh3d.checkpoint.save(
-        Path(args.checkpoint_dir) / f"step{step}", pm, optimizer, step=step, data_state=loader.state_dict(),
-        extra={"args": vars(args)}, keep_last=args.keep_last, before_publish=fault.before_publish if fault else None,
+        Path(args.checkpoint_dir) / f"step{step}",
+        pm,
+        optimizer,
+        step=step,
+        data_state=loader.state_dict(),
+        extra={"args": vars(args)},
+        keep_last=args.keep_last,
+        before_publish=fault.before_publish if fault else None,
     )
     if is_main:
         print(f"saved checkpoint {path} in {time.perf_counter() - began:.2f} s", flush=True)

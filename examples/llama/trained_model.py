@@ -99,11 +99,16 @@ def _checkpoint_source(path: Path) -> TrainedSource:
             "--steps at its step and --export-hf) and load the export with transformers"
         )
     if saved.get("init_from_hf"):
-        base = ModelArgs.from_hf_config(json.loads(_required(Path(saved["init_from_hf"]) / _HF_CONFIG, path).read_text()))
+        base = ModelArgs.from_hf_config(
+            json.loads(_required(Path(saved["init_from_hf"]) / _HF_CONFIG, path).read_text())
+        )
     else:
         base = get_config(saved.get("config") or "debug")
-    shapes = {name: tuple(entry.size) for name, entry in FileSystemReader(path).read_metadata().state_dict_metadata.items()
-              if name.startswith("model.") and hasattr(entry, "size")}
+    shapes = {
+        name: tuple(entry.size)
+        for name, entry in FileSystemReader(path).read_metadata().state_dict_metadata.items()
+        if name.startswith("model.") and hasattr(entry, "size")
+    }
     # The saved tensors decide what the arguments may not (a vocabulary taken from the tokenizer).
     layers = {name.split(".")[2] for name in shapes if name.startswith("model.layers.")}
     tied = any("output.weight" in names for names in train_state.get("tied") or [])
@@ -112,7 +117,9 @@ def _checkpoint_source(path: Path) -> TrainedSource:
     if saved.get("init_from_hf"):
         trained_len = max(trained_len, base.max_seq_len)
     config = base.with_(
-        vocab_size=shapes["model.tok_embeddings.weight"][0], n_layers=len(layers), tie_embeddings=tied,
+        vocab_size=shapes["model.tok_embeddings.weight"][0],
+        n_layers=len(layers),
+        tie_embeddings=tied,
         max_seq_len=trained_len,
     )
     tokenizer = saved.get("tokenizer")
@@ -121,15 +128,17 @@ def _checkpoint_source(path: Path) -> TrainedSource:
     layout = train_state.get("layout", {})
     where = f"pp={layout.get('pp')} dp={layout.get('dp')} tp={layout.get('tp')}"
     description = f"mesh3d checkpoint {path} (step {train_state.get('step')}, saved at {where})"
-    return TrainedSource(path, "checkpoint", config, Path(tokenizer) if tokenizer else None, description,
-                         saved.get("eos_token"))
+    return TrainedSource(
+        path, "checkpoint", config, Path(tokenizer) if tokenizer else None, description, saved.get("eos_token")
+    )
 
 
 def _huggingface_source(path: Path) -> TrainedSource:
     config = ModelArgs.from_hf_config(json.loads((path / _HF_CONFIG).read_text()))
     tokenizer = path / "tokenizer.json"
-    return TrainedSource(path, "huggingface", config, tokenizer if tokenizer.is_file() else None,
-                         f"Hugging Face directory {path}")
+    return TrainedSource(
+        path, "huggingface", config, tokenizer if tokenizer.is_file() else None, f"Hugging Face directory {path}"
+    )
 
 
 def _required(file: Path, checkpoint: Path) -> Path:

@@ -18,4 +18,13 @@ from mesh3d.checkpoint.integrity import DamagedCheckpoint
 from mesh3d.checkpoint.safetensors_io import export_safetensors, import_safetensors
 from mesh3d.checkpoint.save_load import load, save
 
-__all__ = ["DamagedCheckpoint", "HFAdapter", "complete_checkpoints", "export_safetensors", "import_safetensors", "latest", "load", "save"]
+__all__ = [
+    "DamagedCheckpoint",
+    "HFAdapter",
+    "complete_checkpoints",
+    "export_safetensors",
+    "import_safetensors",
+    "latest",
+    "load",
+    "save",
+]

@@ -119,8 +119,10 @@ def read_manifest(directory: Path) -> dict[str, dict] | None:
         files = manifest["files"]
         algorithm = manifest.get("algorithm")
         if algorithm not in HASHERS or manifest.get("block_bytes") != BLOCK_BYTES:
-            raise ValueError(f"algorithm {algorithm!r} in blocks of {manifest.get('block_bytes')!r} bytes; this mesh3d "
-                             f"checks {sorted(HASHERS)} in blocks of {BLOCK_BYTES}")
+            raise ValueError(
+                f"algorithm {algorithm!r} in blocks of {manifest.get('block_bytes')!r} bytes; this mesh3d "
+                f"checks {sorted(HASHERS)} in blocks of {BLOCK_BYTES}"
+            )
         for name, entry in files.items():
             size, digests = entry["size"], entry[algorithm]
             if not isinstance(size, int) or not isinstance(digests, list) or len(digests) != len(_blocks(size)):
@@ -138,7 +140,9 @@ def share(sums: dict[str, dict], rank: int, world_size: int) -> list[str]:
     return sorted(by_size[rank::world_size])
 
 
-def first_mismatch(directory: Path, sums: dict[str, dict], names: Iterable[str], threads: int | None = None) -> str | None:
+def first_mismatch(
+    directory: Path, sums: dict[str, dict], names: Iterable[str], threads: int | None = None
+) -> str | None:
     """The first of `names` (in name order) whose file is missing, of another size or whose
     blocks hash to other digests than `sums` records (in the algorithm each entry names, default ALGORITHM), described with both values; None when all
     match. The blocks are hashed in threads, as `sums_of` does."""
@@ -168,8 +172,10 @@ def first_mismatch(directory: Path, sums: dict[str, dict], names: Iterable[str],
         if digest == want:
             return None
         end = min(sums[name]["size"], (i + 1) * BLOCK_BYTES)
-        return (f"{file} has another checksum than when it was written (bytes {i * BLOCK_BYTES}-{end}: {algorithm} "
-                f"{digest}, {want} written): its contents changed")
+        return (
+            f"{file} has another checksum than when it was written (bytes {i * BLOCK_BYTES}-{end}: {algorithm} "
+            f"{digest}, {want} written): its contents changed"
+        )
 
     with ThreadPoolExecutor(_threads(threads)) as pool:
         for (name, _), problem in zip(blocks, pool.map(check, blocks)):

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from mesh3d.parallel_model import ParallelModel
 from mesh3d.distributed.shards import local_tensor
+from mesh3d.parallel_model import ParallelModel
 
 MODEL = "model."
 OPTIM_STATE = "optim.state."
@@ -109,7 +109,7 @@ def saved_optimizer_entries(metadata: Metadata) -> dict[str, set[str]]:
     for key in metadata.state_dict_metadata:
         if key.startswith(OPTIM_STATE):
             # Entry names (exp_avg, step, ...) hold no dot: the last one separates them from the name.
-            name, _, entry = key[len(OPTIM_STATE):].rpartition(".")
+            name, _, entry = key[len(OPTIM_STATE) :].rpartition(".")
             entries.setdefault(name, set()).add(entry)
     return entries
 
@@ -157,7 +157,12 @@ def unsaved_optimizer_params(state: FlatState, metadata: Metadata) -> list[torch
 
 
 def check_against_checkpoint(
-    pm: ParallelModel, state: FlatState, metadata: Metadata, path: str, saved_optimizer: str | None, optimizer_type: str | None
+    pm: ParallelModel,
+    state: FlatState,
+    metadata: Metadata,
+    path: str,
+    saved_optimizer: str | None,
+    optimizer_type: str | None,
 ) -> str | None:
     """What makes this checkpoint unfit for this model (or None): the first mismatching parameter.
 
@@ -182,7 +187,7 @@ def check_against_checkpoint(
                 f"checkpoint {path} does not fit this model: {name!r} has shape {got} in the checkpoint, the model "
                 f"expects {shape}; build the model with the configuration the checkpoint was saved from"
             )
-    extra = [k[len(MODEL):] for k in saved if k.startswith(MODEL) and k[len(MODEL):] not in wanted]
+    extra = [k[len(MODEL) :] for k in saved if k.startswith(MODEL) and k[len(MODEL) :] not in wanted]
     if extra:
         return (
             f"checkpoint {path} does not fit this model: it holds {len(extra)} tensors the model does not have, the "
@@ -202,13 +207,13 @@ def check_against_checkpoint(
         meta = saved.get(key)
         if meta is None:
             return (
-                f"checkpoint {path} has no optimizer state {key[len(OPTIM_STATE):]!r}: it was saved with a different "
+                f"checkpoint {path} has no optimizer state {key[len(OPTIM_STATE) :]!r}: it was saved with a different "
                 "optimizer (or other settings, e.g. amsgrad); build the optimizer the checkpoint was saved with"
             )
         if isinstance(value, torch.Tensor) and (
             not isinstance(meta, TensorStorageMetadata) or tuple(meta.size) != tuple(value.shape)
         ):
-            return f"checkpoint {path}: optimizer state {key[len(OPTIM_STATE):]!r} does not match this optimizer's"
+            return f"checkpoint {path}: optimizer state {key[len(OPTIM_STATE) :]!r} does not match this optimizer's"
     saved_entries_of = saved_optimizer_entries(metadata)
     for name, entries in state.optimizer_entries.items():
         saved_entries = saved_entries_of.get(name, set())

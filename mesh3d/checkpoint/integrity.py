@@ -29,10 +29,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from mesh3d.distributed.agree import gather_or_raise
 from mesh3d.checkpoint.checksums import CHECKSUM_FILE, ManifestError, first_mismatch, read_manifest, share
 from mesh3d.checkpoint.directories import DCP_METADATA
 from mesh3d.checkpoint.train_state import TRAIN_STATE_FILE, read_train_state
+from mesh3d.distributed.agree import gather_or_raise
 
 _NOTICED: set[str] = set()
 
@@ -57,8 +57,12 @@ def read_whole(path: Path) -> tuple[dict, Metadata]:
         raise DamagedCheckpoint(problems[0])
     if not checksummed and rank == 0 and str(path) not in _NOTICED:
         _NOTICED.add(str(path))
-        print(f"notice: checkpoint {path} has no {CHECKSUM_FILE} (saved before mesh3d checksummed checkpoints): "
-              "its files' sizes are checked, not their contents", file=sys.stderr, flush=True)
+        print(
+            f"notice: checkpoint {path} has no {CHECKSUM_FILE} (saved before mesh3d checksummed checkpoints): "
+            "its files' sizes are checked, not their contents",
+            file=sys.stderr,
+            flush=True,
+        )
     return train_state, metadata
 
 
@@ -93,7 +97,9 @@ def _unchecked(path: Path, metadata: Metadata, sums: dict[str, dict]) -> str | N
     needed = {TRAIN_STATE_FILE, DCP_METADATA, *(info.relative_path for info in (metadata.storage_data or {}).values())}
     missing = sorted(needed - set(sums))
     if missing:
-        return f"checkpoint {path}: its checksum file {path / CHECKSUM_FILE} records no checksum for {path / missing[0]}"
+        return (
+            f"checkpoint {path}: its checksum file {path / CHECKSUM_FILE} records no checksum for {path / missing[0]}"
+        )
     return None
 
 
@@ -103,9 +109,13 @@ def _read(path: Path) -> tuple[dict, Metadata]:
     except FileNotFoundError:
         if not (path / DCP_METADATA).is_file():
             raise  # not a checkpoint at all: read_train_state's message says so
-        raise DamagedCheckpoint(f"checkpoint {path}: its train state file {path / TRAIN_STATE_FILE} is missing") from None
+        raise DamagedCheckpoint(
+            f"checkpoint {path}: its train state file {path / TRAIN_STATE_FILE} is missing"
+        ) from None
     except (OSError, json.JSONDecodeError) as error:
-        raise DamagedCheckpoint(f"checkpoint {path}: cannot read its train state ({type(error).__name__}: {error})") from None
+        raise DamagedCheckpoint(
+            f"checkpoint {path}: cannot read its train state ({type(error).__name__}: {error})"
+        ) from None
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as error:  # noqa: BLE001 - a cut or corrupt pickle raises anything

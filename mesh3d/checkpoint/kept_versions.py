@@ -67,15 +67,19 @@ def resume_problem(pm: ParallelModel, saved: dict | None, metadata: Metadata, pa
         return None
     rule = never_drain.rule
     if saved["schedule"] != rule.schedule:
-        return (f"checkpoint {path} was saved with schedule {saved['schedule']!r}, this model runs {rule.schedule!r}: "
-                "their update rules differ; resume with the schedule it was saved with")
+        return (
+            f"checkpoint {path} was saved with schedule {saved['schedule']!r}, this model runs {rule.schedule!r}: "
+            "their update rules differ; resume with the schedule it was saved with"
+        )
     if rule.schedule == "pipedream" and (saved["pp"], saved["microbatches"]) != (rule.pp, rule.microbatches):
-        return (f"checkpoint {path} was saved by pipedream at pp={saved['pp']} with microbatches={saved['microbatches']}; "
-                f"its weight versions differ per stage, so it resumes only there (this model: pp={rule.pp}, "
-                f"microbatches={rule.microbatches}); pipedream_2bw resumes under any layout")
+        return (
+            f"checkpoint {path} was saved by pipedream at pp={saved['pp']} with microbatches={saved['microbatches']}; "
+            f"its weight versions differ per stage, so it resumes only there (this model: pp={rule.pp}, "
+            f"microbatches={rule.microbatches}); pipedream_2bw resumes under any layout"
+        )
     for key in _stored_keys(pm, never_drain.kept_names(saved)).values():
         if key not in metadata.state_dict_metadata:
-            version, stored = key[len(VERSIONS):].split(".", 1)
+            version, stored = key[len(VERSIONS) :].split(".", 1)
             return f"checkpoint {path} lacks weight version {version} of {stored!r} the update rule needs"
     return None
 

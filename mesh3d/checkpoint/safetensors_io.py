@@ -27,11 +27,19 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mesh3d.distributed.agree import attempt, raise_if_any
 from mesh3d.checkpoint.adapter_choice import adapter_of
-from mesh3d.checkpoint.checksums import CHECKSUM_FILE, ManifestError, first_mismatch, read_manifest, share, sums_of, write_manifest
+from mesh3d.checkpoint.checksums import (
+    CHECKSUM_FILE,
+    ManifestError,
+    first_mismatch,
+    read_manifest,
+    share,
+    sums_of,
+    write_manifest,
+)
 from mesh3d.checkpoint.hf_adapter import HFAdapter, as_config_dict
 from mesh3d.checkpoint.train_state import write_json
+from mesh3d.distributed.agree import attempt, raise_if_any
 from mesh3d.parallel_model import ParallelModel
 
 SINGLE_FILE = "model.safetensors"
@@ -133,9 +141,11 @@ def export_safetensors(
     out_dtype = {n: dtype or spec[1] for n, spec in specs.items()}
     sizes = {n: spec[0].numel() * out_dtype[n].itemsize for n, spec in specs.items()}
     shards = _shard_plan(sizes, max_shard_size)
-    files = [SINGLE_FILE] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
-    ]
+    files = (
+        [SINGLE_FILE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     config = {**config, "torch_dtype": str(next(iter(out_dtype.values()))).removeprefix("torch.")}
     config["dtype"] = config["torch_dtype"]
 
@@ -226,7 +236,9 @@ def import_safetensors(pm: ParallelModel, in_dir: str | os.PathLike) -> None:
     theirs = json.loads((in_dir / CONFIG_FILE).read_text()) if (in_dir / CONFIG_FILE).is_file() else None
     mismatch = adapter.config_mismatch(theirs) if theirs is not None else None
     if mismatch:
-        raise ValueError(f"import_safetensors: {in_dir} holds a different model: {mismatch}; build the model from its config")
+        raise ValueError(
+            f"import_safetensors: {in_dir} holds a different model: {mismatch}; build the model from its config"
+        )
     source, theirs_head = _source_names(pm, adapter, files, theirs, in_dir)
     _refuse_unplaced(files, {*source.values(), *theirs_head}, adapter, in_dir)
     shapes = _saved_shapes(files, set(source.values()))

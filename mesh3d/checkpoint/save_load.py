@@ -24,8 +24,6 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader, 
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from mesh3d.checkpoint import directories
-from mesh3d.checkpoint.integrity import read_whole
-from mesh3d.checkpoint.kept_versions import kept_entries, kept_targets, restore_kept, resume_problem, rule_state
 from mesh3d.checkpoint.checksums import sums_of, write_manifest
 from mesh3d.checkpoint.flat_state import (
     apply_loaded,
@@ -36,22 +34,24 @@ from mesh3d.checkpoint.flat_state import (
     targets,
     unsaved_optimizer_params,
 )
+from mesh3d.checkpoint.integrity import read_whole
+from mesh3d.checkpoint.kept_versions import kept_entries, kept_targets, restore_kept, resume_problem, rule_state
 from mesh3d.checkpoint.train_state import (
     FORMAT,
+    RNG_DIR,
     TRAIN_STATE_FILE,
     VERSION,
     check_json,
     read_rng_state,
-    RNG_DIR,
     rng_file,
     rng_state,
     set_rng_state,
     write_json,
 )
 from mesh3d.distributed.agree import attempt, gather_or_raise, raise_if_any
-from mesh3d.step.finite import first_non_finite
 from mesh3d.mesh import Layout
 from mesh3d.parallel_model import ParallelModel
+from mesh3d.step.finite import first_non_finite
 
 
 def save(
@@ -219,7 +219,9 @@ def _check_count(name: str, value, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"checkpoint.save: {name} must be {'None or ' if allow_none else ''}an int >= 1, got {value!r}")
+        raise ValueError(
+            f"checkpoint.save: {name} must be {'None or ' if allow_none else ''}an int >= 1, got {value!r}"
+        )
 
 
 def _write_rng(partial: Path, layout: Layout) -> None:
@@ -296,7 +298,12 @@ def load(
             drop_state(optimizer, unsaved)
             state = flat_state(pm, optimizer)
         error = check_against_checkpoint(
-            pm, state, metadata, str(path), train_state.get("optimizer"), type(optimizer).__name__ if optimizer else None
+            pm,
+            state,
+            metadata,
+            str(path),
+            train_state.get("optimizer"),
+            type(optimizer).__name__ if optimizer else None,
         ) or resume_problem(pm, train_state.get("never_drain"), metadata, str(path))
     except ValueError as problem:
         error = str(problem)

@@ -34,7 +34,7 @@ class TransformersAdapter(HFAdapter):
         self.config = config
         declared = getattr(architecture, "_tied_weights_keys", None)
         if isinstance(declared, dict) and len(declared) == 1:
-            (head, embedding), = declared.items()
+            ((head, embedding),) = declared.items()
             self.tied_pair = (embedding, head)
         self._ignored = [re.compile(p) for p in getattr(architecture, "_keys_to_ignore_on_load_unexpected", None) or []]
 
@@ -79,6 +79,11 @@ def _differs(a, b) -> bool:
         return set(a) != set(b) or any(_differs(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) != len(b) or any(_differs(x, y) for x, y in zip(a, b))
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) and not isinstance(b, bool):
+    if (
+        isinstance(a, (int, float))
+        and isinstance(b, (int, float))
+        and not isinstance(a, bool)
+        and not isinstance(b, bool)
+    ):
         return abs(a - b) > 1e-9 * max(abs(a), abs(b))
     return a != b

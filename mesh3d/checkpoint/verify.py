@@ -62,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
             all_whole = False
             print(f"damaged: {problem}", flush=True)
         else:
-            note = "" if (Path(path) / CHECKSUM_FILE).is_file() else f" (no {CHECKSUM_FILE}: sizes checked, not contents)"
+            note = (
+                "" if (Path(path) / CHECKSUM_FILE).is_file() else f" (no {CHECKSUM_FILE}: sizes checked, not contents)"
+            )
             print(f"whole: {path}{note}", flush=True)
     return 0 if all_whole else 1
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mesh3d.data.token_cache import build_token_cache
 from mesh3d.data.byte_tokenizer import ByteTokenizer
+from mesh3d.data.token_cache import build_token_cache
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mesh3d.data.byte_tokenizer import ByteTokenizer
 from mesh3d.data.corpus import load_token_file, stdlib_sources, tokenize_files
 from mesh3d.data.token_cache import build_token_cache
-from mesh3d.data.byte_tokenizer import ByteTokenizer
 
 
 class TokenDataset:
@@ -69,12 +69,17 @@ class TokenDataset:
     ) -> "TokenDataset":
         """Text, JSONL and Parquet files, directories and globs, tokenized once into the token cache
         by `tokenizer` (default: bytes) in parallel workers; see `build_token_cache`."""
-        tokens = build_token_cache(paths, tokenizer or ByteTokenizer(), text_field=text_field, cache_dir=cache_dir,
-                                   workers=workers, progress=progress)
+        tokens = build_token_cache(
+            paths,
+            tokenizer or ByteTokenizer(),
+            text_field=text_field,
+            cache_dir=cache_dir,
+            workers=workers,
+            progress=progress,
+        )
         return cls(tokens, seq_len)
 
     @classmethod
     def from_token_file(cls, path: str | Path, seq_len: int, dtype=None) -> "TokenDataset":
         """A pre-tokenized file (.npy, or raw ids with `dtype`), memory-mapped."""
         return cls(load_token_file(path, dtype), seq_len)
-

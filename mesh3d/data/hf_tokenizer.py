@@ -47,9 +47,11 @@ class NoEOSTokenError(ValueError):
         if self.special_tokens:
             how = f"its special tokens are {self.special_tokens}: choose the one that ends a document with {choice}"
         else:
-            how = (f"it has no special tokens: choose a token of its vocabulary with {choice}, or add a special "
-                   f"token such as {_KNOWN_EOS[1]!r} to the tokenizer")
-        return f"{what}; {how} (or put a tokenizer_config.json with \"eos_token\" beside it)"
+            how = (
+                f"it has no special tokens: choose a token of its vocabulary with {choice}, or add a special "
+                f"token such as {_KNOWN_EOS[1]!r} to the tokenizer"
+            )
+        return f'{what}; {how} (or put a tokenizer_config.json with "eos_token" beside it)'
 
     def __str__(self) -> str:
         return self.explain()
@@ -119,8 +121,10 @@ class HFTokenizer:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def __repr__(self) -> str:
-        return (f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, "
-                f"{self.separator}={self.separator_token!r} (id {self.separator_id}))")
+        return (
+            f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, "
+            f"{self.separator}={self.separator_token!r} (id {self.separator_id}))"
+        )
 
 
 def _special_tokens(spec: dict) -> list[str]:

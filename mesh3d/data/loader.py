@@ -35,7 +35,9 @@ class DistributedLoader:
         shuffle: bool = True,
     ):
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"DistributedLoader: need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
+            raise ValueError(
+                f"DistributedLoader: need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}"
+            )
         if global_batch_size < 1 or global_batch_size % dp_size != 0:
             raise ValueError(
                 f"DistributedLoader: global_batch_size={global_batch_size} must be a positive multiple of "
@@ -95,7 +97,12 @@ class DistributedLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at `state["position"]`; the dp degree and global batch size may differ from the saver's."""
-        expected = {"seed": self.seed, "shuffle": self.shuffle, "num_samples": len(self.dataset), "seq_len": self.dataset.seq_len}
+        expected = {
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_samples": len(self.dataset),
+            "seq_len": self.dataset.seq_len,
+        }
         mismatched = {k: (state.get(k), v) for k, v in expected.items() if state.get(k) != v}
         if mismatched:
             detail = ", ".join(f"{k}: saved {saved!r}, now {now!r}" for k, (saved, now) in mismatched.items())

@@ -42,7 +42,8 @@ def expand_data_paths(specs) -> list[Path]:
             files += _files_of(path)
     if not files:
         raise FileNotFoundError(
-            f"paths: no data files ({', '.join(DIRECTORY_SUFFIXES)}) found in {[str(s) for s in specs]}")
+            f"paths: no data files ({', '.join(DIRECTORY_SUFFIXES)}) found in {[str(s) for s in specs]}"
+        )
     return files
 
 
@@ -113,7 +114,7 @@ def iter_documents(span: Span, text_field: str = "text") -> Iterator[list[tuple[
         yield from _parquet_batches(span, text_field)
         return
     batch, chars = [], 0
-    for piece in (_text_pieces(span) if span.format == "text" else _jsonl_documents(span, text_field)):
+    for piece in _text_pieces(span) if span.format == "text" else _jsonl_documents(span, text_field):
         batch.append(piece)
         chars += len(piece[0])
         if chars >= BATCH_CHARS:

@@ -113,10 +113,16 @@ def _build(files, tokenizer, text_field: str, cached: Path, workers: int, progre
         else:
             # fork: a worker starts in milliseconds (no re-import of torch); it touches no torch state.
             context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
-            with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=context, initializer=_init_worker,
-                                     initargs=(tokenizer, text_field, True)) as pool:
-                futures = {pool.submit(_tokenize_spans, spans, parts_dir / f"{i:06d}.bin"): (i, size)
-                           for i, (spans, size) in enumerate(tasks)}
+            with ProcessPoolExecutor(
+                min(workers, len(tasks)),
+                mp_context=context,
+                initializer=_init_worker,
+                initargs=(tokenizer, text_field, True),
+            ) as pool:
+                futures = {
+                    pool.submit(_tokenize_spans, spans, parts_dir / f"{i:06d}.bin"): (i, size)
+                    for i, (spans, size) in enumerate(tasks)
+                }
                 for future in as_completed(futures):
                     i, size = futures[future]
                     counts[i] = future.result()
@@ -207,5 +213,7 @@ class _Progress:
 
     def _line(self, now: float) -> str:
         elapsed = max(now - self.began, 1e-9)
-        return (f"tokenizing: {100 * self.done / self.total:3.0f}% ({self.done / 1e6:.1f}/{self.total / 1e6:.1f} MB, "
-                f"{self.tokens / 1e6:.1f}M tokens, {self.done / 1e6 / elapsed:.1f} MB/s, {elapsed:.1f} s)")
+        return (
+            f"tokenizing: {100 * self.done / self.total:3.0f}% ({self.done / 1e6:.1f}/{self.total / 1e6:.1f} MB, "
+            f"{self.tokens / 1e6:.1f}M tokens, {self.done / 1e6 / elapsed:.1f} MB/s, {elapsed:.1f} s)"
+        )

@@ -41,7 +41,9 @@ class MixedPrecision:
                 "have; use param_dtype=torch.bfloat16, which has fp32's exponent range and needs none"
             )
         if param_dtype is not None and param_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"param_dtype={param_dtype}; choose None (the model's dtype), torch.bfloat16 or torch.float32")
+            raise ValueError(
+                f"param_dtype={param_dtype}; choose None (the model's dtype), torch.bfloat16 or torch.float32"
+            )
         if reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"reduce_dtype={reduce_dtype}; choose torch.float32 (default) or torch.bfloat16")
         dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
@@ -64,7 +66,9 @@ class MixedPrecision:
         other inputs, such as a rotary table, keep their precision, and its activation input is
         already in param_dtype.
         """
-        return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype, cast_forward_inputs=root)
+        return MixedPrecisionPolicy(
+            param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype, cast_forward_inputs=root
+        )
 
     def computed(self, meta_stages: list[nn.Module]) -> list[nn.Module]:
         """The meta stages as they compute: parameters (not buffers) in param_dtype, as the policy
@@ -77,8 +81,9 @@ class MixedPrecision:
             for module in stage.modules():
                 for name, param in module._parameters.items():
                     if param is not None and param.is_floating_point():
-                        module._parameters[name] = nn.Parameter(param.detach().to(self.param_dtype),
-                                                                requires_grad=param.requires_grad)
+                        module._parameters[name] = nn.Parameter(
+                            param.detach().to(self.param_dtype), requires_grad=param.requires_grad
+                        )
             cast.append(stage)
         return cast
 

@@ -60,7 +60,10 @@ class DataParallelConfig:
 
 
 def apply_data_parallel(
-    stages: dict[int, nn.Module], layout: Layout, config: DataParallelConfig, blocks: Callable[[nn.Module], list[nn.Module]]
+    stages: dict[int, nn.Module],
+    layout: Layout,
+    config: DataParallelConfig,
+    blocks: Callable[[nn.Module], list[nn.Module]],
 ) -> GradientSync:
     """Wrap each block of every stage (`blocks(stage)`, the model's repeated blocks), then the stage itself, over layout's dp dim (of any size,
     1 included: the mixed-precision policy applies all the same); returns the once-per-step

@@ -16,8 +16,16 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 # Substrings of the errors gloo and NCCL raise when a peer stops answering or its process is gone.
-_TIMEOUT_SIGNS = ("timed out", "timeout", "connection reset", "connection closed", "connection refused",
-                  "pair closure", "broken pipe", "watchdog")
+_TIMEOUT_SIGNS = (
+    "timed out",
+    "timeout",
+    "connection reset",
+    "connection closed",
+    "connection refused",
+    "pair closure",
+    "broken pipe",
+    "watchdog",
+)
 
 
 class PeerTimeout(RuntimeError):
@@ -59,7 +67,11 @@ def located(rank: int, coordinate: tuple[int, int, int], timeout: timedelta, dur
     except RuntimeError as error:
         if not (isinstance(error, PeerTimeout) or is_peer_failure(error)):
             raise
-        what = error.waiting_for if isinstance(error, PeerTimeout) else "a collective (data- or tensor-parallel, or the loss's)"
+        what = (
+            error.waiting_for
+            if isinstance(error, PeerTimeout)
+            else "a collective (data- or tensor-parallel, or the loss's)"
+        )
         pp, dp, tp = coordinate
         raise PeerTimeout(
             f"rank {rank} (mesh coordinate pp {pp}, dp {dp}, tp {tp}): a peer did not answer within the "

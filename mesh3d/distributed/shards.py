@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
+
 # Private on purpose: torch.distributed.tensor has no public function that says where a shard sits
 # in the global tensor. DTensor.__create_chunk_list__ (distributed checkpoint's hook) calls this
 # same function, and refuses Partial placements; torch's own checkpointing imports it as we do.

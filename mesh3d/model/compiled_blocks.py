@@ -16,6 +16,7 @@ import functools
 from collections.abc import Iterable
 
 import torch
+
 # Private on purpose: torch has no public switch for AOTAutograd's buffer donation (torch.compile's
 # `options=` reach the inductor backend's config only), and a split backward needs it off.
 import torch._functorch.config

@@ -20,7 +20,9 @@ def cut_stage(model: nn.Module, anatomy: Anatomy, stage: int, n_stages: int, lay
     """Stage `stage` of `n_stages`: a copy of `model` holding only the blocks in `layer_range` (and
     the ends if first/last), on the model's device, made runnable by the anatomy."""
     container = anatomy.container(model)
-    edges = [(container, key, anatomy.block_path(key)) for key in anatomy.block_names(model) if int(key) not in layer_range]
+    edges = [
+        (container, key, anatomy.block_path(key)) for key in anatomy.block_names(model) if int(key) not in layer_range
+    ]
     is_first, is_last = stage == 0, stage == n_stages - 1
     if not is_first:
         edges += [(_parent(model, path), path.rpartition(".")[2], path) for path in anatomy.first]

@@ -30,9 +30,31 @@ from mesh3d.distributed.shards import local_tensor, local_window
 # Reading what a tensor is, not what it holds: answered by the sharded parameter itself (a DTensor
 # reports its global shape), so asking costs no stand-in.
 _METADATA = {
-    "dim", "size", "numel", "nelement", "element_size", "is_floating_point", "is_complex", "__len__",
-    "shape", "ndim", "dtype", "device", "requires_grad", "is_cuda", "is_meta", "layout", "is_sparse", "names",
-    "__hash__", "__eq__", "__format__", "__repr__", "__bool__", "__class__", "requires_grad_",
+    "dim",
+    "size",
+    "numel",
+    "nelement",
+    "element_size",
+    "is_floating_point",
+    "is_complex",
+    "__len__",
+    "shape",
+    "ndim",
+    "dtype",
+    "device",
+    "requires_grad",
+    "is_cuda",
+    "is_meta",
+    "layout",
+    "is_sparse",
+    "names",
+    "__hash__",
+    "__eq__",
+    "__format__",
+    "__repr__",
+    "__bool__",
+    "__class__",
+    "requires_grad_",
 }
 
 

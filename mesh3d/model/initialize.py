@@ -24,7 +24,9 @@ from mesh3d.model.full_view import FullView
 
 def to_device(stages: dict[int, nn.Module], device: torch.device, materialize: bool) -> dict[int, nn.Module]:
     """Each stage on `device`: allocated without values (from meta) or moved with its values."""
-    return {index: stage.to_empty(device=device) if materialize else stage.to(device) for index, stage in stages.items()}
+    return {
+        index: stage.to_empty(device=device) if materialize else stage.to(device) for index, stage in stages.items()
+    }
 
 
 def allocate(stages: dict[int, nn.Module], device: torch.device) -> None:
@@ -47,8 +49,12 @@ def allocate(stages: dict[int, nn.Module], device: torch.device) -> None:
 
 @torch.no_grad()
 def initialize(
-    stage: nn.Module, index: int, device: torch.device, seed: int | None = None,
-    init_stage: Callable[[nn.Module, int], None] | None = None, base_seed: int | None = None,
+    stage: nn.Module,
+    index: int,
+    device: torch.device,
+    seed: int | None = None,
+    init_stage: Callable[[nn.Module, int], None] | None = None,
+    base_seed: int | None = None,
 ) -> None:
     """Fresh values for a stage allocated from meta: the model's own init_weights() if it has one.
 
@@ -65,7 +71,9 @@ def initialize(
     init_weights: called with `seed`, or without one with the initial seed, the same on every rank
     that seeded alike. `base_seed` (from `agree_on_seed`) replaces the initial seed in both.
     """
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    devices = (
+        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    )
     if base_seed is None:
         base_seed = torch.initial_seed() if seed is None else seed
     with torch.random.fork_rng(devices=devices), FullView(stage):

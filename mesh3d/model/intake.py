@@ -22,8 +22,9 @@ from mesh3d.model.hugging_face.exactness import check_stages_exact
 from mesh3d.model.traced.anatomy import traced_anatomy
 
 
-def anatomy_of(model: nn.Module, example_inputs: tuple | None = None,
-               split_points: Sequence[str] | None = None) -> Anatomy:
+def anatomy_of(
+    model: nn.Module, example_inputs: tuple | None = None, split_points: Sequence[str] | None = None
+) -> Anatomy:
     """The anatomy of `model`, whichever way it came in; a ValueError listing the ways otherwise.
 
     A model that is none of the protocol, a Hugging Face causal LM or an nn.Sequential is traced
@@ -68,7 +69,9 @@ def protocol_anatomy(model: nn.Module, attr: str = "layers") -> Anatomy:
         first=tuple(names[:at]),
         last=tuple(names[at + 1 :]),
         tp_plan=getattr(model, "tp_plan", None),
-        tensor_parallel_sizes=model.tensor_parallel_sizes() if callable(getattr(model, "tensor_parallel_sizes", None)) else {},
+        tensor_parallel_sizes=model.tensor_parallel_sizes()
+        if callable(getattr(model, "tensor_parallel_sizes", None))
+        else {},
         vocab_size=getattr(model, "vocab_size", None),
     )
 

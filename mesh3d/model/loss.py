@@ -118,14 +118,27 @@ def loss_kind(result: object) -> str:
             )
         loss_sum, count = result
         if not isinstance(loss_sum, torch.Tensor) or loss_sum.dim() != 0 or not loss_sum.is_floating_point():
-            what = f"{loss_sum.dtype} tensor of shape {tuple(loss_sum.shape)}" if isinstance(loss_sum, torch.Tensor) \
+            what = (
+                f"{loss_sum.dtype} tensor of shape {tuple(loss_sum.shape)}"
+                if isinstance(loss_sum, torch.Tensor)
                 else type(loss_sum).__name__
-            raise ValueError(f"loss_fn returned (loss_sum, count) with loss_sum a {what}; it must be a 0-dim floating tensor")
-        integer_tensor = isinstance(count, torch.Tensor) and count.dim() == 0 and not count.is_floating_point() \
-            and not count.is_complex() and count.dtype != torch.bool
+            )
+            raise ValueError(
+                f"loss_fn returned (loss_sum, count) with loss_sum a {what}; it must be a 0-dim floating tensor"
+            )
+        integer_tensor = (
+            isinstance(count, torch.Tensor)
+            and count.dim() == 0
+            and not count.is_floating_point()
+            and not count.is_complex()
+            and count.dtype != torch.bool
+        )
         if not (integer_tensor or (isinstance(count, int) and not isinstance(count, bool))):
-            what = f"{count.dtype} tensor of shape {tuple(count.shape)}" if isinstance(count, torch.Tensor) \
+            what = (
+                f"{count.dtype} tensor of shape {tuple(count.shape)}"
+                if isinstance(count, torch.Tensor)
                 else f"{type(count).__name__} {count!r}"
+            )
             raise ValueError(
                 f"loss_fn returned (loss_sum, count) with count a {what}; the count is the number of elements "
                 "loss_sum adds up: a Python int or a 0-dim integer tensor (e.g. (target != -100).sum())"
@@ -197,8 +210,9 @@ def probe_counts(
 def _zeros_like_meta(output: torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(output, DTensor):
         local = torch.zeros(output.to_local().shape, dtype=output.dtype, device=device)
-        return DTensor.from_local(local, output.device_mesh, output.placements, shape=output.shape,
-                                  stride=output.stride(), run_check=False)
+        return DTensor.from_local(
+            local, output.device_mesh, output.placements, shape=output.shape, stride=output.stride(), run_check=False
+        )
     return torch.zeros(output.shape, dtype=output.dtype, device=device)
 
 
@@ -222,8 +236,10 @@ class LossScale:
         step's `microbatch`-th microbatch."""
         kind = loss_kind(result)
         if kind != self.kind:
-            raise ValueError(f"loss_fn returned a {kind} loss where an earlier call returned a {self.kind} loss; "
-                             "a loss must return the same kind of result for every microbatch")
+            raise ValueError(
+                f"loss_fn returned a {kind} loss where an earlier call returned a {self.kind} loss; "
+                "a loss must return the same kind of result for every microbatch"
+            )
         if kind == MEAN:
             return _value(result), torch.ones((), device=result.device), result / self.divisor
         loss_sum, count = result

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mesh3d.mesh import Layout
 from mesh3d.distributed.shards import local_tensor, local_window
+from mesh3d.mesh import Layout
 
 Spec = tuple[torch.Size, torch.dtype]
 

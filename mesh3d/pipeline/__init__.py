@@ -7,10 +7,10 @@ split backward, tied weights), and, in `schedule/`, the torch-free compiler whos
     drawing: draw, chrome_trace
 """
 
-from mesh3d.pipeline.schedule.draw import chrome_trace, draw
-from mesh3d.pipeline.schedule.lower import LoweredSchedule, lower
 from mesh3d.pipeline.schedule.catalog import SCHEDULES, build_schedule
+from mesh3d.pipeline.schedule.draw import chrome_trace, draw
 from mesh3d.pipeline.schedule.ir import Action, Kind, Schedule, ScheduleError
+from mesh3d.pipeline.schedule.lower import LoweredSchedule, lower
 from mesh3d.pipeline.schedule.simulate import SimulationReport, simulate, simulate_schedule
 
 __all__ = [

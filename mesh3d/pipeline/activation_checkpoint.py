@@ -62,18 +62,20 @@ _aten = torch.ops.aten
 # Attention is one fused op per backend (the CPU one included); _scaled_mm is the float8 matmul.
 # Only these overloads: an out= variant (inductor calls its matmuls so, into buffers it owns) is
 # recomputed, as a cached result could not be written into the caller's buffer.
-SAVED_OPS: frozenset = frozenset({
-    _aten.mm.default,
-    _aten.addmm.default,
-    _aten.bmm.default,
-    _aten.linear.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_cudnn_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-    _aten._scaled_dot_product_fused_attention_overrideable.default,
-    _aten._scaled_mm.default,
-})
+SAVED_OPS: frozenset = frozenset(
+    {
+        _aten.mm.default,
+        _aten.addmm.default,
+        _aten.bmm.default,
+        _aten.linear.default,
+        _aten._scaled_dot_product_flash_attention.default,
+        _aten._scaled_dot_product_efficient_attention.default,
+        _aten._scaled_dot_product_cudnn_attention.default,
+        _aten._scaled_dot_product_flash_attention_for_cpu.default,
+        _aten._scaled_dot_product_fused_attention_overrideable.default,
+        _aten._scaled_mm.default,
+    }
+)
 
 
 def save_matmuls_and_attention(ctx: SelectiveCheckpointContext, op, *args, **kwargs) -> CheckpointPolicy:
@@ -163,8 +165,14 @@ class ActivationCheckpointing:
       already spent).
     """
 
-    def __init__(self, mode: str, stages: dict[int, nn.Module], blocks: Callable[[nn.Module], list[nn.Module]] | None,
-                 split_backward: bool, microbatches: int):
+    def __init__(
+        self,
+        mode: str,
+        stages: dict[int, nn.Module],
+        blocks: Callable[[nn.Module], list[nn.Module]] | None,
+        split_backward: bool,
+        microbatches: int,
+    ):
         self.mode = mode
         self.split_backward = split_backward
         self.microbatches = microbatches
@@ -194,7 +202,9 @@ class ActivationCheckpointing:
         grad = train and (not before_backward or mode == "selective")
         return ForwardChoice(recompute, per_block, before_backward, grad)
 
-    def forward(self, choice: ForwardChoice, call: Callable, *args) -> tuple[object, AbstractContextManager | None, int]:
+    def forward(
+        self, choice: ForwardChoice, call: Callable, *args
+    ) -> tuple[object, AbstractContextManager | None, int]:
         """`call(*args)` as `choice` says: (its output, the selective cache its recompute before
         the backward reads back or None, how many block forwards ran under a checkpoint).
 

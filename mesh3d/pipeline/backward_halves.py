@@ -95,14 +95,23 @@ def backward_weight(pending: PendingWeightGrad) -> None:
         if len(group.chain_nodes) > 1:
             # One chain node may lie downstream of another of the same group: pin what reaches it
             # to what I recorded, or the upstream one's gradient would be counted there twice.
-            handles = [node.register_prehook(lambda _grads, recorded=arrived: recorded)
-                       for node, arrived in zip(group.chain_nodes, group.arrived)]
+            handles = [
+                node.register_prehook(lambda _grads, recorded=arrived: recorded)
+                for node, arrived in zip(group.chain_nodes, group.arrived)
+            ]
         try:
             # torch.autograd.backward less its checks of the gradients' shapes (they are the ones
             # autograd itself recorded at I), which cost more than a small branch's backward. The
             # graph is kept: another group's branch may share nodes with this one's.
-            _engine_run_backward(tuple(roots), tuple(grads), True, False, tuple(group.weights),
-                                 allow_unreachable=True, accumulate_grad=True)
+            _engine_run_backward(
+                tuple(roots),
+                tuple(grads),
+                True,
+                False,
+                tuple(group.weights),
+                allow_unreachable=True,
+                accumulate_grad=True,
+            )
         finally:
             for handle in handles:
                 handle.remove()
@@ -120,8 +129,11 @@ def _branch_keeper(group: _BranchGroup, chain: set[Node]):
     """A post-hook for a group's single chain node: if the node computed the gradients of every
     edge leaving the chain, keep them (and drop what arrived: W will not run the node again)."""
     node = group.chain_nodes[0]
-    branches = [(k, GradientEdge(child, nr)) for k, (child, nr) in enumerate(node.next_functions)
-                if child is not None and child not in chain]
+    branches = [
+        (k, GradientEdge(child, nr))
+        for k, (child, nr) in enumerate(node.next_functions)
+        if child is not None and child not in chain
+    ]
 
     def keep(grad_inputs, _grad_outputs):
         if branches and all(grad_inputs[k] is not None for k, _ in branches):

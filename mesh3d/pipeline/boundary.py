@@ -125,6 +125,7 @@ def _as_meta(fake: torch.Tensor) -> torch.Tensor:
     """A meta tensor (a DTensor with a meta shard) of the fake output's shape, dtype and placement."""
     if isinstance(fake, DTensor):
         local = torch.empty(fake.to_local().shape, dtype=fake.dtype, device="meta")
-        return DTensor.from_local(local, fake.device_mesh, fake.placements, run_check=False, shape=fake.shape,
-                                  stride=fake.stride())
+        return DTensor.from_local(
+            local, fake.device_mesh, fake.placements, run_check=False, shape=fake.shape, stride=fake.stride()
+        )
     return torch.empty(fake.shape, dtype=fake.dtype, device="meta")

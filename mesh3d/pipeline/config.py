@@ -12,17 +12,21 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from mesh3d.model.anatomy import Anatomy
+from mesh3d.model.traced.capture import TracedSplit
+from mesh3d.pipeline.routes import StageRoutes
 from mesh3d.pipeline.schedule.catalog import (
-    SCHEDULES, ScheduleSpec, build_schedule, default_microbatches, default_virtual_stages,
+    SCHEDULES,
+    ScheduleSpec,
+    build_schedule,
+    default_microbatches,
+    default_virtual_stages,
 )
 from mesh3d.pipeline.schedule.ir import Schedule
 from mesh3d.pipeline.schedule.lower import LoweredSchedule, lower
 from mesh3d.pipeline.schedule.never_drain import NeverDrainStream, never_drain_stream
-from mesh3d.pipeline.tied import ties_across_stages
-from mesh3d.model.anatomy import Anatomy
-from mesh3d.model.traced.capture import TracedSplit
-from mesh3d.pipeline.routes import StageRoutes
 from mesh3d.pipeline.split import split_point_counts, stage_layer_ranges
+from mesh3d.pipeline.tied import ties_across_stages
 
 ACTIVATION_CHECKPOINT_MODES = ("never", "always", "except_last", "selective")
 
@@ -110,10 +114,18 @@ class PipelineConfig:
         if anatomy.traced is not None:
             traced = anatomy.traced.split([anatomy.block_path(blocks[r.start]) for r in ranges[1:]])
             routes = StageRoutes(len(ranges), traced.skips, traced.takes)
-        return cls(lower(built, routes.skips), lower(built.forward_only(), routes.skips), ranges, activation_checkpoint,
-                   routes, traced)
+        return cls(
+            lower(built, routes.skips),
+            lower(built.forward_only(), routes.skips),
+            ranges,
+            activation_checkpoint,
+            routes,
+            traced,
+        )
 
     def __str__(self) -> str:
         s = self.schedule
-        return (f"{s.name} m={s.microbatches} v={s.virtual_stages} ac={self.activation_checkpoint} "
-                f"stages={self.stage_layers}")
+        return (
+            f"{s.name} m={s.microbatches} v={s.virtual_stages} ac={self.activation_checkpoint} "
+            f"stages={self.stage_layers}"
+        )

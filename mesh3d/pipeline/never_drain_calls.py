@@ -40,8 +40,9 @@ class NeverDrainCalls:
             versions in `state_dict`).
     """
 
-    def __init__(self, stream: NeverDrainStream, versions: WeightVersions | None, pp_rank: int,
-                 stages: dict[int, nn.Module]):
+    def __init__(
+        self, stream: NeverDrainStream, versions: WeightVersions | None, pp_rank: int, stages: dict[int, nn.Module]
+    ):
         self.stream = stream
         self.versions = versions
         self.pp_rank = pp_rank
@@ -52,9 +53,15 @@ class NeverDrainCalls:
         self.failed: str | None = None  # a call that raised half-way (what it was)
         self.counters = RuntimeCounters()  # the last call's (a flush's traffic counts to them)
 
-    def call(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
-             specs: dict[tuple[int, int], MessageSpec], loss: MicrobatchLoss, counters: RuntimeCounters,
-             start: Callable[[], StageCompute]) -> torch.Tensor:
+    def call(
+        self,
+        inputs: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+        specs: dict[tuple[int, int], MessageSpec],
+        loss: MicrobatchLoss,
+        counters: RuntimeCounters,
+        start: Callable[[], StageCompute],
+    ) -> torch.Tensor:
         """One call on this batch's microbatches (`start` builds the step when nothing is in
         flight); returns [sum of the loss values, sum of their counts] computed here."""
         m = self.stream.rule.microbatches
@@ -163,9 +170,16 @@ class NeverDrainCalls:
             for version, copies in weights.kept.items():
                 for param, local in zip(weights.params, copies):
                     versions.setdefault(f"{version}.{names[id(param)]}", _like(param, local))
-        return {"rule": {"schedule": rule.schedule, "pp": rule.pp, "microbatches": rule.microbatches,
-                         "calls": self.calls, "updates": self.versions.updates()},
-                "versions": versions}
+        return {
+            "rule": {
+                "schedule": rule.schedule,
+                "pp": rule.pp,
+                "microbatches": rule.microbatches,
+                "calls": self.calls,
+                "updates": self.versions.updates(),
+            },
+            "versions": versions,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state`, as `state_dict` gave it ("versions" holds at least what
@@ -218,6 +232,7 @@ class NeverDrainCalls:
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """`local` (a shard) as the parameter holds its own: a DTensor with its mesh and placements."""
     if isinstance(param, DTensor):
-        return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
-                                  stride=param.stride(), run_check=False)
+        return DTensor.from_local(
+            local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
+        )
     return local

@@ -63,8 +63,9 @@ class Traffic:
         self.bytes_by_stage_pair[pair] = self.bytes_by_stage_pair.get(pair, 0) + nbytes
 
 
-def message_tag(schedule: Schedule, kind: Kind, producer_stage: int, consumer_stage: int, microbatch: int,
-                window: int | None = None) -> int:
+def message_tag(
+    schedule: Schedule, kind: Kind, producer_stage: int, consumer_stage: int, microbatch: int, window: int | None = None
+) -> int:
     """A tag unique to one message within a step (gloo matches on it; NCCL ignores it): a stage
     with a skip connection sends to two consumers, so the consumer is part of it. With a `window`
     (never-drain schedules number microbatches across calls), microbatches are told apart modulo
@@ -103,8 +104,15 @@ class Mailbox:
     `message_tag`): a call may receive what the next one consumes, which stays in the inbox.
     """
 
-    def __init__(self, peers: PipelinePeers, schedule: Schedule, specs: dict[tuple[int, int], Spec], traffic: Traffic,
-                 buffers: ReceiveBuffers | None = None, window: int | None = None):
+    def __init__(
+        self,
+        peers: PipelinePeers,
+        schedule: Schedule,
+        specs: dict[tuple[int, int], Spec],
+        traffic: Traffic,
+        buffers: ReceiveBuffers | None = None,
+        window: int | None = None,
+    ):
         self.peers = peers
         self.schedule = schedule
         self.window = window
@@ -166,9 +174,11 @@ class Mailbox:
             tag=message_tag(self.schedule, action.kind, producer, action.stage, action.microbatch, self.window),
         )
         self.traffic.bytes_received += buffer.numel() * buffer.element_size()
-        what = (f"P2P recv of the {'activation' if forward else 'output gradient'} of stage {action.stage}, "
-                f"microbatch {action.microbatch}, from stage {producer} on global rank "
-                f"{self.peers.global_ranks[action.peer]}")
+        what = (
+            f"P2P recv of the {'activation' if forward else 'output gradient'} of stage {action.stage}, "
+            f"microbatch {action.microbatch}, from stage {producer} on global rank "
+            f"{self.peers.global_ranks[action.peer]}"
+        )
         self.inbox[(Kind.F if forward else Kind.B, action.stage, producer, action.microbatch)] = (work, buffer, what)
 
     def send(self, action: Action) -> None:
@@ -190,8 +200,10 @@ class Mailbox:
             group=self.peers.group,
             tag=message_tag(self.schedule, action.kind, stage, other, microbatch, self.window),
         )
-        what = (f"P2P send of the {'output' if forward else 'input gradient'} of stage {stage}, microbatch {microbatch}, "
-                f"to stage {other} on global rank {self.peers.global_ranks[action.peer]}")
+        what = (
+            f"P2P send of the {'output' if forward else 'input gradient'} of stage {stage}, microbatch {microbatch}, "
+            f"to stage {other} on global rank {self.peers.global_ranks[action.peer]}"
+        )
         self._release_completed_sends()
         self.sends.append((work, tensor, what))  # the tensor must live until the send completes
         self.traffic.count_send(stage, other, tensor.numel() * tensor.element_size())

@@ -81,7 +81,9 @@ class PipelineRuntime:
         self.stages = stages
         self.routes = routes if routes is not None else StageRoutes.chain(len(meta_stages))
         if self.routes.skips != training.skips or self.routes.skips != evaluation.skips:
-            raise ValueError(f"the schedules were lowered with skips {training.skips}, the routes have {self.routes.skips}")
+            raise ValueError(
+                f"the schedules were lowered with skips {training.skips}, the routes have {self.routes.skips}"
+            )
         self.boundaries = BoundaryShapes(meta_stages, fake=fake_shape_run, routes=self.routes)
         self.peers = peers
         self.device = peers.device
@@ -100,8 +102,16 @@ class PipelineRuntime:
         self.checkpointing = ActivationCheckpointing(
             activation_checkpoint, stages, blocks, self.schedule.splits_backward, self.microbatches
         )
-        self.local = LocalStages(stages, self.n_stages, self.microbatches, self.routes, self.device, self.checkpointing,
-                                 before_backward, after_weight_backward)
+        self.local = LocalStages(
+            stages,
+            self.n_stages,
+            self.microbatches,
+            self.routes,
+            self.device,
+            self.checkpointing,
+            before_backward,
+            after_weight_backward,
+        )
         self.never_drain = NeverDrainCalls(stream, versions, peers.pp_rank, stages) if stream is not None else None
 
     def check(self, inputs: torch.Tensor) -> Boundaries:
@@ -138,8 +148,17 @@ class PipelineRuntime:
         never_drain = self.never_drain
         if never_drain is not None and train:
             counters = self.counters = RuntimeCounters()
-            start = functools.partial(self._start, boundaries.specs, {}, {}, loss, True, RuntimeCounters(),
-                                      window=2 * m, versions=never_drain.versions)
+            start = functools.partial(
+                self._start,
+                boundaries.specs,
+                {},
+                {},
+                loss,
+                True,
+                RuntimeCounters(),
+                window=2 * m,
+                versions=never_drain.versions,
+            )
             return never_drain.call(input_chunks, target_chunks, boundaries.specs, loss, counters, start)
         if never_drain is not None and never_drain.in_flight is not None:
             raise RuntimeError("a never-drain schedule still has backwards in flight: flush() before an evaluation")
@@ -153,9 +172,17 @@ class PipelineRuntime:
             step.execute(action, is_last_backward=index in self._last_backward_index)
         return step.finish()
 
-    def _start(self, specs: dict[tuple[int, int], MessageSpec], inputs, targets, loss: MicrobatchLoss, train: bool,
-               counters: RuntimeCounters, window: int | None = None,
-               versions: WeightVersions | None = None) -> StageCompute:
+    def _start(
+        self,
+        specs: dict[tuple[int, int], MessageSpec],
+        inputs,
+        targets,
+        loss: MicrobatchLoss,
+        train: bool,
+        counters: RuntimeCounters,
+        window: int | None = None,
+        versions: WeightVersions | None = None,
+    ) -> StageCompute:
         """A step's shared state, its mailbox sized for `specs` (boundary shapes) and `window`."""
         wire = {pair: spec.wire for pair, spec in specs.items()}
         mailbox = Mailbox(self.peers, self.schedule, wire, counters, self.receive_buffers, window=window)

@@ -15,7 +15,6 @@ from mesh3d.model.cut import block_parameter_counts, cut_stage
 from mesh3d.model.meta_copy import meta_copy
 from mesh3d.model.traced.capture import TracedSplit
 
-
 STAGE_BALANCE = ("layers", "params")
 
 
@@ -93,9 +92,17 @@ def stage_layer_ranges(
     n_layers = len(anatomy.block_names(model))
     if stage_balance == "params":
         per_layer, first, last = block_parameter_counts(model, anatomy)
-        return assign_layers(n_layers, n_stages, layer_costs=per_layer, first_cost=first, last_cost=last,
-                             layers_per_stage=layers_per_stage)
-    return assign_layers(n_layers, n_stages, first_cost=end_weight, last_cost=end_weight, layers_per_stage=layers_per_stage)
+        return assign_layers(
+            n_layers,
+            n_stages,
+            layer_costs=per_layer,
+            first_cost=first,
+            last_cost=last,
+            layers_per_stage=layers_per_stage,
+        )
+    return assign_layers(
+        n_layers, n_stages, first_cost=end_weight, last_cost=end_weight, layers_per_stage=layers_per_stage
+    )
 
 
 def split_point_counts(anatomy: Anatomy, blocks: list[str], split_points: Sequence[str]) -> list[int]:
@@ -131,8 +138,13 @@ class Split:
     stages: dict[int, nn.Module]  # this rank's stages, on the model's device (meta: not materialized)
 
 
-def split_model(model: nn.Module, anatomy: Anatomy, stage_layers: list[range], local_stages: list[int],
-                traced: TracedSplit | None = None) -> Split:
+def split_model(
+    model: nn.Module,
+    anatomy: Anatomy,
+    stage_layers: list[range],
+    local_stages: list[int],
+    traced: TracedSplit | None = None,
+) -> Split:
     """Cut `model` into len(stage_layers) stages; build every stage on meta and `local_stages` from the model.
     A traced model's stages come from its capture (`traced`, cut at the same blocks)."""
     n_stages = len(stage_layers)

@@ -38,7 +38,9 @@ class MicrobatchLoss(Protocol):
     """The last stage's loss for one step or evaluation, handed to `run` by the step
     (step/global_loss.py builds it from the user's loss_fn and the step's scale)."""
 
-    def __call__(self, output: torch.Tensor, target: torch.Tensor, microbatch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, output: torch.Tensor, target: torch.Tensor, microbatch: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss value to report, the count it stands for, the scaled tensor to backpropagate) of
         the step's `microbatch`-th microbatch."""
 
@@ -79,9 +81,18 @@ class StageCompute:
     `versions`: the weight versions each F and B use and U and TIE update (never-drain training);
     None otherwise (an evaluation runs on the weights the parameters hold)."""
 
-    def __init__(self, stages: LocalStages, input_chunks, target_chunks, mailbox: Mailbox, loss: MicrobatchLoss,
-                 train: bool, counters: RuntimeCounters, specs: dict[tuple[int, int], MessageSpec],
-                 versions: WeightVersions | None = None):
+    def __init__(
+        self,
+        stages: LocalStages,
+        input_chunks,
+        target_chunks,
+        mailbox: Mailbox,
+        loss: MicrobatchLoss,
+        train: bool,
+        counters: RuntimeCounters,
+        specs: dict[tuple[int, int], MessageSpec],
+        versions: WeightVersions | None = None,
+    ):
         self.stages = stages
         self.routes = stages.routes
         self.specs = specs
@@ -184,7 +195,9 @@ class StageCompute:
         if self.train:
             self.saved[(stage, mb)] = (x, None if choice.before_backward else out)
             self.counters.live_activations += 1
-            self.counters.peak_live_activations = max(self.counters.peak_live_activations, self.counters.live_activations)
+            self.counters.peak_live_activations = max(
+                self.counters.peak_live_activations, self.counters.live_activations
+            )
         for consumer, message in zip(self.routes.consumers(stage), messages):
             self.mailbox.put(Kind.F, stage, consumer, mb, message.detach())
 

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mesh3d.mesh import Layout
 from mesh3d.distributed.shards import local_tensor
+from mesh3d.mesh import Layout
 
 
 def find_ties(model: nn.Module) -> list[list[str]]:
@@ -104,7 +104,9 @@ class TiedWeights:
         self.pp_rank = layout.pp_rank
         self.ties: list[TiedWeight] = []
         for names in ties:
-            holders = [s for s, stage in enumerate(meta_stages) if any(get_parameter(stage, n) is not None for n in names)]
+            holders = [
+                s for s, stage in enumerate(meta_stages) if any(get_parameter(stage, n) is not None for n in names)
+            ]
             ranks = sorted({stage_rank(s) for s in holders})
             tie = TiedWeight(names, ranks, stages)
             if len(ranks) > 1:
@@ -231,13 +233,17 @@ class TiedWeights:
         self._earlier_grads = []
 
 
-def ties_across_stages(schedule: str, ties: list[list[str]], meta_stages: list[nn.Module]) -> tuple[tuple[int, ...], ...]:
+def ties_across_stages(
+    schedule: str, ties: list[list[str]], meta_stages: list[nn.Module]
+) -> tuple[tuple[int, ...], ...]:
     """The stages holding each weight tied across stages (pure: every rank sees the same meta
     stages and raises the same error). A never-drain schedule joins the copies' updates with one
     collective per update (schedule/never_drain.py), for one such weight."""
     across = []
     for names in ties:
-        holders = tuple(s for s, stage in enumerate(meta_stages) if any(get_parameter(stage, n) is not None for n in names))
+        holders = tuple(
+            s for s, stage in enumerate(meta_stages) if any(get_parameter(stage, n) is not None for n in names)
+        )
         if len(holders) > 1:
             across.append((names, holders))
     if len(across) > 1:

@@ -115,8 +115,13 @@ class WeightVersions:
     `ties`: per stage of this rank, its copy of the weight tied across stages (param, the tie's
     process group, the first stage holding it)."""
 
-    def __init__(self, stages: dict[int, nn.Module], rule: UpdateRule, optimizer: torch.optim.Optimizer,
-                 ties: dict[int, tuple[nn.Parameter, dist.ProcessGroup, int]] | None = None):
+    def __init__(
+        self,
+        stages: dict[int, nn.Module],
+        rule: UpdateRule,
+        optimizer: torch.optim.Optimizer,
+        ties: dict[int, tuple[nn.Parameter, dist.ProcessGroup, int]] | None = None,
+    ):
         self.rule = rule
         self.optimizer = optimizer
         self.ties: dict[int, TiedCopy] = {}
@@ -135,8 +140,10 @@ class WeightVersions:
 
     def begin_call(self, call: int) -> None:
         # A copy: a scheduler may change a tensor-valued lr in place before this call's updates run.
-        self.hyperparameters[call] = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items()
-                                       if k != "params"} for g in self.optimizer.param_groups]
+        self.hyperparameters[call] = [
+            {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
+            for g in self.optimizer.param_groups
+        ]
 
     def _groups(self, stage: int) -> list[StageWeights]:
         copy = self.ties.get(stage)
@@ -206,8 +213,10 @@ class WeightVersions:
                 if id(p) not in mine and p.grad is not None:
                     aside[p] = p.grad
                     p.grad = None
-        now = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
-               for g in self.optimizer.param_groups]
+        now = [
+            {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
+            for g in self.optimizer.param_groups
+        ]
         for group, settings in zip(self.optimizer.param_groups, self.hyperparameters.get(call, now)):
             _set_settings(group, settings)
         try:

@@ -20,8 +20,8 @@ import torch
 from mesh3d.pipeline.schedule.catalog import build_schedule
 from mesh3d.pipeline.schedule.simulate import SimulationReport, simulate_schedule
 from mesh3d.planner.hardware import HARDWARE
-from mesh3d.planner.predict.memory import MemoryBreakdown
 from mesh3d.planner.model_source import PRESETS
+from mesh3d.planner.predict.memory import MemoryBreakdown
 from mesh3d.planner.ranking import FIXABLE, Plan, _memory_limit, plan, resolve_hardware
 
 GIB = 2**30
@@ -47,23 +47,38 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mesh3d-plan",
         description="Rank the (pp, dp, tp, schedule, microbatches, checkpointing) layouts of a model on a "
-                    "cluster by predicted tokens/s per GPU, keeping those that fit in memory.")
-    p.add_argument("--model", required=True,
-                   help=f"a preset ({', '.join(sorted(PRESETS))}), or a Hugging Face config.json or model directory")
+        "cluster by predicted tokens/s per GPU, keeping those that fit in memory.",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help=f"a preset ({', '.join(sorted(PRESETS))}), or a Hugging Face config.json or model directory",
+    )
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; tensor parallelism stays in one (8)")
     p.add_argument("--hardware", default="h100", help=f"{', '.join(sorted(HARDWARE))} or this-machine (h100)")
     p.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (8192)")
     p.add_argument("--global-batch", type=int, default=256, help="sequences per step (256)")
-    p.add_argument("--memory-limit", default=None,
-                   help="bytes a GPU may hold, e.g. 80GiB or 75GB (default: the hardware's memory less a margin)")
-    p.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE",
-                   help=f"pin a choice, repeatable: {', '.join(FIXABLE)} (v, m, ac for short); "
-                        "param_dtype takes bf16, fp32 or none; compile takes true or false")
+    p.add_argument(
+        "--memory-limit",
+        default=None,
+        help="bytes a GPU may hold, e.g. 80GiB or 75GB (default: the hardware's memory less a margin)",
+    )
+    p.add_argument(
+        "--fix",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"pin a choice, repeatable: {', '.join(FIXABLE)} (v, m, ac for short); "
+        "param_dtype takes bf16, fp32 or none; compile takes true or false",
+    )
     p.add_argument("--all", action="store_true", help="list every plan that fits, not the top 10")
-    p.add_argument("--draw", metavar="PATH",
-                   help="draw the best plan's pipeline timeline: an image (needs matplotlib: "
-                        "pip install 'mesh3d[draw]') or, for a .json path, a Chrome/Perfetto trace")
+    p.add_argument(
+        "--draw",
+        metavar="PATH",
+        help="draw the best plan's pipeline timeline: an image (needs matplotlib: "
+        "pip install 'mesh3d[draw]') or, for a .json path, a Chrome/Perfetto trace",
+    )
     return p
 
 
@@ -101,15 +116,19 @@ def load_model(name: str):
         try:
             from transformers import AutoConfig
         except ImportError:
-            raise _UsageError(f"--model {name}: reading a Hugging Face config needs transformers: "
-                              "pip install 'mesh3d[hf]'") from None
+            raise _UsageError(
+                f"--model {name}: reading a Hugging Face config needs transformers: pip install 'mesh3d[hf]'"
+            ) from None
         try:
             return AutoConfig.from_pretrained(name)
         except (OSError, ValueError, KeyError) as error:
-            raise _UsageError(f"--model {name}: not a Hugging Face config.json or model directory "
-                              f"({' '.join(str(error).split())})") from None
-    raise _UsageError(f"--model {name!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor an existing "
-                      "config.json or model directory")
+            raise _UsageError(
+                f"--model {name}: not a Hugging Face config.json or model directory ({' '.join(str(error).split())})"
+            ) from None
+    raise _UsageError(
+        f"--model {name!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor an existing "
+        "config.json or model directory"
+    )
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
@@ -139,16 +158,46 @@ def _unit(s: float) -> tuple[str, float]:
 
 def table(plans: list[Plan]) -> str:
     """The ranked plans as an aligned text table."""
-    header = ["rank", "pp", "dp", "tp", "schedule", "v", "m", "ac", "dp_mode", "tokens/s/GPU", "MFU", "step s",
-              "bubble %", "mem GiB", "largest (GiB)"]
+    header = [
+        "rank",
+        "pp",
+        "dp",
+        "tp",
+        "schedule",
+        "v",
+        "m",
+        "ac",
+        "dp_mode",
+        "tokens/s/GPU",
+        "MFU",
+        "step s",
+        "bubble %",
+        "mem GiB",
+        "largest (GiB)",
+    ]
     rows = []
     for i, p in enumerate(plans, 1):
         mem = p.memory_per_rank
         big = _largest_term(mem)
-        rows.append([str(i), str(p.pp), str(p.dp), str(p.tp), p.schedule, str(p.virtual_stages),
-                     str(p.microbatches), p.activation_checkpoint, p.dp_mode,
-                     f"{p.tokens_per_second_per_gpu:,.0f}", f"{p.mfu:.1%}", f"{p.step_seconds:.3g}",
-                     f"{p.bubble_fraction:.1%}", _gib(mem.total), f"{big} {_gib(getattr(mem, big))}"])
+        rows.append(
+            [
+                str(i),
+                str(p.pp),
+                str(p.dp),
+                str(p.tp),
+                p.schedule,
+                str(p.virtual_stages),
+                str(p.microbatches),
+                p.activation_checkpoint,
+                p.dp_mode,
+                f"{p.tokens_per_second_per_gpu:,.0f}",
+                f"{p.mfu:.1%}",
+                f"{p.step_seconds:.3g}",
+                f"{p.bubble_fraction:.1%}",
+                _gib(mem.total),
+                f"{big} {_gib(getattr(mem, big))}",
+            ]
+        )
     widths = [max(len(r[c]) for r in [header] + rows) for c in range(len(header))]
     left = {"schedule", "ac", "dp_mode", "largest (GiB)"}
     lines = []
@@ -174,27 +223,40 @@ def why(best: Plan, runner_up: Plan | None) -> str:
     diffs = {term: getattr(b, term) - getattr(a, term) for term in _STEP_TERMS}
     top = max(diffs, key=lambda term: abs(diffs[term]))
     gain = runner_up.step_seconds / best.step_seconds - 1
-    lines = [f"Why #1 beats #2 ({_layout_differences(best, runner_up)}): its step takes "
-             f"{_seconds(a.seconds, unit)} against {_seconds(b.seconds, unit)}"
-             + (f" ({gain:.1%} longer for #2)." if gain > 0 else " (a tie; #1 is listed first).")]
-    terms = "; ".join(f"{_STEP_TERMS[t].split(' (')[0]} {_seconds(getattr(a, t), unit)} vs "
-                      f"{_seconds(getattr(b, t), unit)}" for t in _STEP_TERMS)
+    lines = [
+        f"Why #1 beats #2 ({_layout_differences(best, runner_up)}): its step takes "
+        f"{_seconds(a.seconds, unit)} against {_seconds(b.seconds, unit)}"
+        + (f" ({gain:.1%} longer for #2)." if gain > 0 else " (a tie; #1 is listed first).")
+    ]
+    terms = "; ".join(
+        f"{_STEP_TERMS[t].split(' (')[0]} {_seconds(getattr(a, t), unit)} vs {_seconds(getattr(b, t), unit)}"
+        for t in _STEP_TERMS
+    )
     lines.append(f"The step is the sum of {terms}.")
     if diffs[top] == 0:
         lines.append("No term differs.")
     else:
-        lines.append(f"The term that differs most is {_STEP_TERMS[top]}: {_seconds(abs(diffs[top]), unit)} "
-                     f"{'less' if diffs[top] > 0 else 'more'} for #1.")
+        lines.append(
+            f"The term that differs most is {_STEP_TERMS[top]}: {_seconds(abs(diffs[top]), unit)} "
+            f"{'less' if diffs[top] > 0 else 'more'} for #1."
+        )
     if top == "compute_seconds":
-        lines.append(f"Inside it: bubble {a.bubble_fraction:.1%} vs {b.bubble_fraction:.1%}, tensor-parallel "
-                     f"collectives {_seconds(a.tp_seconds, unit)} vs {_seconds(b.tp_seconds, unit)} per stage and "
-                     f"microbatch, a boundary message {_seconds(a.p2p_seconds, unit)} vs "
-                     f"{_seconds(b.p2p_seconds, unit)}.")
+        lines.append(
+            f"Inside it: bubble {a.bubble_fraction:.1%} vs {b.bubble_fraction:.1%}, tensor-parallel "
+            f"collectives {_seconds(a.tp_seconds, unit)} vs {_seconds(b.tp_seconds, unit)} per stage and "
+            f"microbatch, a boundary message {_seconds(a.p2p_seconds, unit)} vs "
+            f"{_seconds(b.p2p_seconds, unit)}."
+        )
     ma, mb = best.memory_per_rank, runner_up.memory_per_rank
     mem_top = max(_MEMORY_TERMS, key=lambda t: abs(getattr(ma, t) - getattr(mb, t)))
-    lines.append(f"Memory per GPU: {_gib(ma.total)} vs {_gib(mb.total)} GiB"
-                 + (f", most apart in {mem_top} ({_gib(getattr(ma, mem_top))} vs {_gib(getattr(mb, mem_top))} GiB)."
-                    if getattr(ma, mem_top) != getattr(mb, mem_top) else ", the same."))
+    lines.append(
+        f"Memory per GPU: {_gib(ma.total)} vs {_gib(mb.total)} GiB"
+        + (
+            f", most apart in {mem_top} ({_gib(getattr(ma, mem_top))} vs {_gib(getattr(mb, mem_top))} GiB)."
+            if getattr(ma, mem_top) != getattr(mb, mem_top)
+            else ", the same."
+        )
+    )
     return " ".join(lines)
 
 
@@ -203,9 +265,13 @@ def replay(best: Plan, scale: float = 1.0) -> SimulationReport:
     (times `scale`: 1.0 gives seconds, and a makespan equal to the plan's `time.compute_seconds`)."""
     t = best.time
     schedule = build_schedule(best.schedule, best.pp, best.microbatches, best.virtual_stages)
-    return simulate_schedule(schedule, f_cost=[f * scale for f in t.forward_seconds],
-                             b_cost=[b * scale for b in t.backward_seconds],
-                             w_cost=[w * scale for w in t.weight_grad_seconds], comm_cost=t.p2p_seconds * scale)
+    return simulate_schedule(
+        schedule,
+        f_cost=[f * scale for f in t.forward_seconds],
+        b_cost=[b * scale for b in t.backward_seconds],
+        w_cost=[w * scale for w in t.weight_grad_seconds],
+        comm_cost=t.p2p_seconds * scale,
+    )
 
 
 def draw_plan(best: Plan, path: str) -> SimulationReport:
@@ -242,17 +308,27 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model(args.model)
         hardware = resolve_hardware(args.hardware)
         limit = _memory_limit(args.memory_limit, hardware)
-        plans = plan(model, gpus=args.gpus, gpus_per_node=args.gpus_per_node, hardware=hardware,
-                     seq_len=args.seq_len, global_batch=args.global_batch, memory_limit=limit, fix=fix)
+        plans = plan(
+            model,
+            gpus=args.gpus,
+            gpus_per_node=args.gpus_per_node,
+            hardware=hardware,
+            seq_len=args.seq_len,
+            global_batch=args.global_batch,
+            memory_limit=limit,
+            fix=fix,
+        )
     except (ValueError, ImportError) as error:
         _fail(str(error))
     best = plans[0]
     shown = plans if args.all else plans[:10]
-    print(f"{args.model} on {args.gpus} x {hardware.name} ({args.gpus_per_node} per node), seq_len {args.seq_len}, "
-          f"global batch {args.global_batch}, param_dtype {_dtype_name(best.param_dtype)}"
-          f"{', compiled' if best.compile else ''}, memory limit {limit / GIB:.1f} GiB: {len(plans)} layouts fit; "
-          + ("all of them" if len(shown) == len(plans) else f"the top {len(shown)} (--all for every one)")
-          + " by tokens/s per GPU.\n")
+    print(
+        f"{args.model} on {args.gpus} x {hardware.name} ({args.gpus_per_node} per node), seq_len {args.seq_len}, "
+        f"global batch {args.global_batch}, param_dtype {_dtype_name(best.param_dtype)}"
+        f"{', compiled' if best.compile else ''}, memory limit {limit / GIB:.1f} GiB: {len(plans)} layouts fit; "
+        + ("all of them" if len(shown) == len(plans) else f"the top {len(shown)} (--all for every one)")
+        + " by tokens/s per GPU.\n"
+    )
     print(table(shown))
     print()
     print(why(best, plans[1] if len(plans) > 1 else None))

@@ -40,7 +40,9 @@ class CollectiveTimes:
         for kind in COLLECTIVES:
             points = self.points.get(kind, ())
             if len(points) < 2 or any(b <= a for (a, _), (b, _) in zip(points, points[1:])):
-                raise ValueError(f"CollectiveTimes: {kind!r} needs at least two sizes in increasing order, got {points!r}")
+                raise ValueError(
+                    f"CollectiveTimes: {kind!r} needs at least two sizes in increasing order, got {points!r}"
+                )
             slowest, kept = 0.0, []
             for size, seconds in points:
                 slowest = max(slowest, seconds)
@@ -111,34 +113,55 @@ class Hardware:
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"Hardware {self.name!r}: {name} must be a positive number, got {value!r}")
         if not isinstance(self.collective_latency, (int, float)) or self.collective_latency < 0:
-            raise ValueError(f"Hardware {self.name!r}: collective_latency must be seconds >= 0, "
-                             f"got {self.collective_latency!r}")
+            raise ValueError(
+                f"Hardware {self.name!r}: collective_latency must be seconds >= 0, got {self.collective_latency!r}"
+            )
 
 
 # NVLink figures are the datasheets' bidirectional totals halved; the network is one NIC per GPU.
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware(
-        "h100", peak_flops=989e12, memory_bytes=80 * GIB, intra_node_bandwidth=450 * GB,
-        inter_node_bandwidth=50 * GB, memory_bandwidth=3350 * GB, peak_fp32_flops=494.5e12,
+        "h100",
+        peak_flops=989e12,
+        memory_bytes=80 * GIB,
+        intra_node_bandwidth=450 * GB,
+        inter_node_bandwidth=50 * GB,
+        memory_bandwidth=3350 * GB,
+        peak_fp32_flops=494.5e12,
         source="NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 (1,979 with sparsity), 80 GB HBM3 at "
-               "3.35 TB/s, NVLink 4 900 GB/s; ConnectX-7 400 Gb/s per GPU (DGX H100)",
+        "3.35 TB/s, NVLink 4 900 GB/s; ConnectX-7 400 Gb/s per GPU (DGX H100)",
     ),
     "h200": Hardware(
-        "h200", peak_flops=989e12, memory_bytes=141 * GB, intra_node_bandwidth=450 * GB,
-        inter_node_bandwidth=50 * GB, memory_bandwidth=4800 * GB, peak_fp32_flops=494.5e12,
+        "h200",
+        peak_flops=989e12,
+        memory_bytes=141 * GB,
+        intra_node_bandwidth=450 * GB,
+        inter_node_bandwidth=50 * GB,
+        memory_bandwidth=4800 * GB,
+        peak_fp32_flops=494.5e12,
         source="NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; "
-               "ConnectX-7 400 Gb/s per GPU (DGX H200)",
+        "ConnectX-7 400 Gb/s per GPU (DGX H200)",
     ),
     "a100-80gb": Hardware(
-        "a100-80gb", peak_flops=312e12, memory_bytes=80 * GIB, intra_node_bandwidth=300 * GB,
-        inter_node_bandwidth=25 * GB, memory_bandwidth=2039 * GB, peak_fp32_flops=156e12,
+        "a100-80gb",
+        peak_flops=312e12,
+        memory_bytes=80 * GIB,
+        intra_node_bandwidth=300 * GB,
+        inter_node_bandwidth=25 * GB,
+        memory_bandwidth=2039 * GB,
+        peak_fp32_flops=156e12,
         source="NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s dense BF16, 80 GB HBM2e at 2,039 GB/s, NVLink 3 "
-               "600 GB/s; HDR InfiniBand 200 Gb/s per GPU (DGX A100)",
+        "600 GB/s; HDR InfiniBand 200 Gb/s per GPU (DGX A100)",
     ),
     "b200": Hardware(
-        "b200", peak_flops=2.25e15, memory_bytes=180 * GB, intra_node_bandwidth=900 * GB,
-        inter_node_bandwidth=50 * GB, memory_bandwidth=7700 * GB, peak_fp32_flops=1.125e15,
+        "b200",
+        peak_flops=2.25e15,
+        memory_bytes=180 * GB,
+        intra_node_bandwidth=900 * GB,
+        inter_node_bandwidth=50 * GB,
+        memory_bandwidth=7700 * GB,
+        peak_fp32_flops=1.125e15,
         source="NVIDIA DGX B200 datasheet: 72 PFLOP/s FP8 training per 8 GPUs (2.25 PFLOP/s dense BF16 each), "
-               "1,440 GB HBM3e per 8 GPUs at 7.7 TB/s each, NVLink 5 1.8 TB/s; ConnectX-7 400 Gb/s per GPU",
+        "1,440 GB HBM3e per 8 GPUs at 7.7 TB/s each, NVLink 5 1.8 TB/s; ConnectX-7 400 Gb/s per GPU",
     ),
 }

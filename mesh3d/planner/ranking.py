@@ -27,18 +27,28 @@ from mesh3d.pipeline.split import split_point_counts, stage_layer_ranges
 from mesh3d.pipeline.tied import find_ties
 from mesh3d.planner import constants as C
 from mesh3d.planner.hardware import HARDWARE, Hardware
-from mesh3d.planner.predict.memory import MemoryBreakdown, StagePlacement, rank_activations, rank_memory
-from mesh3d.planner.model_source import max_sequence_length, meta_model
+from mesh3d.planner.measure.costs import ModelCosts
 from mesh3d.planner.measure.data_parallel_timing import time_data_parallel
 from mesh3d.planner.measure.machine_bench import measure_this_machine
 from mesh3d.planner.measure.measured_stages import planner_anatomy, token_ids
 from mesh3d.planner.measure.part_timing import time_model
-from mesh3d.planner.measure.costs import ModelCosts
 from mesh3d.planner.measure.probe import measure_model_anywhere
+from mesh3d.planner.model_source import max_sequence_length, meta_model
+from mesh3d.planner.predict.memory import MemoryBreakdown, StagePlacement, rank_activations, rank_memory
 from mesh3d.planner.predict.step_time import Links, StepTime, step_time
 
-FIXABLE = ("pp", "dp", "tp", "schedule", "virtual_stages", "microbatches", "activation_checkpoint", "dp_mode",
-           "param_dtype", "compile")
+FIXABLE = (
+    "pp",
+    "dp",
+    "tp",
+    "schedule",
+    "virtual_stages",
+    "microbatches",
+    "activation_checkpoint",
+    "dp_mode",
+    "param_dtype",
+    "compile",
+)
 
 
 @dataclass(frozen=True)
@@ -72,9 +82,18 @@ class Plan:
     def parallelize_kwargs(self) -> dict:
         """What to hand `mesh3d.parallelize(model, **kwargs)` to run exactly this plan (a traced
         model's `example_inputs` and any `split_points` included)."""
-        kwargs = dict(pp=self.pp, dp=self.dp, tp=self.tp, schedule=self.schedule, virtual_stages=self.virtual_stages,
-                      microbatches=self.microbatches, activation_checkpoint=self.activation_checkpoint,
-                      dp_mode=self.dp_mode, param_dtype=self.param_dtype, compile=self.compile)
+        kwargs = dict(
+            pp=self.pp,
+            dp=self.dp,
+            tp=self.tp,
+            schedule=self.schedule,
+            virtual_stages=self.virtual_stages,
+            microbatches=self.microbatches,
+            activation_checkpoint=self.activation_checkpoint,
+            dp_mode=self.dp_mode,
+            param_dtype=self.param_dtype,
+            compile=self.compile,
+        )
         if self.example_inputs is not None:
             kwargs["example_inputs"] = self.example_inputs
         if self.split_points is not None:
@@ -83,9 +102,11 @@ class Plan:
 
     def row(self) -> str:
         dtype = "fp32" if self.param_dtype is None else str(self.param_dtype).removeprefix("torch.")
-        return (f"pp={self.pp} dp={self.dp} tp={self.tp} {self.schedule} v={self.virtual_stages} "
-                f"m={self.microbatches} ac={self.activation_checkpoint} {self.dp_mode} {dtype}"
-                f"{' compile' if self.compile else ''}")
+        return (
+            f"pp={self.pp} dp={self.dp} tp={self.tp} {self.schedule} v={self.virtual_stages} "
+            f"m={self.microbatches} ac={self.activation_checkpoint} {self.dp_mode} {dtype}"
+            f"{' compile' if self.compile else ''}"
+        )
 
 
 def plan(
@@ -130,41 +151,83 @@ def plan(
     model = meta_model(model)
     longest = max_sequence_length(model)
     if longest is not None and seq_len > longest:
-        raise ValueError(f"plan: seq_len={seq_len} is longer than the model takes ({longest}); use seq_len <= {longest}")
+        raise ValueError(
+            f"plan: seq_len={seq_len} is longer than the model takes ({longest}); use seq_len <= {longest}"
+        )
     limit = _memory_limit(memory_limit, hw)
     anatomy = planner_anatomy(model, seq_len, split_points)
     n_blocks = len(anatomy.block_names(model))
-    split_counts = None if split_points is None else split_point_counts(anatomy, anatomy.block_names(model), split_points)
+    split_counts = (
+        None if split_points is None else split_point_counts(anatomy, anatomy.block_names(model), split_points)
+    )
     plan_tp = tp_plan if tp_plan is not None else anatomy.tp_plan
     tied = any(len(group) > 1 for group in find_ties(model))
     param_bytes = next(model.parameters()).element_size()
-    measure = functools.cache(lambda tp, dtype: measure_model_anywhere(
-        model, anatomy, split_points, tp=tp, tp_plan=plan_tp, microbatch_size=1, seq_len=seq_len, param_dtype=dtype))
+    measure = functools.cache(
+        lambda tp, dtype: measure_model_anywhere(
+            model, anatomy, split_points, tp=tp, tp_plan=plan_tp, microbatch_size=1, seq_len=seq_len, param_dtype=dtype
+        )
+    )
     # A measured machine times the model's parts at each microbatch size it plans (predict/step_time.py).
-    timed = functools.cache(lambda tp, dtype, mbs: time_model(
-        model, anatomy, measure(tp, dtype), tp_plan=plan_tp, microbatch_size=mbs, param_dtype=dtype))
+    timed = functools.cache(
+        lambda tp, dtype, mbs: time_model(
+            model, anatomy, measure(tp, dtype), tp_plan=plan_tp, microbatch_size=mbs, param_dtype=dtype
+        )
+    )
     # ... and what data parallelism's wrapping adds to a block there, per dp degree and mode.
-    dp_timed = functools.cache(lambda dp, mode, tp, dtype, mbs: time_data_parallel(
-        model, anatomy, dp=dp, dp_mode=mode, tp=tp, tp_plan=plan_tp, microbatch_size=mbs, seq_len=seq_len,
-        param_dtype=dtype))
+    dp_timed = functools.cache(
+        lambda dp, mode, tp, dtype, mbs: time_data_parallel(
+            model,
+            anatomy,
+            dp=dp,
+            dp_mode=mode,
+            tp=tp,
+            tp_plan=plan_tp,
+            microbatch_size=mbs,
+            seq_len=seq_len,
+            param_dtype=dtype,
+        )
+    )
     # Many candidates share a schedule, a split and a walk of the action lists: each is built once.
     schedule_of = functools.cache(build_schedule)
-    layers_of = functools.cache(lambda n_stages: stage_layer_ranges(model, anatomy, n_stages, "layers", 0.0, split_counts))
+    layers_of = functools.cache(
+        lambda n_stages: stage_layer_ranges(model, anatomy, n_stages, "layers", 0.0, split_counts)
+    )
     walks: dict[tuple, tuple[tuple[int, int], ...]] = {}
     plans, smallest_need = [], None
-    for cand in _candidates(gpus, gpus_per_node, global_batch, n_blocks, anatomy.tensor_parallel_sizes, fix,
-                            tensor_parallel=bool(plan_tp)):
+    for cand in _candidates(
+        gpus, gpus_per_node, global_batch, n_blocks, anatomy.tensor_parallel_sizes, fix, tensor_parallel=bool(plan_tp)
+    ):
         if split_counts is not None and cand["pp"] * cand["virtual_stages"] != len(split_counts):
             continue  # the split points name the stages
         costs = measure(cand["tp"], cand["param_dtype"])
         built = schedule_of(cand["schedule"], cand["pp"], cand["microbatches"], cand["virtual_stages"])
         layers = layers_of(cand["pp"] * cand["virtual_stages"])
-        compute_bytes = param_bytes if cand["param_dtype"] is None else torch.empty((), dtype=cand["param_dtype"]).element_size()
+        compute_bytes = (
+            param_bytes if cand["param_dtype"] is None else torch.empty((), dtype=cand["param_dtype"]).element_size()
+        )
         place = StagePlacement(
-            built, layers, cand["dp"], cand["dp_mode"], cand["microbatch_size"], cand["activation_checkpoint"],
-            param_bytes, compute_bytes, wraps=cand["dp"] > 1 or cand["param_dtype"] is not None, tied_end=tied)
-        walk = (cand["tp"], cand["param_dtype"], cand["schedule"], cand["pp"], cand["microbatches"],
-                cand["virtual_stages"], cand["activation_checkpoint"], cand["microbatch_size"])
+            built,
+            layers,
+            cand["dp"],
+            cand["dp_mode"],
+            cand["microbatch_size"],
+            cand["activation_checkpoint"],
+            param_bytes,
+            compute_bytes,
+            wraps=cand["dp"] > 1 or cand["param_dtype"] is not None,
+            tied_end=tied,
+        )
+        walk = (
+            cand["tp"],
+            cand["param_dtype"],
+            cand["schedule"],
+            cand["pp"],
+            cand["microbatches"],
+            cand["virtual_stages"],
+            cand["activation_checkpoint"],
+            cand["microbatch_size"],
+        )
         if walk not in walks:
             walks[walk] = tuple(rank_activations(costs, r, place) for r in range(cand["pp"]))
         by_rank = tuple(rank_memory(costs, r, place, walks[walk][r]) for r in range(cand["pp"]))
@@ -175,18 +238,40 @@ def plan(
         links = Links.of(hw, cand["pp"], cand["dp"], cand["tp"], gpus_per_node)
         fp32 = cand["param_dtype"] is None or cand["param_dtype"] == torch.float32
         step_costs = timed(cand["tp"], cand["param_dtype"], cand["microbatch_size"]) if hw.times_the_model else costs
-        overhead = (dp_timed(cand["dp"], cand["dp_mode"], cand["tp"], cand["param_dtype"], cand["microbatch_size"])
-                    if hw.times_the_model and cand["dp"] > 1 else None)
+        overhead = (
+            dp_timed(cand["dp"], cand["dp_mode"], cand["tp"], cand["param_dtype"], cand["microbatch_size"])
+            if hw.times_the_model and cand["dp"] > 1
+            else None
+        )
         time = step_time(step_costs, place, hw, links, compile=cand["compile"], fp32_compute=fp32, dp_overhead=overhead)
         tokens = global_batch * seq_len / time.seconds / gpus
         model_flops = _model_flops_per_token(costs, n_blocks)
         mfu = model_flops * tokens / hw.peak_for(fp32)
-        plans.append(Plan(cand["pp"], cand["dp"], cand["tp"], cand["schedule"], cand["virtual_stages"],
-                          cand["microbatches"], cand["activation_checkpoint"], cand["dp_mode"], cand["param_dtype"],
-                          cand["compile"], cand["local_batch"], cand["microbatch_size"], memory, time.seconds, tokens,
-                          mfu, time.bubble_fraction, time, by_rank,
-                          (token_ids(cand["microbatch_size"], seq_len),) if anatomy.traced is not None else None,
-                          None if split_points is None else tuple(split_points)))
+        plans.append(
+            Plan(
+                cand["pp"],
+                cand["dp"],
+                cand["tp"],
+                cand["schedule"],
+                cand["virtual_stages"],
+                cand["microbatches"],
+                cand["activation_checkpoint"],
+                cand["dp_mode"],
+                cand["param_dtype"],
+                cand["compile"],
+                cand["local_batch"],
+                cand["microbatch_size"],
+                memory,
+                time.seconds,
+                tokens,
+                mfu,
+                time.bubble_fraction,
+                time,
+                by_rank,
+                (token_ids(cand["microbatch_size"], seq_len),) if anatomy.traced is not None else None,
+                None if split_points is None else tuple(split_points),
+            )
+        )
     if not plans:
         raise ValueError(_nothing_fits(gpus, limit, smallest_need, fix, global_batch, split_counts))
     return sorted(plans, key=lambda p: -p.tokens_per_second_per_gpu)
@@ -205,6 +290,7 @@ def _divisors(n: int) -> list[int]:
 def _candidates(gpus, gpus_per_node, global_batch, n_blocks, tp_sizes, fix, tensor_parallel=True):
     """Every layout mesh3d accepts for these sizes, with `fix` applied; tp = 1 only, unless fixed,
     for a model without a tensor-parallel plan."""
+
     def allowed(name, values):
         return [fix[name]] if name in fix else values
 
@@ -220,8 +306,11 @@ def _candidates(gpus, gpus_per_node, global_batch, n_blocks, tp_sizes, fix, tens
             local = global_batch // dp
             for schedule in allowed("schedule", ["1f1b"] if pp == 1 else list(PLANNED_SCHEDULES)):
                 spec = SCHEDULES[schedule]
-                v_choices = [spec.fixed_virtual_stages] if spec.fixed_virtual_stages else (
-                    [1, 2, 4] if spec.multi_stage else [1])
+                v_choices = (
+                    [spec.fixed_virtual_stages]
+                    if spec.fixed_virtual_stages
+                    else ([1, 2, 4] if spec.multi_stage else [1])
+                )
                 for v in allowed("virtual_stages", [v for v in v_choices if pp * v <= n_blocks]):
                     for m in allowed("microbatches", [m for m in _divisors(local) if m <= 4 * pp * v or m == pp]):
                         if local % m:
@@ -232,11 +321,20 @@ def _candidates(gpus, gpus_per_node, global_batch, n_blocks, tp_sizes, fix, tens
                             continue
                         for ac in allowed("activation_checkpoint", list(ACTIVATION_CHECKPOINT_MODES)):
                             for mode in allowed("dp_mode", ["fsdp", "ddp"] if dp > 1 else ["fsdp"]):
-                                yield dict(pp=pp, dp=dp, tp=tp, schedule=schedule, virtual_stages=v, microbatches=m,
-                                           activation_checkpoint=ac, dp_mode=mode,
-                                           param_dtype=fix.get("param_dtype", torch.bfloat16),
-                                           compile=fix.get("compile", False), local_batch=local,
-                                           microbatch_size=local // m)
+                                yield dict(
+                                    pp=pp,
+                                    dp=dp,
+                                    tp=tp,
+                                    schedule=schedule,
+                                    virtual_stages=v,
+                                    microbatches=m,
+                                    activation_checkpoint=ac,
+                                    dp_mode=mode,
+                                    param_dtype=fix.get("param_dtype", torch.bfloat16),
+                                    compile=fix.get("compile", False),
+                                    local_batch=local,
+                                    microbatch_size=local // m,
+                                )
 
 
 def _check_fix(fix: dict | None) -> dict:
@@ -247,11 +345,15 @@ def _check_fix(fix: dict | None) -> dict:
     if "schedule" in fix and fix["schedule"] not in SCHEDULES:
         raise ValueError(f"plan: fix schedule={fix['schedule']!r}; choose one of {sorted(SCHEDULES)}")
     if "schedule" in fix and fix["schedule"] not in PLANNED_SCHEDULES:
-        raise ValueError(f"plan: fix schedule={fix['schedule']!r} is not modelled by the planner yet (its weight "
-                         f"versions and cross-call timeline); choose one of {sorted(PLANNED_SCHEDULES)}")
+        raise ValueError(
+            f"plan: fix schedule={fix['schedule']!r} is not modelled by the planner yet (its weight "
+            f"versions and cross-call timeline); choose one of {sorted(PLANNED_SCHEDULES)}"
+        )
     if "activation_checkpoint" in fix and fix["activation_checkpoint"] not in ACTIVATION_CHECKPOINT_MODES:
-        raise ValueError(f"plan: fix activation_checkpoint={fix['activation_checkpoint']!r}; "
-                         f"choose one of {list(ACTIVATION_CHECKPOINT_MODES)}")
+        raise ValueError(
+            f"plan: fix activation_checkpoint={fix['activation_checkpoint']!r}; "
+            f"choose one of {list(ACTIVATION_CHECKPOINT_MODES)}"
+        )
     if "dp_mode" in fix and fix["dp_mode"] not in ("fsdp", "ddp"):
         raise ValueError(f"plan: fix dp_mode={fix['dp_mode']!r}; choose 'fsdp' or 'ddp'")
     if "param_dtype" in fix and fix["param_dtype"] is not None and not isinstance(fix["param_dtype"], torch.dtype):
@@ -265,14 +367,20 @@ def _check_fix(fix: dict | None) -> dict:
 
 
 def _check_sizes(gpus, gpus_per_node, seq_len, global_batch) -> None:
-    for name, value in (("gpus", gpus), ("gpus_per_node", gpus_per_node), ("seq_len", seq_len),
-                        ("global_batch", global_batch)):
+    for name, value in (
+        ("gpus", gpus),
+        ("gpus_per_node", gpus_per_node),
+        ("seq_len", seq_len),
+        ("global_batch", global_batch),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"plan: {name} must be a positive integer, got {value!r}")
     if gpus > gpus_per_node and gpus % gpus_per_node:
-        raise ValueError(f"plan: gpus={gpus} is not a whole number of nodes of {gpus_per_node}; use a multiple of "
-                         f"{gpus_per_node} (e.g. {gpus // gpus_per_node * gpus_per_node} or "
-                         f"{(gpus // gpus_per_node + 1) * gpus_per_node})")
+        raise ValueError(
+            f"plan: gpus={gpus} is not a whole number of nodes of {gpus_per_node}; use a multiple of "
+            f"{gpus_per_node} (e.g. {gpus // gpus_per_node * gpus_per_node} or "
+            f"{(gpus // gpus_per_node + 1) * gpus_per_node})"
+        )
 
 
 def resolve_hardware(hardware: str | Hardware) -> Hardware:
@@ -282,13 +390,25 @@ def resolve_hardware(hardware: str | Hardware) -> Hardware:
     if hardware == "this-machine":
         return measure_this_machine()
     if hardware not in HARDWARE:
-        raise ValueError(f"plan: unknown hardware {hardware!r}; choose one of {sorted(HARDWARE)}, "
-                         "'this-machine', or pass mesh3d.planner.Hardware(...)")
+        raise ValueError(
+            f"plan: unknown hardware {hardware!r}; choose one of {sorted(HARDWARE)}, "
+            "'this-machine', or pass mesh3d.planner.Hardware(...)"
+        )
     return HARDWARE[hardware]
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def _memory_limit(limit: int | str | None, hardware: Hardware) -> int:
@@ -307,12 +427,19 @@ def _memory_limit(limit: int | str | None, hardware: Hardware) -> int:
 def _nothing_fits(gpus, limit, smallest_need, fix, global_batch, split_counts=None) -> str:
     gib = 2**30
     if smallest_need is None:
-        stages = ("" if split_counts is None else
-                  f", and split_points make {len(split_counts)} stages, so pp * virtual_stages must be {len(split_counts)}")
-        return (f"plan: no layout of {gpus} GPUs matches these sizes (global_batch={global_batch}, fix={fix}); "
-                "global_batch must divide over dp, microbatches over each dp rank's batch, tp the model's head "
-                f"counts{stages}")
+        stages = (
+            ""
+            if split_counts is None
+            else f", and split_points make {len(split_counts)} stages, so pp * virtual_stages must be {len(split_counts)}"
+        )
+        return (
+            f"plan: no layout of {gpus} GPUs matches these sizes (global_batch={global_batch}, fix={fix}); "
+            "global_batch must divide over dp, microbatches over each dp rank's batch, tp the model's head "
+            f"counts{stages}"
+        )
     need = math.ceil(smallest_need / limit)
-    return (f"plan: no layout fits in {limit / gib:.1f} GiB per GPU on {gpus} GPUs (fix={fix}); the leanest "
-            f"needs {smallest_need / gib:.1f} GiB. Try about {need}x the GPUs ({gpus * need}), a smaller "
-            f"global_batch or seq_len, or a larger memory_limit")
+    return (
+        f"plan: no layout fits in {limit / gib:.1f} GiB per GPU on {gpus} GPUs (fix={fix}); the leanest "
+        f"needs {smallest_need / gib:.1f} GiB. Try about {need}x the GPUs ({gpus * need}), a smaller "
+        f"global_batch or seq_len, or a larger memory_limit"
+    )

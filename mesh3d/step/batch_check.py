@@ -41,18 +41,24 @@ def batch_problem(
         sizes = min(inputs.dim(), targets.dim(), 2)  # batch, and sequence when both have one
         if tuple(inputs.shape[:sizes]) != tuple(targets.shape[:sizes]):
             what = "batch or sequence" if sizes == 2 else "batch"
-            return (f"inputs of shape {tuple(inputs.shape)} and targets of shape {tuple(targets.shape)} differ in "
-                    f"{what} size; pass targets with one entry per input position")
+            return (
+                f"inputs of shape {tuple(inputs.shape)} and targets of shape {tuple(targets.shape)} differ in "
+                f"{what} size; pass targets with one entry per input position"
+            )
     if vocab_size is None:
         return None
     if inputs.is_floating_point() or inputs.is_complex():
-        return (f"inputs are {inputs.dtype}, but the model takes token ids (vocab_size={vocab_size}): "
-                "pass an integer tensor (torch.long)")
+        return (
+            f"inputs are {inputs.dtype}, but the model takes token ids (vocab_size={vocab_size}): "
+            "pass an integer tensor (torch.long)"
+        )
     problem = _outside(inputs, vocab_size, "input token id")
     if problem is None and targets is not None:
         if targets.is_floating_point():
-            return (f"targets are {targets.dtype}, but the model's targets are token ids (vocab_size={vocab_size}): "
-                    "pass an integer tensor (torch.long)")
+            return (
+                f"targets are {targets.dtype}, but the model's targets are token ids (vocab_size={vocab_size}): "
+                "pass an integer tensor (torch.long)"
+            )
         problem = _outside(targets, vocab_size, "target", ignore_index)
     return problem
 
@@ -67,8 +73,10 @@ def _outside(ids: torch.Tensor, vocab_size: int, what: str, ignore_index: int | 
         return None
     where = tuple(int(i) for i in bad.nonzero()[0])
     allowed = f"[0, {vocab_size})" + (f" or {ignore_index} (ignored)" if ignore_index is not None else "")
-    return (f"{what} {int(ids[where])} at position {where} is outside {allowed}: the model's vocab_size is "
-            f"{vocab_size}; check the tokenizer and the model config agree")
+    return (
+        f"{what} {int(ids[where])} at position {where} is outside {allowed}: the model's vocab_size is "
+        f"{vocab_size}; check the tokenizer and the model config agree"
+    )
 
 
 def agree_on_batch(problem: str | None, device: torch.device, during: str) -> None:

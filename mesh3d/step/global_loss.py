@@ -26,10 +26,17 @@ import torch
 import torch.distributed as dist
 
 from mesh3d.distributed.agree import gather_or_raise
-from mesh3d.model.loss import (
-    IGNORE_INDEX, MEAN, PAIR, LossFn, LossScale, check_loss_on_meta, probe_counts, probe_kind,
-)
 from mesh3d.mesh import Layout
+from mesh3d.model.loss import (
+    IGNORE_INDEX,
+    MEAN,
+    PAIR,
+    LossFn,
+    LossScale,
+    check_loss_on_meta,
+    probe_counts,
+    probe_kind,
+)
 from mesh3d.pipeline.boundary import Boundaries
 
 
@@ -43,7 +50,9 @@ class ScaledLoss:
     context: Callable[[], AbstractContextManager]
     scale: LossScale
 
-    def __call__(self, output: torch.Tensor, target: torch.Tensor, microbatch: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, output: torch.Tensor, target: torch.Tensor, microbatch: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         with self.context():
             result = self.loss_fn(output, target)
         return self.scale.apply(result, microbatch)

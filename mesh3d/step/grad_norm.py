@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mesh3d.mesh import Layout
 from mesh3d.distributed.shards import local_tensor
+from mesh3d.mesh import Layout
 
 
 @torch.no_grad()

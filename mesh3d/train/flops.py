@@ -64,8 +64,10 @@ def flops_per_token(model: nn.Module, seq_len: int, batch: int = 1) -> float:
         raise ValueError(f"flops_per_token: seq_len and batch must be >= 1, got seq_len={seq_len}, batch={batch}")
     device = next(model.parameters()).device
     if device.type != "meta":
-        raise ValueError(f"flops_per_token: pass the model on the meta device (it is on {device}); "
-                         "counting runs a forward and backward, which costs nothing only on meta")
+        raise ValueError(
+            f"flops_per_token: pass the model on the meta device (it is on {device}); "
+            "counting runs a forward and backward, which costs nothing only on meta"
+        )
     tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
     weights = [p for p in model.parameters() if p.requires_grad]
     counter = FlopCounterMode(display=False)

@@ -106,6 +106,9 @@ class Progress:
         )
         if self.flops_per_token is not None:
             utilization = self.utilization(tokens_per_s)
-            text += (f"  MFU {utilization:.1%}" if utilization is not None
-                     else f"  MFU n/a (peak FLOP/s unknown for {self.device})")
+            text += (
+                f"  MFU {utilization:.1%}"
+                if utilization is not None
+                else f"  MFU n/a (peak FLOP/s unknown for {self.device})"
+            )
         return text

@@ -23,10 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mesh3d.checkpoint.directories import complete_checkpoints
+from mesh3d.checkpoint.directories import complete_checkpoints, is_complete
 from mesh3d.checkpoint.integrity import DamagedCheckpoint
 from mesh3d.checkpoint.save_load import load
-from mesh3d.checkpoint.directories import is_complete
 from mesh3d.distributed.agree import raise_if_any
 from mesh3d.parallel_model import ParallelModel
 
@@ -74,8 +73,10 @@ def resume_from(path: str | os.PathLike, pm: ParallelModel, optimizer: torch.opt
     if not path.is_dir():
         problem = f"resume_from: no checkpoint at {path} (no such directory)"
     elif not is_complete(path):
-        problem = (f"resume_from: {path} is not a complete checkpoint (it needs .metadata and train_state.json, "
-                   "and a name not starting with a dot); an interrupted save is never published. "
-                   "Name a checkpoint directory such as ckpt/step100")
+        problem = (
+            f"resume_from: {path} is not a complete checkpoint (it needs .metadata and train_state.json, "
+            "and a name not starting with a dot); an interrupted save is never published. "
+            "Name a checkpoint directory such as ckpt/step100"
+        )
     raise_if_any(problem)
     return load(path, pm, optimizer)

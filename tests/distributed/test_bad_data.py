@@ -13,13 +13,13 @@ from __future__ import annotations
 import functools
 
 import torch
-
-import mesh3d
 from checkpoint_cases import full_state, worst_relative_error
-from examples.llama.model import loss_fn
 from multiprocess import run_on_ranks
 from pipeline_cases import LR, MAX_NORM, TOLERANCE, VOCAB, batches, meta_model, tp_args
 from rank_errors import messages_of
+
+import mesh3d
+from examples.llama.model import loss_fn
 
 # name -> (the rank that holds the bad batch, or None for all, what the message must say)
 CASES = {
@@ -54,8 +54,9 @@ def _bad(name: str, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.
 
 
 def _build(layout):
-    pm = mesh3d.parallelize(meta_model(False, n_layers=4, args=tp_args(False, 4)), layout, loss_fn=loss_fn,
-                            microbatches=2)
+    pm = mesh3d.parallelize(
+        meta_model(False, n_layers=4, args=tp_args(False, 4)), layout, loss_fn=loss_fn, microbatches=2
+    )
     return pm, torch.optim.AdamW(pm.parameters(), lr=LR)
 
 
@@ -91,7 +92,10 @@ def test_bad_batches_are_refused_on_every_rank():
             for call in ("step", "evaluate"):
                 message = result["messages"][(name, call)]
                 assert message is not None, (rank, name, call, "did not raise")
-                same = message.split(" (found on rank")[0] == results[0]["messages"][(name, call)].split(" (found on rank")[0]
+                same = (
+                    message.split(" (found on rank")[0]
+                    == results[0]["messages"][(name, call)].split(" (found on rank")[0]
+                )
                 assert same, (rank, name, message)
                 assert f"pm.{call}: bad batch: " in message and text in message, (rank, name, message)
                 if holder not in (None, rank):

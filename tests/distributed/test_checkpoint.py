@@ -25,14 +25,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-
-import mesh3d
 from checkpoint_cases import build, full_state, train, worst_relative_error
-from examples.llama.model import Transformer, loss_fn
-from mesh3d.checkpoint import directories
 from multiprocess import RankFailure, run_on_ranks
 from pipeline_cases import TOLERANCE, tiny_args
 from rank_errors import message_of
+
+import mesh3d
+from examples.llama.model import Transformer, loss_fn
 
 # -- a save killed midway ------------------------------------------------------------------------
 
@@ -119,13 +118,22 @@ def _behaviour(root: str) -> dict:
     for step in (1, 2, 3):
         train(pm, optimizer, loader, 1)
         scheduler = {"last_epoch": step, "base_lrs": [1e-4]}
-        mesh3d.checkpoint.save(f"{root}/step{step}", pm, optimizer, step=step, data_state=loader.state_dict(),
-                               extra={"scheduler": scheduler, "note": "ok"}, keep_last=2)
+        mesh3d.checkpoint.save(
+            f"{root}/step{step}",
+            pm,
+            optimizer,
+            step=step,
+            data_state=loader.state_dict(),
+            extra={"scheduler": scheduler, "note": "ok"},
+            keep_last=2,
+        )
         listings.append(sorted(os.listdir(root)))
     out["listings"] = listings
     out["latest"] = mesh3d.checkpoint.latest(root)
     # Replacing a checkpoint of the same name.
-    mesh3d.checkpoint.save(f"{root}/step3", pm, optimizer, step=3, data_state=loader.state_dict(), extra={"note": "again"})
+    mesh3d.checkpoint.save(
+        f"{root}/step3", pm, optimizer, step=3, data_state=loader.state_dict(), extra={"note": "again"}
+    )
     # RNG: what is drawn after a load equals what was drawn right after the save.
     drawn_after_save = (torch.rand(3).tolist(), random.random(), float(np.random.rand()))
     state = mesh3d.checkpoint.load(f"{root}/step3", pm, optimizer)
@@ -149,13 +157,15 @@ def _behaviour(root: str) -> dict:
     errors["missing"] = _error_message(lambda: mesh3d.checkpoint.load(f"{root}/nothing", pm))
     # Bad arguments to save.
     errors["tensor extra"] = _error_message(
-        lambda: mesh3d.checkpoint.save(f"{root}/bad", pm, step=4, extra={"x": torch.ones(1)}))
-    errors["steps differ"] = _error_message(
-        lambda: mesh3d.checkpoint.save(f"{root}/bad", pm, step=4 + layout.rank))
+        lambda: mesh3d.checkpoint.save(f"{root}/bad", pm, step=4, extra={"x": torch.ones(1)})
+    )
+    errors["steps differ"] = _error_message(lambda: mesh3d.checkpoint.save(f"{root}/bad", pm, step=4 + layout.rank))
     errors["keep_last"] = _error_message(lambda: mesh3d.checkpoint.save(f"{root}/bad", pm, step=4, keep_last=0))
     errors["no step"] = _error_message(lambda: mesh3d.checkpoint.save(f"{root}/bad", pm))
     rank0_extra = {"x": torch.ones(1)} if layout.rank == 0 else {}  # only rank 0's extra is saved, and checked
-    errors["rank 0 extra"] = _error_message(lambda: mesh3d.checkpoint.save(f"{root}/bad", pm, step=4, extra=rank0_extra))
+    errors["rank 0 extra"] = _error_message(
+        lambda: mesh3d.checkpoint.save(f"{root}/bad", pm, step=4, extra=rank0_extra)
+    )
     os.makedirs(f"{root}/notes", exist_ok=True)
     if layout.rank == 0:
         Path(f"{root}/notes/todo.txt").write_text("mine")
@@ -178,8 +188,14 @@ def test_latest_keep_last_train_state_rng_and_errors(tmp_path):
     assert all(r["rng_restored"] for r in per_rank)
     for rank, result in enumerate(per_rank):
         errors = result["errors"]
-        assert "'tok_embeddings.weight' has shape (64, 32) in the checkpoint, the model expects (64, 64)" in errors["wider"]
-        assert "holds 36 tensors the model does not have, the first 'layers.4.attention_norm.weight'" in errors["shallower"]
+        assert (
+            "'tok_embeddings.weight' has shape (64, 32) in the checkpoint, the model expects (64, 64)"
+            in errors["wider"]
+        )
+        assert (
+            "holds 36 tensors the model does not have, the first 'layers.4.attention_norm.weight'"
+            in errors["shallower"]
+        )
         assert "the first 'output.weight'" in errors["tied"]
         assert "holds AdamW optimizer state, not SGD" in errors["sgd"]
         assert "holds no optimizer state" in errors["no optimizer saved"]
@@ -227,8 +243,12 @@ def _optimizer_cases(root: str) -> dict:
         return message, not second.state  # a refused load leaves the optimizer as it was
 
     out["amsgrad"] = refused(lambda p: torch.optim.AdamW(p, amsgrad=True), torch.optim.AdamW, "amsgrad")
-    out["momentum"] = refused(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.1), "momentum")
-    out["foreach"] = refused(lambda p: torch.optim.AdamW(p, foreach=False), lambda p: torch.optim.AdamW(p, foreach=True), "foreach")
+    out["momentum"] = refused(
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.1), "momentum"
+    )
+    out["foreach"] = refused(
+        lambda p: torch.optim.AdamW(p, foreach=False), lambda p: torch.optim.AdamW(p, foreach=True), "foreach"
+    )
     fresh, _, _ = build(layout, False, small=True)
     kept = torch.optim.AdamW(fresh.parameters(), foreach=True)
     mesh3d.checkpoint.load(f"{root}/foreach", fresh, kept)

@@ -16,11 +16,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-import mesh3d
 from checkpoint_cases import build, full_state, train, worst_relative_error
 from multiprocess import run_on_ranks
 from pipeline_cases import TOLERANCE
+
+import mesh3d
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -73,8 +73,15 @@ def test_hugging_face_import_and_bf16_export_on_gpu(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-        vocab_size=128, max_position_embeddings=64, tie_word_embeddings=True, attn_implementation="eager",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        attn_implementation="eager",
     )
     hf = transformers.LlamaForCausalLM(config).eval()
     hf.save_pretrained(tmp_path / "hf")

@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-import mesh3d
 from checkpoint_cases import build, full_state, train, worst_relative_error
-from mesh3d.train import resume_latest
-from mesh3d.distributed.shards import local_tensor
 from multiprocess import run_on_ranks
 from pipeline_cases import TOLERANCE
 from rank_errors import raised
+
+import mesh3d
+from mesh3d.distributed.shards import local_tensor
+from mesh3d.train import resume_latest
 
 DAMAGES = ("cut short", "removed", "metadata", "changed")
 REFUSED = (ValueError, OSError)  # what a load or save says about a damaged checkpoint, a full disk or a NaN weight
@@ -86,8 +86,9 @@ def _faults(root: str) -> dict:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     result["enospc"] = []
-    from mesh3d.checkpoint import save_load
     from torch.distributed.checkpoint import filesystem
+
+    from mesh3d.checkpoint import save_load
 
     for module, name in ((save_load, "_write_rng"), (filesystem, "_write_item")):
         original = getattr(module, name)

@@ -13,11 +13,11 @@ Four launches: the A runs of 8 ranks, the A run of one rank, then the B runs of 
 from __future__ import annotations
 
 import pytest
-
-import mesh3d
 from checkpoint_cases import build, full_state, train, worst_relative_error
 from multiprocess import run_on_ranks
 from pipeline_cases import TOLERANCE
+
+import mesh3d
 
 # name: (layout, tied, parallelize options)
 SAVED = {

@@ -22,12 +22,26 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-
 from test_restart import TOLERANCE, assert_same_weights
 from test_torchrun import ROOT, _env
 
-TRAIN = ["examples/llama/train.py", "--pp", "2", "--seq-len", "32", "--global-batch", "4", "--n-layers", "2",
-         "--warmup", "100", "--log-every", "1", "--checkpoint-every", "4"]
+TRAIN = [
+    "examples/llama/train.py",
+    "--pp",
+    "2",
+    "--seq-len",
+    "32",
+    "--global-batch",
+    "4",
+    "--n-layers",
+    "2",
+    "--warmup",
+    "100",
+    "--log-every",
+    "1",
+    "--checkpoint-every",
+    "4",
+]
 TIMEOUT_S = 240
 
 
@@ -56,8 +70,16 @@ def _flip_middle(file: Path) -> None:
 @pytest.fixture(scope="module")
 def undamaged(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("undamaged")
-    _train("--steps", "16", "--checkpoint-dir", str(tmp / "ckpt"), "--metrics", str(tmp / "metrics.jsonl"),
-           "--export-hf", str(tmp / "final"))
+    _train(
+        "--steps",
+        "16",
+        "--checkpoint-dir",
+        str(tmp / "ckpt"),
+        "--metrics",
+        str(tmp / "metrics.jsonl"),
+        "--export-hf",
+        str(tmp / "final"),
+    )
     return tmp / "ckpt", _losses(tmp / "metrics.jsonl"), load_file(tmp / "final" / "model.safetensors")
 
 
@@ -81,8 +103,17 @@ def test_resume_passes_over_a_checkpoint_changed_in_place(tmp_path, undamaged, c
         _flip_middle(victim)
 
     metrics = tmp_path / "metrics.jsonl"
-    done = _train("--steps", "16", "--resume", "--checkpoint-dir", str(root), "--metrics", str(metrics),
-                  "--export-hf", str(tmp_path / "final"))
+    done = _train(
+        "--steps",
+        "16",
+        "--resume",
+        "--checkpoint-dir",
+        str(root),
+        "--metrics",
+        str(metrics),
+        "--export-hf",
+        str(tmp_path / "final"),
+    )
     for victim in victims:
         said = [line for line in done.stdout.splitlines() if line.startswith(f"cannot resume from {victim.parent}:")]
         assert len(said) == 1 and str(victim) in said[0] and "checksum" in said[0], done.stdout[-3000:]
@@ -99,7 +130,18 @@ def test_a_damaged_checkpoint_named_by_resume_from_is_refused(tmp_path, undamage
     root = _twelve_step_run(undamaged[0], tmp_path)
     victim = max((root / "step12").glob("*.distcp"), key=lambda p: p.stat().st_size)
     _flip_middle(victim)
-    done = _train("--steps", "16", "--resume-from", str(root / "step12"), "--checkpoint-dir", str(root), "--metrics", "",
-                  check=False)
+    done = _train(
+        "--steps",
+        "16",
+        "--resume-from",
+        str(root / "step12"),
+        "--checkpoint-dir",
+        str(root),
+        "--metrics",
+        "",
+        check=False,
+    )
     assert done.returncode != 0, done.stdout[-3000:]
-    assert str(victim) in done.stderr and "another checksum than when it was written" in done.stderr, done.stderr[-6000:]
+    assert str(victim) in done.stderr and "another checksum than when it was written" in done.stderr, done.stderr[
+        -6000:
+    ]

@@ -10,10 +10,10 @@ cases few: (2,1,1) and (2,2,2).
 """
 
 import pytest
-
-import mesh3d
 from multiprocess import run_on_ranks
 from pipeline_cases import TOLERANCE, batches, meta_model, relative, tp_args
+
+import mesh3d
 
 GLOBAL_BATCH = 8
 
@@ -52,7 +52,9 @@ def _eager_and_compiled(sizes):
         pairs["aot_eager zero_bubble"] = (eager_zb, _losses(layout, "aot_eager", **zb))
         # Selective checkpointing around compiled blocks: its cache is filled at F and read at I.
         pairs["aot_eager zero_bubble selective"] = (
-            eager_zb, _losses(layout, "aot_eager", activation_checkpoint="selective", **zb))
+            eager_zb,
+            _losses(layout, "aot_eager", activation_checkpoint="selective", **zb),
+        )
     if sizes == (2, 2, 2):
         # DDP and bf16 too, with the quick backend (same kernels as eager, so equal losses).
         ddp_bf16 = {"dp_mode": "ddp", "param_dtype": torch.bfloat16, "activation_checkpoint": "except_last"}
@@ -60,7 +62,8 @@ def _eager_and_compiled(sizes):
         ddp_bf16.pop("activation_checkpoint")
         pairs["aot_eager ddp bf16 selective"] = (
             _losses(layout, False, activation_checkpoint="never", **ddp_bf16),
-            _losses(layout, "aot_eager", activation_checkpoint="selective", **ddp_bf16))
+            _losses(layout, "aot_eager", activation_checkpoint="selective", **ddp_bf16),
+        )
     return pairs
 
 
@@ -69,11 +72,16 @@ def test_compiled_blocks_equal_eager(sizes):
     world = sizes[0] * sizes[1] * sizes[2]
     for rank, pairs in enumerate(run_on_ranks(_eager_and_compiled, world, sizes, timeout=400)):
         for case, (eager, compiled) in pairs.items():
-            (eager_losses, eager_names, eager_recomputed, eager_graphs, eager_ac), (losses, names, recomputed, graphs, _) = eager, compiled
+            (
+                (eager_losses, eager_names, eager_recomputed, eager_graphs, eager_ac),
+                (losses, names, recomputed, graphs, _),
+            ) = eager, compiled
             where = f"rank {rank} {case}"
             assert eager_graphs == 0 and graphs >= 1, f"{where}: {graphs} graphs compiled (eager: {eager_graphs})"
             errors = [relative(a, b) for a, b in zip(losses, eager_losses)]
             assert max(errors) <= TOLERANCE, f"{where}: compiled {losses} vs eager {eager_losses}"
             assert names == eager_names, f"{where}: parameter names changed: {set(names) ^ set(eager_names)}"
             assert recomputed > 0, f"{where}: activation checkpointing did not recompute"
-            assert eager_recomputed == (0 if eager_ac == "never" else recomputed), f"{where}: {eager_recomputed} eager recomputes"
+            assert eager_recomputed == (0 if eager_ac == "never" else recomputed), (
+                f"{where}: {eager_recomputed} eager recomputes"
+            )

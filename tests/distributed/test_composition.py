@@ -17,15 +17,15 @@ refused.
 
 import torch
 import torch.distributed as dist
+from multiprocess import run_on_ranks
+from pipeline_cases import SEQ_LEN, batches, meta_model, tp_args
+from rank_errors import assert_raised_on_every_rank, message_of, messages_of
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 import mesh3d
 from examples.llama.config import ModelArgs
 from examples.llama.model import Transformer, loss_fn
 from mesh3d.pipeline.schedule.ir import Kind
-from multiprocess import run_on_ranks
-from pipeline_cases import SEQ_LEN, batches, meta_model, tp_args
-from rank_errors import assert_raised_on_every_rank, message_of, messages_of
 
 GLOBAL_BATCH = 16
 
@@ -61,9 +61,13 @@ def _sync_bytes_and_state():
     m = 4
     results = {}
     for dp_mode in ("fsdp", "ddp"):
-        pm = mesh3d.parallelize(meta_model(True, args=tp_args(True)), layout, loss_fn=loss_fn, microbatches=m, dp_mode=dp_mode)
+        pm = mesh3d.parallelize(
+            meta_model(True, args=tp_args(True)), layout, loss_fn=loss_fn, microbatches=m, dp_mode=dp_mode
+        )
         # Groups that own parameters directly: every block, and a stage root holding the embedding or the head.
-        groups = sum(len(stage.layers) + int(index in (0, pm.schedule.n_stages - 1)) for index, stage in pm.stages.items())
+        groups = sum(
+            len(stage.layers) + int(index in (0, pm.schedule.n_stages - 1)) for index, stage in pm.stages.items()
+        )
         evaluated = pm.evaluate(inputs, targets).item()
         counts = _count_dp_reductions(layout, lambda: pm.step(inputs, targets))
         synced_backwards = pm._grad_sync.synced_backwards
@@ -131,21 +135,28 @@ def _bad_configs():
         "heads": lambda: mesh3d.parallelize(model(dim=48, n_heads=6, n_kv_heads=6), layout),
         "ffn width": lambda: mesh3d.parallelize(model(multiple_of=10), layout),
         "vocab": lambda: mesh3d.parallelize(model(vocab_size=66), layout),
-        "pattern matches nothing": lambda: mesh3d.parallelize(model(), layout, tp_plan={"layers.*.attn.wq": ColwiseParallel()}),
+        "pattern matches nothing": lambda: mesh3d.parallelize(
+            model(), layout, tp_plan={"layers.*.attn.wq": ColwiseParallel()}
+        ),
         "weight dim": lambda: _weight_dim_case(layout),
         "ddp with reshard": lambda: mesh3d.parallelize(model(), layout_dp, dp_mode="ddp", reshard_after_forward=True),
         "unknown dp mode": lambda: mesh3d.parallelize(model(), layout_dp, dp_mode="zero3"),
     }
     messages = messages_of(cases)
     models = {}
-    for name, options, seq in (("sequence not divisible", {}, 6), ("loss parallel without sharded output", {"loss_parallel": True}, 8)):
+    for name, options, seq in (
+        ("sequence not divisible", {}, 6),
+        ("loss parallel without sharded output", {"loss_parallel": True}, 8),
+    ):
         pm = models[name] = mesh3d.parallelize(model(), layout, loss_fn=loss_fn, **options)
         tokens = torch.zeros(2, seq, dtype=torch.long)
         messages[name] = message_of(lambda: pm.step(tokens, tokens))
     messages["aborted step leaves no trace"] = _aborted_step_leaves_no_trace(layout_dp)
     messages["tie edge cases"] = _tie_edge_cases(layout, mesh3d.build_mesh(pp=1, dp=4, tp=1))
     pm = models["sequence not divisible"]  # the failed step left it usable
-    messages["still works"] = torch.isfinite(pm.evaluate(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))).item()
+    messages["still works"] = torch.isfinite(
+        pm.evaluate(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
+    ).item()
     return messages
 
 
@@ -169,7 +180,9 @@ def _aborted_step_leaves_no_trace(layout) -> float:
     inputs, targets = inputs[share], targets[share]
     grads = []
     for fail in (True, False):
-        pm = mesh3d.parallelize(meta_model(True, args=tp_args(True)), layout, loss_fn=_failing_loss, schedule="1f1b", microbatches=2)
+        pm = mesh3d.parallelize(
+            meta_model(True, args=tp_args(True)), layout, loss_fn=_failing_loss, schedule="1f1b", microbatches=2
+        )
         if fail:
             FAILING.update(calls=0, fail_at=2)
             try:
@@ -218,7 +231,9 @@ def _tie_edge_cases(layout_tp, layout_dp) -> dict:
     before = pm.full_state_dict()["tok_embeddings.weight"]
     _sgd_run(pm, lambda x, y: pm.step(x[share], y[share]), batches(GLOBAL_BATCH)[:2])
     after = pm.full_state_dict()
-    out["frozen tie unchanged"] = torch.equal(after["tok_embeddings.weight"], before) and torch.equal(after["output.weight"], before)
+    out["frozen tie unchanged"] = torch.equal(after["tok_embeddings.weight"], before) and torch.equal(
+        after["output.weight"], before
+    )
 
     # A state dict whose tied names disagree is refused (on every rank, before any collective).
     state = dict(after)

@@ -13,11 +13,11 @@ vocabulary 64, sequence 8). docs/parallelize.md's table of supported layouts lis
 """
 
 import pytest
+from multiprocess import run_on_ranks
+from pipeline_cases import TOLERANCE, VOCAB, batches, pipeline_run, reference_run, tp_args, worst_error
 
 import mesh3d
 from examples.llama.model import llama_tp_plan
-from multiprocess import run_on_ranks
-from pipeline_cases import TOLERANCE, VOCAB, batches, pipeline_run, reference_run, tp_args, worst_error
 
 GLOBAL_BATCH = 16
 
@@ -43,8 +43,11 @@ EXTRA = {
         ((2, 1, 2), False, {"schedule": "zero_bubble", "loss_parallel": True, "microbatches": 4}),
         # Selective checkpointing with TP's sequence-parallel plan, and with DDP under a split backward.
         ((2, 1, 2), True, {"activation_checkpoint": "selective"}),
-        ((2, 2, 1), False, {"schedule": "zero_bubble", "dp_mode": "ddp", "microbatches": 4,
-                            "activation_checkpoint": "selective"}),
+        (
+            (2, 2, 1),
+            False,
+            {"schedule": "zero_bubble", "dp_mode": "ddp", "microbatches": 4, "activation_checkpoint": "selective"},
+        ),
     ],
     8: [
         ((2, 2, 2), True, {"schedule": "1f1b", "microbatches": 4}),

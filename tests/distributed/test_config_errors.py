@@ -10,23 +10,46 @@ import subprocess
 import sys
 
 import pytest
-
-from examples.llama.config_errors import in_user_terms
 from test_torchrun import ROOT, TIMEOUT_S, _env
 
-TRAIN = ["examples/llama/train.py", "--pp", "2", "--dp", "2", "--tp", "2", "--seq-len", "16", "--n-layers", "4",
-         "--steps", "1", "--metrics", ""]
+from examples.llama.config_errors import in_user_terms
+
+TRAIN = [
+    "examples/llama/train.py",
+    "--pp",
+    "2",
+    "--dp",
+    "2",
+    "--tp",
+    "2",
+    "--seq-len",
+    "16",
+    "--n-layers",
+    "4",
+    "--steps",
+    "1",
+    "--metrics",
+    "",
+]
 
 
-@pytest.mark.parametrize("flags, message, not_said", [
-    (["--resume"], "train.py: error: --resume needs --checkpoint-dir", None),
-    (["--schedule", "1f1b", "--microbatches", "1"],
-     "got --microbatches 1 with --pp 2; use at least 2 microbatches (or --schedule gpipe)", "microbatches=1"),
-    (["--schedule", "pipedream_2bw", "--grad-clip", "1.0"],
-     "train.py: error: --grad-clip 1.0 cannot apply with --schedule pipedream_2bw: its stages update at different "
-     "times, so no whole gradient exists to clip by its global norm; leave --grad-clip out (or pass --grad-clip 0)",
-     None),
-])
+@pytest.mark.parametrize(
+    "flags, message, not_said",
+    [
+        (["--resume"], "train.py: error: --resume needs --checkpoint-dir", None),
+        (
+            ["--schedule", "1f1b", "--microbatches", "1"],
+            "got --microbatches 1 with --pp 2; use at least 2 microbatches (or --schedule gpipe)",
+            "microbatches=1",
+        ),
+        (
+            ["--schedule", "pipedream_2bw", "--grad-clip", "1.0"],
+            "train.py: error: --grad-clip 1.0 cannot apply with --schedule pipedream_2bw: its stages update at different "
+            "times, so no whole gradient exists to clip by its global norm; leave --grad-clip out (or pass --grad-clip 0)",
+            None,
+        ),
+    ],
+)
 def test_a_bad_configuration_at_8_ranks_is_said_once(flags, message, not_said):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8", *TRAIN, *flags]
     done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -39,10 +62,20 @@ def test_a_bad_configuration_at_8_ranks_is_said_once(flags, message, not_said):
 
 
 def test_library_parameters_become_flags():
-    flags = {"schedule": "--schedule", "microbatches": "--microbatches", "pp": "--pp", "loss_parallel": "--loss-parallel",
-             "virtual_stages": "--virtual-stages", "global_batch_size": "--global-batch"}
-    assert in_user_terms("needs microbatches >= pp, got microbatches=1 with pp=2 (or schedule='gpipe')", flags) == \
-        "needs microbatches >= pp, got --microbatches 1 with --pp 2 (or --schedule gpipe)"
-    assert in_user_terms("loss_parallel=True with virtual_stages=None; pp*tp=4", flags) == \
-        "--loss-parallel with no --virtual-stages; pp*tp=4"
+    flags = {
+        "schedule": "--schedule",
+        "microbatches": "--microbatches",
+        "pp": "--pp",
+        "loss_parallel": "--loss-parallel",
+        "virtual_stages": "--virtual-stages",
+        "global_batch_size": "--global-batch",
+    }
+    assert (
+        in_user_terms("needs microbatches >= pp, got microbatches=1 with pp=2 (or schedule='gpipe')", flags)
+        == "needs microbatches >= pp, got --microbatches 1 with --pp 2 (or --schedule gpipe)"
+    )
+    assert (
+        in_user_terms("loss_parallel=True with virtual_stages=None; pp*tp=4", flags)
+        == "--loss-parallel with no --virtual-stages; pp*tp=4"
+    )
     assert in_user_terms("global_batch_size=10 must divide", flags) == "--global-batch 10 must divide"

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from generate_cases import full_forward_greedy, strong_value
+from multiprocess import run_on_ranks
+from text_corpus import documents, train_bpe
 
 import mesh3d
 from examples.llama.config import get_config
@@ -20,9 +23,6 @@ from examples.llama.generate import generate
 from examples.llama.model import Transformer
 from examples.llama.sampling import Sampling
 from examples.llama.trained_model import TrainedSource
-from generate_cases import full_forward_greedy, strong_value
-from multiprocess import run_on_ranks
-from text_corpus import documents, train_bpe
 
 SEQ_LEN = 16
 ARGS = get_config("debug", n_layers=2, vocab_size=320, max_seq_len=SEQ_LEN)

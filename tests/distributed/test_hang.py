@@ -15,12 +15,12 @@ import subprocess
 import sys
 import time
 
-
-import mesh3d
-from examples.llama.model import loss_fn
 from multiprocess import run_on_ranks
 from pipeline_cases import batches, meta_model
 from test_torchrun import ROOT, _env
+
+import mesh3d
+from examples.llama.model import loss_fn
 
 TIMEOUT_S = 10
 STOPPED_RANK = 1
@@ -32,6 +32,7 @@ def _stopped_in_step_two() -> tuple[str, float] | str:
     (first, second, _) = batches(8)
     pm.step(*first)
     if layout.rank == STOPPED_RANK:
+
         def stop(module, args):
             subprocess.Popen(["sh", "-c", f"sleep 25; kill -CONT {os.getpid()}"])
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -55,19 +56,45 @@ def test_a_stopped_rank_is_an_error_on_every_other_rank():
     for rank, (pp, dp, tp) in coordinates.items():
         message, elapsed = results[rank]
         assert elapsed < 30, (rank, elapsed, message)
-        assert f"rank {rank} (mesh coordinate pp {pp}, dp {dp}, tp {tp}): a peer did not answer within the " \
-               f"process-group timeout of {TIMEOUT_S} s while this rank waited for " in message, message
+        assert (
+            f"rank {rank} (mesh coordinate pp {pp}, dp {dp}, tp {tp}): a peer did not answer within the "
+            f"process-group timeout of {TIMEOUT_S} s while this rank waited for " in message
+        ), message
         assert "P2P recv" in message or "P2P send" in message or "collective" in message, message
 
 
 def test_train_py_exits_instead_of_waiting(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           "--monitor-interval", "0.1", "examples/llama/train.py", "--pp", "2", "--dp", "2", "--seq-len", "32",
-           "--global-batch", "8", "--steps", "4", "--timeout", str(TIMEOUT_S), "--metrics", str(tmp_path / "m.jsonl")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "--monitor-interval",
+        "0.1",
+        "examples/llama/train.py",
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--seq-len",
+        "32",
+        "--global-batch",
+        "8",
+        "--steps",
+        "4",
+        "--timeout",
+        str(TIMEOUT_S),
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+    ]
     began = time.monotonic()
-    done = subprocess.run(cmd, cwd=ROOT, env={**_env(), "MESH3D_FAULT": "hang@1:step:2"}, capture_output=True,
-                          text=True, timeout=180)
+    done = subprocess.run(
+        cmd, cwd=ROOT, env={**_env(), "MESH3D_FAULT": "hang@1:step:2"}, capture_output=True, text=True, timeout=180
+    )
     assert done.returncode != 0
-    assert "PeerTimeout" in done.stderr and "did not answer within the process-group timeout of 10 s" in done.stderr, \
+    assert "PeerTimeout" in done.stderr and "did not answer within the process-group timeout of 10 s" in done.stderr, (
         done.stderr[-4000:]
+    )
     assert time.monotonic() - began < 120

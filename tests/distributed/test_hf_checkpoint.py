@@ -15,10 +15,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-import mesh3d
 from hf_cases import LR, TOLERANCE, hf_model, masked_batches, reference_run
 from multiprocess import run_on_ranks
+
+import mesh3d
 
 transformers = pytest.importorskip("transformers")
 

@@ -18,11 +18,11 @@ import json
 import numpy as np
 import pytest
 import torch
+from multiprocess import run_on_ranks
 
 import mesh3d
 from examples.llama.config import ModelArgs
 from examples.llama.model import Transformer
-from multiprocess import run_on_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,9 +43,17 @@ def _capturing_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 def _hf_model(tied: bool):
     torch.manual_seed(1 + tied)
     config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=SEQ_LEN, rope_theta=10000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=tied, attn_implementation="eager",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ_LEN,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        attn_implementation="eager",
     )
     return transformers.LlamaForCausalLM(config).eval()
 
@@ -101,15 +109,21 @@ def _import_evaluate_export(directories: dict, tokens: np.ndarray) -> dict:
         pm = mesh3d.parallelize(model, layout, loss_fn=_capturing_loss)  # default: interleaved, v = 2
         read.clear()
         mesh3d.checkpoint.import_safetensors(pm, hf_dir)
-        local_numel = sum(t.to_local().numel() if hasattr(t, "to_local") else t.numel()
-                          for t in pm.state_map.local().values())
+        local_numel = sum(
+            t.to_local().numel() if hasattr(t, "to_local") else t.numel() for t in pm.state_map.local().values()
+        )
         _captured.clear()
         pm.evaluate(tokens[share], tokens[share])
         logits = torch.cat(_captured).numpy() if _captured else None
         mesh3d.checkpoint.export_safetensors(pm, out_dir)
         mesh3d.checkpoint.export_safetensors(pm, sharded_dir, max_shard_size=SHARD_BYTES)
-        results[tied] = {"logits": logits, "dp_rank": layout.dp_rank, "read": sum(read), "local": local_numel,
-                         "whole": sum(s[0].numel() for s in pm.state_map.specs.values())}
+        results[tied] = {
+            "logits": logits,
+            "dp_rank": layout.dp_rank,
+            "read": sum(read),
+            "local": local_numel,
+            "whole": sum(s[0].numel() for s in pm.state_map.specs.values()),
+        }
     return results
 
 
@@ -188,10 +202,15 @@ def _import_errors(directories: dict, no_config_dir: str, other_rope_dir: str, s
         return "no error"
 
     out = {
-        "untied into tied": message(lambda: mesh3d.checkpoint.import_safetensors(parallel(base.with_(tie_embeddings=True)), untied_export)),
-        "fewer layers": message(lambda: mesh3d.checkpoint.import_safetensors(parallel(base.with_(n_layers=2)), untied_export)),
+        "untied into tied": message(
+            lambda: mesh3d.checkpoint.import_safetensors(parallel(base.with_(tie_embeddings=True)), untied_export)
+        ),
+        "fewer layers": message(
+            lambda: mesh3d.checkpoint.import_safetensors(parallel(base.with_(n_layers=2)), untied_export)
+        ),
         "other vocab, no config": message(
-            lambda: mesh3d.checkpoint.import_safetensors(parallel(base.with_(vocab_size=128)), no_config_dir)),
+            lambda: mesh3d.checkpoint.import_safetensors(parallel(base.with_(vocab_size=128)), no_config_dir)
+        ),
         "missing": message(lambda: mesh3d.checkpoint.import_safetensors(parallel(base), f"{untied_export}/nothing")),
         "other rope": message(lambda: mesh3d.checkpoint.import_safetensors(parallel(base), other_rope_dir)),
     }
@@ -206,7 +225,8 @@ def _import_errors(directories: dict, no_config_dir: str, other_rope_dir: str, s
     again = parallel(base)
     mesh3d.checkpoint.import_safetensors(again, scratch)
     out["re-export imports the new weights"] = all(
-        torch.equal(a, b) for a, b in zip(again.full_state_dict().values(), model.full_state_dict().values()))
+        torch.equal(a, b) for a, b in zip(again.full_state_dict().values(), model.full_state_dict().values())
+    )
     untied = parallel(base)
     mesh3d.checkpoint.import_safetensors(untied, tied_export)  # a tied checkpoint: the head is the embedding
     state = untied.full_state_dict()
@@ -226,11 +246,15 @@ def test_import_refuses_what_does_not_fit(round_trip, tmp_path):
     config = json.loads((other_rope / "config.json").read_text())
     config["rope_theta"] = config["rope_parameters"]["rope_theta"] = 500000.0
     (other_rope / "config.json").write_text(json.dumps(config))
-    out = run_on_ranks(_import_errors, 1, directories, str(no_config), str(other_rope), str(tmp_path / "again"), timeout=120)[0]
+    out = run_on_ranks(
+        _import_errors, 1, directories, str(no_config), str(other_rope), str(tmp_path / "again"), timeout=120
+    )[0]
     assert "has an output head of its own (lm_head.weight, untied embeddings)" in out["untied into tied"]
     assert "holds a different model: num_hidden_layers is 4 there but 2 in this model" in out["fewer layers"]
-    assert ("model.embed_tokens.weight has shape (96, 64)" in out["other vocab, no config"]
-            and "tok_embeddings.weight is (128, 64)" in out["other vocab, no config"])
+    assert (
+        "model.embed_tokens.weight has shape (96, 64)" in out["other vocab, no config"]
+        and "tok_embeddings.weight is (128, 64)" in out["other vocab, no config"]
+    )
     assert "has neither model.safetensors nor model.safetensors.index.json" in out["missing"]
     assert out["tied into untied: head equals embedding"] is True
     assert "rotary setting rope_theta is 500000.0 there but 10000.0 in this model" in out["other rope"]

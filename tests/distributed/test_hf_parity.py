@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import functools
 
+import hf_cases
 import pytest
 import torch
-
-import hf_cases
 from multiprocess import run_on_ranks
 from rank_errors import assert_raised_on_every_rank, messages_of
 
@@ -28,14 +27,24 @@ BATCH = 8
 MICROBATCHES = 4
 SEED = 7
 RUNS = {  # layout -> {architecture: parallelize arguments}
-    (2, 1, 1): {"llama": dict(schedule="1f1b"), "qwen2": dict(schedule="gpipe", activation_checkpoint="always"),
-                "qwen3": dict(schedule="zero_bubble"),
-                "mistral": dict(schedule="zbv", compile="aot_eager", activation_checkpoint="selective")},
-    (2, 2, 1): {"llama": dict(schedule="interleaved_1f1b", activation_checkpoint="selective"),
-                "qwen2": dict(schedule="1f1b", dp_mode="ddp"),
-                "qwen3": dict(schedule="gpipe"), "mistral": dict(schedule="zero_bubble")},
-    (2, 1, 2): {"llama": dict(schedule="1f1b", activation_checkpoint="selective"), "qwen2": dict(schedule="zbv"),
-                "qwen3": dict(schedule="interleaved_1f1b"), "mistral": dict(schedule="gpipe")},
+    (2, 1, 1): {
+        "llama": dict(schedule="1f1b"),
+        "qwen2": dict(schedule="gpipe", activation_checkpoint="always"),
+        "qwen3": dict(schedule="zero_bubble"),
+        "mistral": dict(schedule="zbv", compile="aot_eager", activation_checkpoint="selective"),
+    },
+    (2, 2, 1): {
+        "llama": dict(schedule="interleaved_1f1b", activation_checkpoint="selective"),
+        "qwen2": dict(schedule="1f1b", dp_mode="ddp"),
+        "qwen3": dict(schedule="gpipe"),
+        "mistral": dict(schedule="zero_bubble"),
+    },
+    (2, 1, 2): {
+        "llama": dict(schedule="1f1b", activation_checkpoint="selective"),
+        "qwen2": dict(schedule="zbv"),
+        "qwen3": dict(schedule="interleaved_1f1b"),
+        "mistral": dict(schedule="gpipe"),
+    },
     (2, 2, 2): {arch: dict(schedule="interleaved_1f1b") for arch in hf_cases.ARCHITECTURES},
 }
 META_ARCH = {(2, 1, 2): "qwen3", (2, 2, 2): "qwen3"}  # a model given on meta, under two layouts
@@ -52,14 +61,18 @@ def _on_rank(pp: int, dp: int, tp: int) -> dict:
     if (pp, dp, tp) == (2, 1, 1):
         out["evaluate"], out["bad batch"] = _evaluate_and_bad_batch(layout, data)
     if (pp, dp, tp) == (2, 2, 1):
-        out["bf16"] = hf_cases.pipeline_run("qwen2", layout, data, microbatches=MICROBATCHES, param_dtype=torch.bfloat16)
+        out["bf16"] = hf_cases.pipeline_run(
+            "qwen2", layout, data, microbatches=MICROBATCHES, param_dtype=torch.bfloat16
+        )
     if (pp, dp, tp) in META_ARCH:
         out["meta"] = _meta_run(META_ARCH[(pp, dp, tp)], layout, data)
     if tp > 1:
-        out["refusals"] = messages_of({
-            arch: functools.partial(mesh3d.parallelize, hf_cases.meta_hf_model(arch), layout)
-            for arch in ("granite", "qwen3_moe", "gpt2")
-        })
+        out["refusals"] = messages_of(
+            {
+                arch: functools.partial(mesh3d.parallelize, hf_cases.meta_hf_model(arch), layout)
+                for arch in ("granite", "qwen3_moe", "gpt2")
+            }
+        )
     # Every rank's error messages; the results (the same on every rank) from rank 0 only.
     return out if layout.rank == 0 else {k: out[k] for k in ("refusals", "bad batch") if k in out}
 
@@ -79,8 +92,9 @@ def _meta_run(arch, layout, data):
     """The initial full state of a meta model initialized by mesh3d, and its training run."""
     import mesh3d
 
-    pm = mesh3d.parallelize(hf_cases.meta_hf_model(arch), layout, schedule="interleaved_1f1b",
-                            microbatches=MICROBATCHES, seed=SEED)
+    pm = mesh3d.parallelize(
+        hf_cases.meta_hf_model(arch), layout, schedule="interleaved_1f1b", microbatches=MICROBATCHES, seed=SEED
+    )
     initial = pm.full_state_dict()
     return initial, hf_cases.train_steps(pm, layout, data)
 
@@ -132,14 +146,19 @@ def test_a_meta_model_is_initialized_alike_under_two_layouts_and_trains_exactly(
     assert abs(first["model.layers.0.mlp.up_proj.weight"].std().item() - config.initializer_range) < 0.002
     assert torch.equal(first["lm_head.weight"], first["model.embed_tokens.weight"])  # tied
     # From those values, transformers' model (rotary table computed by itself) trains to the same state.
-    error, where = hf_cases.worst_error(run, hf_cases.reference_run("qwen3", hf_cases.masked_batches(BATCH), state=first))
+    error, where = hf_cases.worst_error(
+        run, hf_cases.reference_run("qwen3", hf_cases.masked_batches(BATCH), state=first)
+    )
     assert error <= hf_cases.TOLERANCE, (where, error)
 
 
 @pytest.mark.parametrize("layout", [(2, 1, 2), (2, 2, 2)], ids=["pp2dp1tp2", "pp2dp2tp2"])
 def test_refused_on_every_rank(layout):
-    assert_raised_on_every_rank([rank["refusals"] for rank in _launch(layout)], {
-        "granite": "GraniteForCausalLM",
-        "qwen3_moe": "Qwen3MoeForCausalLM (qwen3_moe): its tensor-parallel plan gives module pattern",
-        "gpt2": "GPT2LMHeadModel",
-    })
+    assert_raised_on_every_rank(
+        [rank["refusals"] for rank in _launch(layout)],
+        {
+            "granite": "GraniteForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM (qwen3_moe): its tensor-parallel plan gives module pattern",
+            "gpt2": "GPT2LMHeadModel",
+        },
+    )

@@ -3,10 +3,10 @@ batches, and the dp shares make up the global batch (the loader alone: tests/uni
 
 import numpy as np
 import torch
+from multiprocess import run_on_ranks
 
 import mesh3d
 from mesh3d.data import DistributedLoader, TokenDataset
-from multiprocess import run_on_ranks
 
 
 def _stream() -> np.ndarray:

@@ -18,16 +18,27 @@ loss 0 and zero gradients; evaluate gives the token mean.
 
 import torch
 import torch.nn.functional as F
+from multiprocess import run_on_ranks
+from pipeline_cases import SEQ_LEN, TOLERANCE, VOCAB, meta_model, relative, tp_args
 from torch.distributed.tensor import DTensor
 
 import mesh3d
 from examples.llama.model import Transformer
 from examples.llama.model import loss_fn as mean_loss
-from multiprocess import run_on_ranks
-from pipeline_cases import SEQ_LEN, TOLERANCE, VOCAB, meta_model, relative, tp_args
 
 GLOBAL_BATCH = 16
-LAYOUTS_8 = [(8, 1, 1), (1, 8, 1), (1, 1, 8), (4, 2, 1), (4, 1, 2), (2, 4, 1), (1, 4, 2), (2, 1, 4), (1, 2, 4), (2, 2, 2)]
+LAYOUTS_8 = [
+    (8, 1, 1),
+    (1, 8, 1),
+    (1, 1, 8),
+    (4, 2, 1),
+    (4, 1, 2),
+    (2, 4, 1),
+    (1, 4, 2),
+    (2, 1, 4),
+    (1, 2, 4),
+    (2, 2, 2),
+]
 SCHEDULES = ["interleaved_1f1b", "1f1b", "gpipe"]
 
 
@@ -78,8 +89,12 @@ def cases() -> list[tuple]:
 
 
 def _one_step(layout, tied, loss, options, batch):
-    pm = mesh3d.parallelize(meta_model(tied, args=tp_args(tied)), layout, loss_fn={"default": None, "pair": pair_loss,
-                            "mean": mean_loss}[loss], **options)
+    pm = mesh3d.parallelize(
+        meta_model(tied, args=tp_args(tied)),
+        layout,
+        loss_fn={"default": None, "pair": pair_loss, "mean": mean_loss}[loss],
+        **options,
+    )
     inputs, targets = batch
     share = slice(layout.dp_rank * GLOBAL_BATCH // layout.dp, (layout.dp_rank + 1) * GLOBAL_BATCH // layout.dp)
     value = pm.step(inputs[share], targets[share]).item()
@@ -115,8 +130,11 @@ def test_masked_targets_give_the_global_token_mean_at_every_8_rank_layout():
         mean_of_means, _ = outcome.pop("mean of means")
         assert mean_of_means > 0.05, f"rank {rank}: the mean of microbatch means should differ on this batch"
         assert len(outcome) == len(cases())
-        failures += [f"rank {rank} {case}: relative error {error:.2e} at {where}"
-                     for case, (error, where) in outcome.items() if error > TOLERANCE]
+        failures += [
+            f"rank {rank} {case}: relative error {error:.2e} at {where}"
+            for case, (error, where) in outcome.items()
+            if error > TOLERANCE
+        ]
     assert not failures, "\n".join(failures)
 
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from multiprocess import run_on_ranks
 
 import mesh3d
-from multiprocess import run_on_ranks
 
 
 def factorizations(world_size):

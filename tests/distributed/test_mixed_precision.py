@@ -10,11 +10,11 @@ bound on the last losses means something.
 import math
 
 import torch
+from multiprocess import run_on_ranks
+from pipeline_cases import SEQ_LEN, VOCAB, meta_model, tp_args
 
 import mesh3d
 from examples.llama.model import Transformer
-from multiprocess import run_on_ranks
-from pipeline_cases import SEQ_LEN, VOCAB, meta_model, tp_args
 
 GLOBAL_BATCH = 16
 STEPS = 30
@@ -105,14 +105,22 @@ def test_bf16_follows_fp32_with_half_the_bytes_and_resumes_elsewhere(tmp_path):
     for rank, results in enumerate(per_rank):
         resume = results.pop("resume")
         assert resume["same values"] and resume["dtypes"] == ["torch.float32"], f"rank {rank}: {resume}"
-        assert math.isclose(resume["next loss here"], resume["next loss at (2,2,2)"], rel_tol=1e-2), f"rank {rank}: {resume}"
+        assert math.isclose(resume["next loss here"], resume["next loss at (2,2,2)"], rel_tol=1e-2), (
+            f"rank {rank}: {resume}"
+        )
         for sizes, got in results.items():
             where = f"rank {rank} {sizes}"
-            assert got["param dtypes"] == ["torch.float32"] and got["grad dtypes"] == ["torch.float32"], f"{where}: {got}"
-            assert abs(got["losses"][0] - reference[0]) <= 1e-2, f"{where}: first loss {got['losses'][0]} vs {reference[0]}"
+            assert got["param dtypes"] == ["torch.float32"] and got["grad dtypes"] == ["torch.float32"], (
+                f"{where}: {got}"
+            )
+            assert abs(got["losses"][0] - reference[0]) <= 1e-2, (
+                f"{where}: first loss {got['losses'][0]} vs {reference[0]}"
+            )
             last, last_ref = sum(got["losses"][-5:]) / 5, sum(reference[-5:]) / 5
             assert abs(last - last_ref) <= 0.03 * last_ref, f"{where}: last-5 mean {last} vs fp32 {last_ref}"
             sent, received = got["bytes"]
             fp32_sent, fp32_received = got["fp32 bytes"]
-            assert 2 * sent == fp32_sent and 2 * received == fp32_received, f"{where}: {got['bytes']} vs {got['fp32 bytes']}"
+            assert 2 * sent == fp32_sent and 2 * received == fp32_received, (
+                f"{where}: {got['bytes']} vs {got['fp32 bytes']}"
+            )
             assert sizes[0] == 1 or fp32_sent + fp32_received > 0, f"{where}: nothing crossed a stage boundary"

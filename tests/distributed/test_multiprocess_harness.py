@@ -4,7 +4,6 @@ import os
 import time
 
 import pytest
-
 from multiprocess import RankFailure, run_on_ranks
 
 

@@ -25,13 +25,19 @@ load into the same processes are refused on every rank, without a hang.
 
 import pytest
 import torch
-
-import mesh3d
 from multiprocess import run_on_ranks
 from never_drain_cases import (
-    OPTIMIZERS, MICROBATCH_SIZE, call_batches, mesh3d_run, reference, reference_evaluation, worst,
+    MICROBATCH_SIZE,
+    OPTIMIZERS,
+    call_batches,
+    mesh3d_run,
+    reference,
+    reference_evaluation,
+    worst,
 )
 from pipeline_cases import TOLERANCE, meta_model
+
+import mesh3d
 
 pytestmark = pytest.mark.distributed
 
@@ -40,8 +46,12 @@ LAYOUTS = {(4, 1, 1): 5, (2, 2, 1): 3, (2, 1, 2): 4, (2, 2, 2): 2}  # layout: mi
 
 def cases(layout):
     m = LAYOUTS[layout]
-    return [("pipedream_2bw", m, "sgd", True), ("pipedream_2bw", m, "adamw", True),
-            ("pipedream", m, "sgd", True), ("pipedream", m, "adamw", True)]
+    return [
+        ("pipedream_2bw", m, "sgd", True),
+        ("pipedream_2bw", m, "adamw", True),
+        ("pipedream", m, "sgd", True),
+        ("pipedream", m, "adamw", True),
+    ]
 
 
 def _run(pp, dp, tp):
@@ -86,8 +96,9 @@ def test_never_drain_matches_its_update_rule(layout):
             kept, by_rule = outcome[case][3]
             if kept != by_rule:
                 failures.append(f"{case}: rank {rank} keeps {kept} bytes of earlier versions, the rule names {by_rule}")
-        ref_losses, ref_state = reference(schedule, pp, m, dp, tied, call_batches(MICROBATCH_SIZE * m * dp),
-                                          optimizer, owners)
+        ref_losses, ref_state = reference(
+            schedule, pp, m, dp, tied, call_batches(MICROBATCH_SIZE * m * dp), optimizer, owners
+        )
         error, where = worst(losses, state, ref_losses, ref_state)
         if error > TOLERANCE:
             failures.append(f"{case}: relative error {error:.2e} at {where}")
@@ -111,8 +122,9 @@ def _composed():
     layout = mesh3d.build_mesh(pp=2, dp=2, tp=1)
     out = []
     for schedule, optimizer, tied, options in COMPOSED:
-        losses, state, owners, _ = mesh3d_run(layout, schedule, 3, tied, call_batches(MICROBATCH_SIZE * 3 * 2),
-                                              optimizer, **options)
+        losses, state, owners, _ = mesh3d_run(
+            layout, schedule, 3, tied, call_batches(MICROBATCH_SIZE * 3 * 2), optimizer, **options
+        )
         out.append((losses, state if layout.rank == 0 else None, owners))
     return out
 
@@ -121,7 +133,9 @@ def test_never_drain_composes():
     per_rank = run_on_ranks(_composed, 4, timeout=300)
     failures = []
     for (schedule, optimizer, tied, options), (losses, state, owners) in zip(COMPOSED, per_rank[0]):
-        ref_losses, ref_state = reference(schedule, 2, 3, 2, tied, call_batches(MICROBATCH_SIZE * 3 * 2), optimizer, owners)
+        ref_losses, ref_state = reference(
+            schedule, 2, 3, 2, tied, call_batches(MICROBATCH_SIZE * 3 * 2), optimizer, owners
+        )
         if "param_dtype" in options:
             error = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
             where, limit = "the losses", 2e-2
@@ -134,7 +148,7 @@ def test_never_drain_composes():
 
 def halving(call: int) -> float:
     """An LR schedule: each call's batch updates at half the rate of the one before."""
-    return 0.5 ** call
+    return 0.5**call
 
 
 ACROSS_CALLS = [
@@ -153,12 +167,12 @@ def _across_calls(root):
         out.append((losses, state if layout.rank == 0 else None, owners))
     # PipeDream saved after call 3, resumed at its layout by another model (other initial weights)
     share = lambda batch: tuple(t.chunk(2)[layout.dp_rank] for t in batch)  # noqa: E731
-    pm = mesh3d.parallelize(meta_model(True), layout, schedule="pipedream", microbatches=3,
-                            optimizer=OPTIMIZERS["sgd"])
+    pm = mesh3d.parallelize(meta_model(True), layout, schedule="pipedream", microbatches=3, optimizer=OPTIMIZERS["sgd"])
     losses = [pm.step(*share(batch)).item() for batch in data[:3]]
     mesh3d.checkpoint.save(f"{root}/step3", pm, pm.optimizer)
-    resumed = mesh3d.parallelize(meta_model(True), layout, schedule="pipedream", microbatches=3,
-                                 optimizer=OPTIMIZERS["sgd"], seed=1)
+    resumed = mesh3d.parallelize(
+        meta_model(True), layout, schedule="pipedream", microbatches=3, optimizer=OPTIMIZERS["sgd"], seed=1
+    )
     mesh3d.checkpoint.load(f"{root}/step3", resumed, resumed.optimizer)
     losses += [resumed.step(*share(batch)).item() for batch in data[3:]]
     resumed.flush()
@@ -172,8 +186,17 @@ def test_rules_hold_across_a_flush_an_lr_schedule_and_a_resume(tmp_path):
     cases = ACROSS_CALLS + [("pipedream", "sgd", {"resumed after call": 3})]
     failures = []
     for (schedule, optimizer, options), (losses, state, owners) in zip(cases, per_rank[0]):
-        ref_losses, ref_state = reference(schedule, 2, 3, 2, True, call_batches(MICROBATCH_SIZE * 3 * 2), optimizer,
-                                          owners, lr_factor=options.get("lr_factor"))
+        ref_losses, ref_state = reference(
+            schedule,
+            2,
+            3,
+            2,
+            True,
+            call_batches(MICROBATCH_SIZE * 3 * 2),
+            optimizer,
+            owners,
+            lr_factor=options.get("lr_factor"),
+        )
         error, where = worst(losses, state, ref_losses, ref_state)
         if error > TOLERANCE:
             failures.append(f"{schedule} {optimizer} {options}: relative error {error:.2e} at {where}")
@@ -184,15 +207,17 @@ def _save_then_resume(root):
     saved_at, resumed_at = mesh3d.build_mesh(2, 2, 2), mesh3d.build_mesh(4, 1, 2)
     data = call_batches(MICROBATCH_SIZE * 2 * 2)
     losses = []
-    pm = mesh3d.parallelize(meta_model(True), saved_at, schedule="pipedream_2bw", microbatches=2,
-                            optimizer=OPTIMIZERS["adamw"])
+    pm = mesh3d.parallelize(
+        meta_model(True), saved_at, schedule="pipedream_2bw", microbatches=2, optimizer=OPTIMIZERS["adamw"]
+    )
     for inputs, targets in data[:3]:
         share = inputs.chunk(2)[saved_at.dp_rank], targets.chunk(2)[saved_at.dp_rank]
         losses.append(pm.step(*share).item())
     mesh3d.checkpoint.save(f"{root}/step3", pm, pm.optimizer)
     kept_after_save = pm._runtime.never_drain.versions.kept_bytes()
-    resumed = mesh3d.parallelize(meta_model(True), resumed_at, schedule="pipedream_2bw", microbatches=4,
-                                 optimizer=OPTIMIZERS["adamw"], seed=1)
+    resumed = mesh3d.parallelize(
+        meta_model(True), resumed_at, schedule="pipedream_2bw", microbatches=4, optimizer=OPTIMIZERS["adamw"], seed=1
+    )
     mesh3d.checkpoint.load(f"{root}/step3", resumed, resumed.optimizer)
     for inputs, targets in data[3:]:
         losses.append(resumed.step(inputs, targets).item())
@@ -207,7 +232,9 @@ def test_two_bw_resumes_under_another_layout(tmp_path):
     losses, state, owners, kept = per_rank[0]
     assert kept > 0, "after a flush pipedream_2bw still keeps W(t) for the next batch"
     assert all(r[0] == losses for r in per_rank)
-    ref_losses, ref_state = reference("pipedream_2bw", 4, 4, 1, True, call_batches(MICROBATCH_SIZE * 2 * 2), "adamw", owners)
+    ref_losses, ref_state = reference(
+        "pipedream_2bw", 4, 4, 1, True, call_batches(MICROBATCH_SIZE * 2 * 2), "adamw", owners
+    )
     error, where = worst(losses, state, ref_losses, ref_state)
     assert error <= TOLERANCE, f"relative error {error:.2e} at {where}"
 
@@ -215,8 +242,9 @@ def test_two_bw_resumes_under_another_layout(tmp_path):
 def _fail_then_reload(root):
     layout = mesh3d.build_mesh(pp=1, dp=1, tp=1)
     data = call_batches(MICROBATCH_SIZE * 2)
-    pm = mesh3d.parallelize(meta_model(False), layout, schedule="pipedream_2bw", microbatches=2,
-                            optimizer=OPTIMIZERS["sgd"])
+    pm = mesh3d.parallelize(
+        meta_model(False), layout, schedule="pipedream_2bw", microbatches=2, optimizer=OPTIMIZERS["sgd"]
+    )
     pm.step(*data[0])
     mesh3d.checkpoint.save(f"{root}/step1", pm, pm.optimizer)
 
@@ -239,10 +267,20 @@ def _fail_then_reload(root):
 def test_a_failed_call_is_refused_until_a_checkpoint_is_loaded(tmp_path):
     messages, losses = run_on_ranks(_fail_then_reload, 1, str(tmp_path), timeout=120)[0]
     assert messages[0] == "injected"
-    assert all("call 1 raised RuntimeError half-way through the pipeline" in m and "load a checkpoint" in m
-               for m in messages[1:]), messages
-    reference_losses, _ = reference("pipedream_2bw", 1, 2, 1, False, call_batches(MICROBATCH_SIZE * 2)[:3], "sgd",
-                                    {n: 0 for n in meta_model(False).state_dict()})
+    assert all(
+        "call 1 raised RuntimeError half-way through the pipeline" in m and "load a checkpoint" in m
+        for m in messages[1:]
+    ), messages
+    reference_losses, _ = reference(
+        "pipedream_2bw",
+        1,
+        2,
+        1,
+        False,
+        call_batches(MICROBATCH_SIZE * 2)[:3],
+        "sgd",
+        {n: 0 for n in meta_model(False).state_dict()},
+    )
     assert max(abs(a - b) / b for a, b in zip(losses, reference_losses[1:])) <= TOLERANCE
 
 
@@ -254,8 +292,9 @@ def _fail_mid_batch_then_refuse(root):
     layout = mesh3d.build_mesh(pp=2, dp=2, tp=1)
     data = call_batches(MICROBATCH_SIZE * 2 * 2)
     share = lambda batch: tuple(t.chunk(2)[layout.dp_rank] for t in batch)  # noqa: E731
-    pm = mesh3d.parallelize(meta_model(True), layout, schedule="pipedream_2bw", microbatches=2,
-                            optimizer=OPTIMIZERS["adamw"])
+    pm = mesh3d.parallelize(
+        meta_model(True), layout, schedule="pipedream_2bw", microbatches=2, optimizer=OPTIMIZERS["adamw"]
+    )
     pm.step(*share(data[0]))
     mesh3d.checkpoint.save(f"{root}/step1", pm, pm.optimizer)
     versions = pm._runtime.never_drain.versions
@@ -271,8 +310,12 @@ def _fail_mid_batch_then_refuse(root):
 
     versions.before_compute = broken
     messages = []
-    for attempt in (lambda: pm.step(*share(data[1])), lambda: pm.step(*share(data[1])), pm.flush,
-                    lambda: mesh3d.checkpoint.load(f"{root}/step1", pm, pm.optimizer)):
+    for attempt in (
+        lambda: pm.step(*share(data[1])),
+        lambda: pm.step(*share(data[1])),
+        pm.flush,
+        lambda: mesh3d.checkpoint.load(f"{root}/step1", pm, pm.optimizer),
+    ):
         try:
             attempt()
         except RuntimeError as error:

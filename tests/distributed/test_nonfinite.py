@@ -12,14 +12,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.distributed as dist
+from checkpoint_cases import full_state, worst_relative_error
+from multiprocess import run_on_ranks
+from pipeline_cases import LR, MAX_NORM, TOLERANCE, batches, meta_model, tp_args
 
 import mesh3d
-from checkpoint_cases import full_state, worst_relative_error
 from examples.llama.model import loss_fn
 from mesh3d.distributed.shards import local_tensor
 from mesh3d.train import BadStepGuard, TooManyBadSteps
-from multiprocess import run_on_ranks
-from pipeline_cases import LR, MAX_NORM, TOLERANCE, batches, meta_model, tp_args
 
 POISONED_RANK = 5
 
@@ -60,8 +60,12 @@ def _skip_and_stop() -> dict:
     reference_guard = BadStepGuard()
     _step(reference, reference_optimizer, reference_guard, first, 1)
     want_loss, _ = _step(reference, reference_optimizer, reference_guard, third, 2)
-    result = {"skipped": not stepped, "unchanged": unchanged, "loss": (loss_after, want_loss),
-              "error": worst_relative_error(after, full_state(reference))}
+    result = {
+        "skipped": not stepped,
+        "unchanged": unchanged,
+        "loss": (loss_after, want_loss),
+        "error": worst_relative_error(after, full_state(reference)),
+    }
 
     stops = []
     for step in range(4, 7):

@@ -8,11 +8,11 @@ step, which receives into the first step's buffers, must give bit-identical loss
 
 import torch
 import torch.distributed as dist
+from multiprocess import run_on_ranks
+from pipeline_cases import batches, meta_model
 
 import mesh3d
 from mesh3d.pipeline.schedule.ir import Kind
-from multiprocess import run_on_ranks
-from pipeline_cases import batches, meta_model
 
 
 def _receives_and_reuse(schedule: str, virtual_stages: int) -> dict:
@@ -62,8 +62,10 @@ def _receives_and_reuse(schedule: str, virtual_stages: int) -> dict:
 
 
 def _cases() -> dict:
-    return {(schedule, v): _receives_and_reuse(schedule, v)
-            for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2))}
+    return {
+        (schedule, v): _receives_and_reuse(schedule, v)
+        for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2))
+    }
 
 
 def test_receives_are_posted_at_step_start_into_buffers_kept_between_steps():

@@ -6,13 +6,13 @@ steps, frozen parameters, and errors on every rank.
 """
 
 import torch
+from multiprocess import run_on_ranks
+from pipeline_cases import TOLERANCE, batches, meta_model, pipeline_run, reference_run, relative, tiny_args, worst_error
+from rank_errors import assert_raised_on_every_rank, messages_of
 from torch import nn
 
 import mesh3d
 from examples.llama.model import Transformer, loss_fn
-from multiprocess import run_on_ranks
-from pipeline_cases import TOLERANCE, batches, meta_model, pipeline_run, reference_run, relative, tiny_args, worst_error
-from rank_errors import assert_raised_on_every_rank, messages_of
 
 
 def _state_and_names(tied):
@@ -22,7 +22,9 @@ def _state_and_names(tied):
     model.init_weights(5)
     pm = mesh3d.parallelize(model, layout, schedule="1f1b", microbatches=2, loss_fn=loss_fn)
     full = pm.full_state_dict()
-    same = sorted(full) == sorted(model.state_dict()) and all(torch.equal(full[k], v) for k, v in model.state_dict().items())
+    same = sorted(full) == sorted(model.state_dict()) and all(
+        torch.equal(full[k], v) for k, v in model.state_dict().items()
+    )
     names = [n for n, _ in pm.named_parameters()]
     on_cpu = all(t.device.type == "cpu" for t in full.values())
 
@@ -88,7 +90,14 @@ def _defaults_and_counters():
     pm.step(inputs, targets)
     c = pm.counters
     assert (pm.layout.pp, pm.layout.dp, pm.layout.tp) == (2, 1, 1)
-    return pm.schedule.name, pm.schedule.virtual_stages, pm.schedule.microbatches, c.bytes_sent, c.messages_sent, repr(pm)
+    return (
+        pm.schedule.name,
+        pm.schedule.virtual_stages,
+        pm.schedule.microbatches,
+        c.bytes_sent,
+        c.messages_sent,
+        repr(pm),
+    )
 
 
 def test_defaults_and_bytes_on_the_wire():
@@ -128,13 +137,17 @@ def _edge_cases(reference_grads):
     out["accumulated"] = max(relative(p.grad, torch.from_numpy(reference_grads[n])) for n, p in pm.named_parameters())
     out["groups reused"] = len(layout._subgroups) == groups_after_first
     pm2 = mesh3d.parallelize(meta_model(tied=True), layout, schedule="gpipe", microbatches=2, loss_fn=loss_fn)
-    out["groups reused"] &= len(layout._subgroups) == groups_after_first and pm2._tied.ties[0].group is pm._tied.ties[0].group
+    out["groups reused"] &= (
+        len(layout._subgroups) == groups_after_first and pm2._tied.ties[0].group is pm._tied.ties[0].group
+    )
 
     # evaluate leaves the training counters and the modules' modes alone.
     pm.train(False)
     peak = pm.peak_live_activations
     pm.evaluate(*data[0])
-    out["evaluate keeps state"] = pm.peak_live_activations == peak > 0 and not any(s.training for s in pm.stages.values())
+    out["evaluate keeps state"] = pm.peak_live_activations == peak > 0 and not any(
+        s.training for s in pm.stages.values()
+    )
 
     # A frozen first stage and a frozen tied weight: nothing to backpropagate there, no grads.
     model = meta_model(tied=True)
@@ -148,12 +161,16 @@ def _edge_cases(reference_grads):
     # Errors that only the last stage could see, and autocast, fail on every rank before any message,
     # and leave the accumulated gradients (tied ones included) as they were.
     grads_before = {n: p.grad.clone() for n, p in pm.named_parameters()}
-    out["errors"] = messages_of({
-        "bad targets": lambda: pm.step(data[0][0], data[0][1][:, :3]),
-        "autocast": lambda: _under_autocast(pm, *data[0]),
-        "shared block": lambda: mesh3d.parallelize(_shared_block_model(), layout, schedule="gpipe", microbatches=2),
-    })
-    out["grads kept"] = all(p.grad is not None and torch.equal(p.grad, grads_before[n]) for n, p in pm.named_parameters())
+    out["errors"] = messages_of(
+        {
+            "bad targets": lambda: pm.step(data[0][0], data[0][1][:, :3]),
+            "autocast": lambda: _under_autocast(pm, *data[0]),
+            "shared block": lambda: mesh3d.parallelize(_shared_block_model(), layout, schedule="gpipe", microbatches=2),
+        }
+    )
+    out["grads kept"] = all(
+        p.grad is not None and torch.equal(p.grad, grads_before[n]) for n, p in pm.named_parameters()
+    )
 
     # Losses that cannot run on meta tensors are not rejected by the up-front check.
     weight = torch.rand(64)
@@ -178,7 +195,9 @@ def _edge_cases(reference_grads):
     out["one copy frozen"] = torch.isfinite(pm.step(*data[0])).item()
 
     # Without init_weights, each stage draws its own values (ranks start from the same RNG state).
-    toy = mesh3d.parallelize(Toy().to("meta"), layout, schedule="gpipe", microbatches=2, loss_fn=torch.nn.functional.mse_loss)
+    toy = mesh3d.parallelize(
+        Toy().to("meta"), layout, schedule="gpipe", microbatches=2, loss_fn=torch.nn.functional.mse_loss
+    )
     full = toy.full_state_dict()
     out["distinct init"] = not torch.equal(full["layers.0.weight"], full["layers.2.weight"])
     return out

@@ -20,11 +20,11 @@ is pipeline_cases.LR (1e-4, see docs/testing.md).
 import itertools
 
 import pytest
+from multiprocess import run_on_ranks
+from pipeline_cases import TOLERANCE, batches, pipeline_run, reference_run, worst_error
 
 import mesh3d
 from mesh3d.pipeline import simulate
-from multiprocess import run_on_ranks
-from pipeline_cases import TOLERANCE, batches, pipeline_run, reference_run, worst_error
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]  # (name, virtual stages)
 ZERO_BUBBLE = [("zero_bubble", 1), ("zero_bubble", 2), ("zbv", 2)]
@@ -38,12 +38,16 @@ MICROBATCH_SIZE = 2
 def cases(pp):
     counts = (pp, 2 * pp, pp + 1)
     every = list(itertools.product(SCHEDULES, counts, (False, True), AC_MODES))
-    spread = [(s, m, tied, AC_MODES[i % 3])
-              for i, (s, m, tied) in enumerate(itertools.product(ZERO_BUBBLE, counts, (False, True)))]
+    spread = [
+        (s, m, tied, AC_MODES[i % 3])
+        for i, (s, m, tied) in enumerate(itertools.product(ZERO_BUBBLE, counts, (False, True)))
+    ]
     # "selective" once per schedule (split backward included: its cache is read at I), ties alternating.
     selective = [(s, counts[i % 3], i % 2 == 1, "selective") for i, s in enumerate(SCHEDULES + ZERO_BUBBLE)]
-    dualpipe_v = [(DUALPIPE_V, 2 * pp, tied, ac) for tied, ac in
-                  ((False, "never"), (True, "always"), (False, "except_last"), (True, "selective"))]
+    dualpipe_v = [
+        (DUALPIPE_V, 2 * pp, tied, ac)
+        for tied, ac in ((False, "never"), (True, "always"), (False, "except_last"), (True, "selective"))
+    ]
     return every + spread + selective + dualpipe_v
 
 
@@ -52,14 +56,26 @@ def _run_cases(pp, references):
     outcome = {}
     for (schedule, v), m, tied, ac in cases(pp):
         data = batches(MICROBATCH_SIZE * m)
-        result = pipeline_run(layout, tied, data, schedule=schedule, microbatches=m, virtual_stages=v, activation_checkpoint=ac)
+        result = pipeline_run(
+            layout, tied, data, schedule=schedule, microbatches=m, virtual_stages=v, activation_checkpoint=ac
+        )
         error, where = worst_error(result, references[(tied, m)])
         pm = result[-1]
         simulated = simulate(schedule, pp, m, v).peak_activations[layout.pp_rank]
-        recomputed = (pm.counters.recomputed_forwards, pm.counters.checkpointed_blocks,
-                      sum(len(stage.layers) for stage in pm._runtime.stages.values()))
+        recomputed = (
+            pm.counters.recomputed_forwards,
+            pm.counters.checkpointed_blocks,
+            sum(len(stage.layers) for stage in pm._runtime.stages.values()),
+        )
         tie_groups = sum(tie.group is not None for tie in pm._tied.ties)
-        outcome[((schedule, v), m, tied, ac)] = (error, where, pm.peak_live_activations, simulated, recomputed, tie_groups)
+        outcome[((schedule, v), m, tied, ac)] = (
+            error,
+            where,
+            pm.peak_live_activations,
+            simulated,
+            recomputed,
+            tie_groups,
+        )
     return outcome
 
 
@@ -83,8 +99,12 @@ def test_pipeline_matches_single_process(pp):
             if schedule in V_PLACEMENT and tie_groups:
                 failures.append(f"{case}: {schedule} holds both tie ends on rank 0, yet a tie group was built")
             stage_forwards = v * m
-            want_recomputed = {"never": 0, "always": stage_forwards, "except_last": stage_forwards - v,
-                               "selective": stage_forwards}[ac]
+            want_recomputed = {
+                "never": 0,
+                "always": stage_forwards,
+                "except_last": stage_forwards - v,
+                "selective": stage_forwards,
+            }[ac]
             recomputed, checkpointed_blocks, local_blocks = recomputed
             if recomputed != want_recomputed:
                 failures.append(f"{case}: {recomputed} checkpointed forwards, expected {want_recomputed}")

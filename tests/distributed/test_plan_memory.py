@@ -23,8 +23,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from parallel_step import Case, measure, predict, worst  # noqa: E402
 from multiprocess import run_on_ranks  # noqa: E402
+from parallel_step import Case, measure, predict, worst  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -33,22 +33,32 @@ ACTIVATION_TOLERANCE = 0.10
 AC_MODES = ["never", "always", "except_last"]
 try:
     import mesh3d.pipeline.activation_checkpoint  # noqa: F401
+
     AC_MODES.append("selective")
 except ImportError:
     pass
 
 LAYOUTS = {
     2: [Case(1, 1, 2)],
-    4: [Case(2, 2, 1), Case(2, 2, 1, "ddp"), Case(2, 1, 2), Case(2, 2, 1, tie_embeddings=True),
-        Case(4, 1, 1, schedule="1f1b", tie_embeddings=True)],
+    4: [
+        Case(2, 2, 1),
+        Case(2, 2, 1, "ddp"),
+        Case(2, 1, 2),
+        Case(2, 2, 1, tie_embeddings=True),
+        Case(4, 1, 1, schedule="1f1b", tie_embeddings=True),
+    ],
     8: [Case(2, 2, 2)],
 }
 
 
 def _cases(world: int) -> dict[str, Case]:
-    return {f"{c.pp},{c.dp},{c.tp} {c.dp_mode}{' tied' if c.tie_embeddings else ''} ac={ac}":
-            c._replace(activation_checkpoint=ac)
-            for c in LAYOUTS[world] for ac in AC_MODES}
+    return {
+        f"{c.pp},{c.dp},{c.tp} {c.dp_mode}{' tied' if c.tie_embeddings else ''} ac={ac}": c._replace(
+            activation_checkpoint=ac
+        )
+        for c in LAYOUTS[world]
+        for ac in AC_MODES
+    }
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))

@@ -8,11 +8,11 @@ STEPS steps with every loss equal to one process's (fp32, relative 1e-5).
 
 import pytest
 import torch
+from multiprocess import run_on_ranks
+from pipeline_cases import LR, MAX_NORM, SEQ_LEN, STEPS, batches, meta_model, reference_run, tp_args
 
 import mesh3d
 from examples.llama.model import loss_fn
-from multiprocess import run_on_ranks
-from pipeline_cases import LR, MAX_NORM, SEQ_LEN, STEPS, batches, meta_model, reference_run, tp_args
 
 pytestmark = pytest.mark.distributed
 

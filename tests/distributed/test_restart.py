@@ -18,11 +18,28 @@ import sys
 
 import pytest
 from safetensors.torch import load_file
-
 from test_torchrun import ROOT, _env
 
-TRAIN = ["examples/llama/train.py", "--pp", "2", "--dp", "2", "--seq-len", "32", "--global-batch", "8",
-         "--steps", "5", "--warmup", "2", "--log-every", "1", "--checkpoint-every", "2", "--resume"]
+TRAIN = [
+    "examples/llama/train.py",
+    "--pp",
+    "2",
+    "--dp",
+    "2",
+    "--seq-len",
+    "32",
+    "--global-batch",
+    "8",
+    "--steps",
+    "5",
+    "--warmup",
+    "2",
+    "--log-every",
+    "1",
+    "--checkpoint-every",
+    "2",
+    "--resume",
+]
 TOLERANCE = 1e-5
 TIMEOUT_S = 240
 
@@ -31,9 +48,25 @@ def _train(tmp, fault: str | None = None) -> tuple[subprocess.CompletedProcess, 
     env = _env()
     if fault:
         env["MESH3D_FAULT"] = fault
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           "--max-restarts", "1", "--monitor-interval", "0.1", *TRAIN, "--checkpoint-dir", str(tmp / "ckpt"),
-           "--metrics", str(tmp / "metrics.jsonl"), "--export-hf", str(tmp / "final")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.1",
+        *TRAIN,
+        "--checkpoint-dir",
+        str(tmp / "ckpt"),
+        "--metrics",
+        str(tmp / "metrics.jsonl"),
+        "--export-hf",
+        str(tmp / "final"),
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return done, [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
@@ -60,11 +93,14 @@ def fault_free(tmp_path_factory):
     return _losses_by_step(records), load_file(tmp / "final" / "model.safetensors")
 
 
-@pytest.mark.parametrize("fault, resumed_from", [
-    ("kill@1:step:4", "step2"),  # mid-step, after the first checkpoint
-    ("kill@0:save:4", "step2"),  # rank 0 during a save: step4 never published
-    ("kill@2:step:2", None),     # before any checkpoint (the first is saved after step 2): from the start
-])
+@pytest.mark.parametrize(
+    "fault, resumed_from",
+    [
+        ("kill@1:step:4", "step2"),  # mid-step, after the first checkpoint
+        ("kill@0:save:4", "step2"),  # rank 0 during a save: step4 never published
+        ("kill@2:step:2", None),  # before any checkpoint (the first is saved after step 2): from the start
+    ],
+)
 def test_a_killed_worker_is_restarted_and_nothing_is_lost(tmp_path, fault_free, fault, resumed_from):
     want_losses, want_weights = fault_free
     done, records = _train(tmp_path, fault)

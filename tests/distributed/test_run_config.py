@@ -13,10 +13,26 @@ def test_train_prints_and_checkpoints_the_effective_config(tmp_path):
     (tmp_path / "run.toml").write_text("steps = 2\nseq_len = 16\nglobal_batch = 4\nn_layers = 2\nwarmup = 1\n")
     ckpt = tmp_path / "ckpt"
     tensorboard = ["--tensorboard", str(tmp_path / "tb")] if importlib.util.find_spec("tensorboard") else []
-    done = subprocess.run([sys.executable, "examples/llama/train.py", "--config-file", str(tmp_path / "run.toml"),
-                           "--steps", "1", "--checkpoint-dir", str(ckpt), "--metrics", str(tmp_path / "m.jsonl"),
-                           *tensorboard],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "examples/llama/train.py",
+            "--config-file",
+            str(tmp_path / "run.toml"),
+            "--steps",
+            "1",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--metrics",
+            str(tmp_path / "m.jsonl"),
+            *tensorboard,
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     _check(done)
     assert done.stdout.count("effective config") == 1 and "\nseq_len = 16\n" in done.stdout
     saved = json.loads((ckpt / "step1" / "train_state.json").read_text())["extra"]["args"]

@@ -9,12 +9,26 @@ boundary shapes give (batch / dp / microbatches rows of DIM floats, or of SEQ x 
 stages' ranks as the schedule lays them out. One 4-rank launch runs every case.
 """
 
+from multiprocess import run_on_ranks
+from sequential_cases import (
+    BLOCK_TP_PLAN,
+    DIM,
+    SEQ,
+    blocks_model,
+    data,
+    expected_bytes,
+    mse,
+    outcome_failures,
+    parallel,
+    reference,
+    stage_ranks,
+    token_loss,
+    token_model,
+    worst,
+)
 from torch.distributed.tensor import DTensor
 
 import mesh3d
-from multiprocess import run_on_ranks
-from sequential_cases import (BLOCK_TP_PLAN, DIM, SEQ, outcome_failures, blocks_model, data, expected_bytes, mse, parallel, reference,
-                              stage_ranks, token_loss, token_model, worst)
 
 BATCH = 16
 # (pp, dp, tp), model ("blocks", "tied", "untied"), parallelize options
@@ -25,7 +39,11 @@ CASES = [
     ((4, 1, 1), "untied", {"schedule": "zbv", "microbatches": 4}),
     ((2, 2, 1), "blocks", {"schedule": "1f1b", "microbatches": 2}),
     ((2, 2, 1), "tied", {"schedule": "zero_bubble", "microbatches": 4}),
-    ((2, 1, 2), "blocks", {"schedule": "zero_bubble", "virtual_stages": 2, "microbatches": 4, "tp_plan": BLOCK_TP_PLAN}),
+    (
+        (2, 1, 2),
+        "blocks",
+        {"schedule": "zero_bubble", "virtual_stages": 2, "microbatches": 4, "tp_plan": BLOCK_TP_PLAN},
+    ),
     ((2, 1, 2), "untied", {"schedule": "1f1b", "microbatches": 2, "tp_plan": BLOCK_TP_PLAN}),
 ]
 

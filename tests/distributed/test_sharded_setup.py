@@ -94,11 +94,15 @@ def _peak_rise_during_parallelize(dims, dp_mode):
     return peak - before, total, largest
 
 
-@pytest.mark.parametrize("dims,dp_mode", [((2, 2, 1), "fsdp"), ((1, 2, 2), "fsdp"), ((2, 1, 2), "fsdp"), ((2, 2, 1), "ddp")])
+@pytest.mark.parametrize(
+    "dims,dp_mode", [((2, 2, 1), "fsdp"), ((1, 2, 2), "fsdp"), ((2, 1, 2), "fsdp"), ((2, 2, 1), "ddp")]
+)
 def test_setup_allocates_the_share_only(dims, dp_mode):
     pp, dp, tp = dims
     for rise, total, largest in run_on_ranks(_peak_rise_during_parallelize, pp * dp * tp, dims, dp_mode, timeout=120):
         share = total / (pp * tp * (dp if dp_mode == "fsdp" else 1))
         # A whole parameter at a time (the initializer's stand-in), and the processes' own noise.
         allowed = 1.25 * share + largest + 32 * 2**20
-        assert rise <= allowed, f"peak rise {rise / 2**20:.0f} MiB > {allowed / 2**20:.0f} MiB (share {share / 2**20:.0f} MiB)"
+        assert rise <= allowed, (
+            f"peak rise {rise / 2**20:.0f} MiB > {allowed / 2**20:.0f} MiB (share {share / 2**20:.0f} MiB)"
+        )

@@ -8,8 +8,18 @@ from test_torchrun import ROOT, _env
 
 
 def test_nothing_is_imported_when_off():
-    done = subprocess.run([sys.executable, "-c", "import sys, examples.llama.train; "
-                           "print(sorted(m for m in sys.modules if 'tensorboard' in m.split('.')[-1]))"],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, examples.llama.train; "
+            "print(sorted(m for m in sys.modules if 'tensorboard' in m.split('.')[-1]))",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "['examples.llama.tensorboard_log']"

@@ -9,11 +9,10 @@ import textwrap
 
 import numpy as np
 import pytest
-
-from mesh3d.data import TokenDataset, split_heldout
 from multiprocess import run_on_ranks
 from test_torchrun import ROOT
 
+from mesh3d.data import TokenDataset, split_heldout
 
 _MEMORY_PROBE = """
 import os, resource, sys
@@ -49,8 +48,13 @@ print(corpus_mb, len(tokens), expected, main_peak - before, workers_peak - befor
 
 def test_a_corpus_larger_than_the_memory_it_uses(tmp_path):
     """200 MB tokenized with a rise in resident memory (main process and each worker) under 100 MB."""
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(_MEMORY_PROBE), str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_MEMORY_PROBE), str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr
     corpus_mb, tokens, expected, main_rise, worker_rise = map(float, done.stdout.split())
     assert corpus_mb >= 200 and tokens == expected
@@ -62,8 +66,8 @@ def _heldout_eval(pp: int, dp: int, tp: int):
 
     import mesh3d
     from examples.llama.config import get_config
-    from mesh3d.train import HeldOutEvaluator
     from examples.llama.model import Transformer, llama_tp_plan
+    from mesh3d.train import HeldOutEvaluator
 
     layout = mesh3d.build_mesh(pp=pp, dp=dp, tp=tp)
     with torch.device("meta"):

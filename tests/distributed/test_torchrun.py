@@ -58,8 +58,25 @@ def _assert_close(got: list[float], want: list[float]) -> None:
 
 def test_8_ranks_train_like_one_process(tmp_path, single_process_losses):
     metrics = tmp_path / "metrics.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
-           *TRAIN, "--pp", "2", "--dp", "2", "--tp", "2", "--steps", "5", "--metrics", str(metrics)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "8",
+        *TRAIN,
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--tp",
+        "2",
+        "--steps",
+        "5",
+        "--metrics",
+        str(metrics),
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     _check(done)
     assert "step     5  loss" in done.stdout and "tokens/s" in done.stdout
@@ -70,12 +87,38 @@ def test_8_ranks_train_like_one_process(tmp_path, single_process_losses):
 def test_two_nodes_on_loopback(tmp_path, single_process_losses):
     port = _free_port()
     metrics, report = tmp_path / "metrics.jsonl", tmp_path / "placement.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"mesh3d-test-{port}",
-           *TRAIN, "--pp", "2", "--dp", "2", "--tp", "2", "--steps", "3",
-           "--metrics", str(metrics), "--placement-report", str(report)]
-    agents = [subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-              for _ in range(2)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "4",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        f"mesh3d-test-{port}",
+        *TRAIN,
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--tp",
+        "2",
+        "--steps",
+        "3",
+        "--metrics",
+        str(metrics),
+        "--placement-report",
+        str(report),
+    ]
+    agents = [
+        subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outputs = []
     try:
         for agent in agents:

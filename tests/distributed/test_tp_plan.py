@@ -5,13 +5,13 @@ composition with the pipeline and data axes is mesh3d.parallelize's job.
 """
 
 import torch
+from multiprocess import run_on_ranks
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import mesh3d
 from examples.llama.config import get_config
 from examples.llama.model import Transformer, loss_fn
-from multiprocess import run_on_ranks
 
 SEED = 3
 
@@ -48,7 +48,9 @@ def _tp_against_single_process():
 
             errors = {"logits": relative_error(logits, ref_logits)}
             for name, param in model.named_parameters():
-                errors[name] = max(relative_error(param, ref_params[name]), relative_error(param.grad, ref_params[name].grad))
+                errors[name] = max(
+                    relative_error(param, ref_params[name]), relative_error(param.grad, ref_params[name].grad)
+                )
             sharded = isinstance(model.layers["0"].attention.wq.weight, DTensor)
             worst[(tp, tied)] = (max(errors.values()), max(errors, key=errors.get), sharded)
     return worst

@@ -10,12 +10,24 @@ one process (fp32, relative 1e-5); under activation checkpointing with one backw
 traced stage calls are checkpointed one by one. One 4-rank launch runs every case.
 """
 
+from multiprocess import run_on_ranks
+from sequential_cases import (
+    BLOCK_TP_PLAN,
+    DIM,
+    SEQ,
+    SkipModel,
+    data,
+    expected_bytes,
+    outcome_failures,
+    parallel,
+    reference,
+    stage_ranks,
+    token_loss,
+    worst,
+)
 from torch.distributed.tensor import DTensor
 
 import mesh3d
-from multiprocess import run_on_ranks
-from sequential_cases import (BLOCK_TP_PLAN, DIM, SEQ, outcome_failures, SkipModel, data, expected_bytes, parallel, reference,
-                              stage_ranks, token_loss, worst)
 
 BATCH = 16
 # (pp, dp, tp), tied, parallelize options
@@ -26,8 +38,17 @@ CASES = [
     ((4, 1, 1), False, {"schedule": "zbv", "microbatches": 4}),
     ((2, 2, 1), True, {"schedule": "zero_bubble", "microbatches": 4, "split_points": ["blocks.3"]}),
     ((2, 1, 2), False, {"schedule": "1f1b", "microbatches": 2, "tp_plan": BLOCK_TP_PLAN}),
-    ((2, 1, 2), True, {"schedule": "zero_bubble", "virtual_stages": 2, "microbatches": 4, "tp_plan": BLOCK_TP_PLAN,
-                       "activation_checkpoint": "except_last"}),
+    (
+        (2, 1, 2),
+        True,
+        {
+            "schedule": "zero_bubble",
+            "virtual_stages": 2,
+            "microbatches": 4,
+            "tp_plan": BLOCK_TP_PLAN,
+            "activation_checkpoint": "except_last",
+        },
+    ),
 ]
 
 
@@ -41,10 +62,13 @@ def _run(references):
         m = options["microbatches"]
         rows = BATCH // layout.dp // m
         example = (batches[0][0][:rows],)
-        losses, state, sent, pm = parallel(SkipModel(tied), layout, token_loss, batches, example_inputs=example, **options)
+        losses, state, sent, pm = parallel(
+            SkipModel(tied), layout, token_loss, batches, example_inputs=example, **options
+        )
         v = pm.schedule.virtual_stages
-        want = expected_bytes(layout.pp_rank, stage_ranks(options["schedule"], layout.pp, v), m, rows * SEQ * DIM * 4,
-                              skip=True)
+        want = expected_bytes(
+            layout.pp_rank, stage_ranks(options["schedule"], layout.pp, v), m, rows * SEQ * DIM * 4, skip=True
+        )
         sharded = layout.tp == 1 or all(isinstance(p, DTensor) for n, p in pm.named_parameters() if ".up." in n)
         outcome[index] = (worst((losses, state), references[index]), sent, want, sharded)
         if options.get("activation_checkpoint") and not pm.schedule.splits_backward:
@@ -54,7 +78,9 @@ def _run(references):
 
 
 def test_traced_model_matches_one_process_and_sends_skips_straight_to_their_consumer():
-    references = {i: reference(SkipModel(tied), token_loss, data("tokens", BATCH)) for i, (_, tied, _) in enumerate(CASES)}
+    references = {
+        i: reference(SkipModel(tied), token_loss, data("tokens", BATCH)) for i, (_, tied, _) in enumerate(CASES)
+    }
     failures = []
     for rank, (outcome, checkpointed) in enumerate(run_on_ranks(_run, 4, references, timeout=300)):
         for index, result in outcome.items():

@@ -32,8 +32,14 @@ def _train(*flags: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(var, None)
-    done = subprocess.run([sys.executable, "examples/llama/train.py", *flags], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "examples/llama/train.py", *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     return done
 
@@ -45,8 +51,19 @@ def test_training_script_loss_falls(tmp_path):
     assert "step    11  loss" in done.stdout and "tokens/s" in done.stdout
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 41))
-    assert set(records[0]) == {"step", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "param_dtype", "compile",
-                               "restart", "skipped", "tokens"}
+    assert set(records[0]) == {
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "elapsed_s",
+        "param_dtype",
+        "compile",
+        "restart",
+        "skipped",
+        "tokens",
+    }
     assert records[0]["restart"] == 0 and records[0]["skipped"] is False
     assert [r["tokens"] for r in records[:2]] == [16 * 128, 2 * 16 * 128]
     assert records[0]["param_dtype"] == "fp32" and records[0]["compile"] is False

@@ -28,16 +28,27 @@ def _run(*args: str, torchrun: int = 0) -> subprocess.CompletedProcess:
     launcher = [sys.executable]
     if torchrun:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(torchrun)]
-    done = subprocess.run([*launcher, *TRAIN, *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    done = subprocess.run(
+        [*launcher, *TRAIN, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
     _check(done)
     return done
 
 
 def test_checkpoint_resume_export_and_init_from_hf(tmp_path):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "straight.jsonl"
-    done = _run("--steps", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--keep-last", "2",
-                "--metrics", str(metrics))
+    done = _run(
+        "--steps",
+        "4",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "2",
+        "--keep-last",
+        "2",
+        "--metrics",
+        str(metrics),
+    )
     assert done.stdout.count("saved checkpoint") == 2
     assert sorted(p.name for p in ckpt.iterdir()) == ["step2", "step4"]
     straight = _losses(metrics)
@@ -48,8 +59,18 @@ def test_checkpoint_resume_export_and_init_from_hf(tmp_path):
     resume_dir.mkdir()
     shutil.copytree(ckpt / "step2", resume_dir / "step2")
     resumed_metrics.write_text((metrics.read_text().splitlines(keepends=True)[0]))  # a log that goes on
-    done = _run("--steps", "4", "--pp", "2", "--checkpoint-dir", str(resume_dir), "--resume",
-                "--metrics", str(resumed_metrics), torchrun=2)
+    done = _run(
+        "--steps",
+        "4",
+        "--pp",
+        "2",
+        "--checkpoint-dir",
+        str(resume_dir),
+        "--resume",
+        "--metrics",
+        str(resumed_metrics),
+        torchrun=2,
+    )
     assert f"resumed from {resume_dir / 'step2'} (step 2)" in done.stdout
     records = [json.loads(line) for line in resumed_metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 3, 4]
@@ -68,26 +89,75 @@ def test_checkpoint_resume_export_and_init_from_hf(tmp_path):
 def test_resume_from_a_chosen_checkpoint(tmp_path):
     """--resume-from DIR takes that checkpoint, not the newest; a missing one is an error."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "straight.jsonl"
-    _run("--steps", "4", "--n-layers", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
-         "--metrics", str(metrics))
+    _run(
+        "--steps",
+        "4",
+        "--n-layers",
+        "2",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "2",
+        "--metrics",
+        str(metrics),
+    )
     straight = _losses(metrics)
     resumed = tmp_path / "resumed.jsonl"
     done = _run("--steps", "4", "--n-layers", "2", "--resume-from", str(ckpt / "step2"), "--metrics", str(resumed))
     assert f"resumed from {ckpt / 'step2'} (step 2)" in done.stdout
     assert [json.loads(line)["step"] for line in resumed.read_text().splitlines()] == [3, 4]
     _assert_close(_losses(resumed), straight[2:])
-    missing = subprocess.run([sys.executable, *TRAIN, "--steps", "4", "--n-layers", "2", "--resume-from",
-                              str(ckpt / "step3"), "--metrics", ""], cwd=ROOT, env=_env(), capture_output=True,
-                             text=True, timeout=TIMEOUT_S)
+    missing = subprocess.run(
+        [
+            sys.executable,
+            *TRAIN,
+            "--steps",
+            "4",
+            "--n-layers",
+            "2",
+            "--resume-from",
+            str(ckpt / "step3"),
+            "--metrics",
+            "",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert missing.returncode == 2 and f"no checkpoint at {ckpt / 'step3'}" in missing.stderr, missing.stderr[-3000:]
     assert "Traceback" not in missing.stderr
 
 
 def test_pipedream_2bw_resumes_exactly(tmp_path):
-    flags = ["--schedule", "pipedream_2bw", "--n-layers", "2", "--steps", "4", "--eval-every", "2", "--eval-batches", "1"]
+    flags = [
+        "--schedule",
+        "pipedream_2bw",
+        "--n-layers",
+        "2",
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--eval-batches",
+        "1",
+    ]
     ckpt, metrics, exported = tmp_path / "ckpt", tmp_path / "straight.jsonl", tmp_path / "hf"
-    done = _run(*flags, "--pp", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--metrics", str(metrics),
-                "--export-hf", str(exported), torchrun=2)
+    done = _run(
+        *flags,
+        "--pp",
+        "2",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "2",
+        "--metrics",
+        str(metrics),
+        "--export-hf",
+        str(exported),
+        torchrun=2,
+    )
     straight = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [(r["step"], r["grad_norm"], r["skipped"]) for r in straight] == [(s, None, False) for s in (1, 2, 3, 4)]
     assert [("eval_loss" in r) for r in straight] == [False, True, False, True]
@@ -102,5 +172,7 @@ def test_pipedream_2bw_resumes_exactly(tmp_path):
     assert f"resumed from {resume_dir / 'step2'} (step 2)" in done.stdout
     resumed = [json.loads(line) for line in resumed_metrics.read_text().splitlines()]
     assert [r["step"] for r in resumed] == [3, 4]
-    _assert_close([r["loss"] for r in resumed] + [resumed[-1]["eval_loss"]],
-                  [r["loss"] for r in straight[2:]] + [straight[-1]["eval_loss"]])
+    _assert_close(
+        [r["loss"] for r in resumed] + [resumed[-1]["eval_loss"]],
+        [r["loss"] for r in straight[2:]] + [straight[-1]["eval_loss"]],
+    )

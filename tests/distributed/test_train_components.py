@@ -13,16 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pytest
-import torch
 import torch.distributed as dist
+from checkpoint_cases import build, full_state, train, worst_relative_error
+from multiprocess import run_on_ranks
+from pipeline_cases import TOLERANCE, meta_model, tp_args
 
 import mesh3d
-from checkpoint_cases import build, full_state, train, worst_relative_error
 from examples.llama.model import Transformer, loss_fn
 from mesh3d.train import resume_from, resume_latest
-from multiprocess import run_on_ranks
-from pipeline_cases import TOLERANCE, meta_model, tiny_args, tp_args
 
 
 def _error_of(fn) -> str | None:
@@ -42,7 +40,9 @@ def _resume_and_publish(root: str) -> dict:
     seen = []
 
     def look(written: Path) -> None:
-        seen.append((written.name, sorted(p.name for p in written.iterdir() if not p.is_dir()), (root / "step2").exists()))
+        seen.append(
+            (written.name, sorted(p.name for p in written.iterdir() if not p.is_dir()), (root / "step2").exists())
+        )
 
     train(pm, optimizer, loader, 1)
     mesh3d.checkpoint.save(root / "step2", pm, optimizer, step=2, before_publish=look)
@@ -53,8 +53,12 @@ def _resume_and_publish(root: str) -> dict:
     def refuse(written: Path) -> None:
         raise RuntimeError("disk check failed")
 
-    result = {"seen": seen, "refused": _error_of(lambda: mesh3d.checkpoint.save(root / "step6", pm, optimizer,
-                                                                                step=6, before_publish=refuse))}
+    result = {
+        "seen": seen,
+        "refused": _error_of(
+            lambda: mesh3d.checkpoint.save(root / "step6", pm, optimizer, step=6, before_publish=refuse)
+        ),
+    }
     result["latest_after_refusal"] = mesh3d.checkpoint.latest(root)
 
     # Rank 1 sees no checkpoint (a lagging filesystem): it still resumes rank 0's newest.
@@ -73,8 +77,9 @@ def _resume_and_publish(root: str) -> dict:
 def test_resume_latest_agrees_resume_from_is_exact_and_before_publish_sees_the_files(tmp_path):
     results = run_on_ranks(_resume_and_publish, 2, str(tmp_path), timeout=180)
     # Every shard (one per pp rank), DCP's metadata, the train state and their checksums written; not yet published.
-    assert results[0]["seen"] == [(".step2.partial", [".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.json",
-                                                      "train_state.json"], False)]
+    assert results[0]["seen"] == [
+        (".step2.partial", [".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.json", "train_state.json"], False)
+    ]
     assert results[1]["seen"] == []  # rank 0 publishes, so rank 0 alone calls the hook
     for result in results:
         assert "disk check failed" in result["refused"], result["refused"]
@@ -90,8 +95,9 @@ def _seeded(seed: int, pp: int, tp: int) -> dict[str, np.ndarray]:
     from examples.llama.model import llama_tp_plan
 
     layout = mesh3d.build_mesh(pp=pp, dp=1, tp=tp)
-    pm = mesh3d.parallelize(meta_model(True, args=tp_args(True)), layout, loss_fn=loss_fn, seed=seed,
-                            tp_plan=llama_tp_plan())
+    pm = mesh3d.parallelize(
+        meta_model(True, args=tp_args(True)), layout, loss_fn=loss_fn, seed=seed, tp_plan=llama_tp_plan()
+    )
     return full_state(pm)
 
 

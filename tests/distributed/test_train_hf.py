@@ -18,7 +18,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from hf_cases import TOLERANCE, VOCAB, hf_model
 from test_torchrun import ROOT, TIMEOUT_S, _assert_close, _check, _env, _losses
 
@@ -31,8 +30,9 @@ def _run(*args: str, torchrun: int = 0, check: bool = True) -> subprocess.Comple
     launcher = [sys.executable]
     if torchrun:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(torchrun)]
-    done = subprocess.run([*launcher, *TRAIN, *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    done = subprocess.run(
+        [*launcher, *TRAIN, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
     if check:
         _check(done)
     return done
@@ -48,18 +48,47 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def test_hf_model_by_architecture_trains_resumes_and_exports(tmp_path):
-    common = ["--hf-model", "qwen2", "--steps", "16", "--checkpoint-dir", str(tmp_path / "ckpt"), "--eval-every", "8",
-              "--eval-batches", "1"]
-    first = _run(*common, "--pp", "2", "--tp", "2", "--checkpoint-every", "14", "--metrics", str(tmp_path / "a.jsonl"),
-                 "--export-hf", str(tmp_path / "a"), torchrun=4)
+    common = [
+        "--hf-model",
+        "qwen2",
+        "--steps",
+        "16",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--eval-every",
+        "8",
+        "--eval-batches",
+        "1",
+    ]
+    first = _run(
+        *common,
+        "--pp",
+        "2",
+        "--tp",
+        "2",
+        "--checkpoint-every",
+        "14",
+        "--metrics",
+        str(tmp_path / "a.jsonl"),
+        "--export-hf",
+        str(tmp_path / "a"),
+        torchrun=4,
+    )
     assert "model Qwen2 (Hugging Face, qwen2) at --config debug's sizes" in first.stdout
     losses = _losses(tmp_path / "a.jsonl")
     assert losses[0] == pytest.approx(np.log(256), rel=0.05)
     assert np.mean(losses[-3:]) < losses[0] - 1.0, losses
     assert "eval_loss" in first.stdout
 
-    _run(*common, "--resume-from", str(tmp_path / "ckpt" / "step14"), "--metrics", str(tmp_path / "b.jsonl"),
-         "--export-hf", str(tmp_path / "b"))
+    _run(
+        *common,
+        "--resume-from",
+        str(tmp_path / "ckpt" / "step14"),
+        "--metrics",
+        str(tmp_path / "b.jsonl"),
+        "--export-hf",
+        str(tmp_path / "b"),
+    )
     _assert_close(_losses(tmp_path / "b.jsonl"), losses[14:])
 
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -82,8 +111,20 @@ def test_a_qwen2_checkpoint_is_refused_by_the_llama_example_and_kept_whole_by_hf
     assert "holds 12 tensor(s) this model has no place for ('model.layers.0.self_attn.k_proj.bias'" in refused.stderr
     assert f"pass --hf-model {tmp_path / 'qwen2'}" in refused.stderr
 
-    _run("--hf-model", str(tmp_path / "qwen2"), "--pp", "2", "--steps", "0", *data, "--metrics",
-         str(tmp_path / "m.jsonl"), "--export-hf", str(tmp_path / "export"), torchrun=2)
+    _run(
+        "--hf-model",
+        str(tmp_path / "qwen2"),
+        "--pp",
+        "2",
+        "--steps",
+        "0",
+        *data,
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+        "--export-hf",
+        str(tmp_path / "export"),
+        torchrun=2,
+    )
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
     assert type(exported) is type(original) and exported.config.tie_word_embeddings
     ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))

@@ -41,10 +41,32 @@ def corpus(tmp_path_factory):
 
 def _flags(corpus) -> list[str]:
     root, tokenizer = corpus
-    return ["examples/llama/train.py", "--tokenizer", str(tokenizer), "--vocab-size", "384",
-            "--data", str(root / "shards" / "*.jsonl"), str(root / "extra.parquet"),
-            "--n-layers", "4", "--seq-len", "32", "--global-batch", "8", "--steps", str(STEPS), "--warmup", "2",
-            "--eval-every", "4", "--eval-batches", "2", "--log-every", "1"]
+    return [
+        "examples/llama/train.py",
+        "--tokenizer",
+        str(tokenizer),
+        "--vocab-size",
+        "384",
+        "--data",
+        str(root / "shards" / "*.jsonl"),
+        str(root / "extra.parquet"),
+        "--n-layers",
+        "4",
+        "--seq-len",
+        "32",
+        "--global-batch",
+        "8",
+        "--steps",
+        str(STEPS),
+        "--warmup",
+        "2",
+        "--eval-every",
+        "4",
+        "--eval-batches",
+        "2",
+        "--log-every",
+        "1",
+    ]
 
 
 def _run(corpus, *args: str, torchrun: int = 0, check: bool = True) -> subprocess.CompletedProcess:
@@ -52,8 +74,9 @@ def _run(corpus, *args: str, torchrun: int = 0, check: bool = True) -> subproces
     if torchrun:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(torchrun)]
     env = {**_env(), "MESH3D_CACHE": str(corpus[0] / "cache")}
-    done = subprocess.run([*launcher, *_flags(corpus), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    done = subprocess.run(
+        [*launcher, *_flags(corpus), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
     if check:
         _check(done)
     return done
@@ -65,8 +88,9 @@ def _records(path) -> list[dict]:
 
 def test_bpe_on_jsonl_and_parquet_one_process_and_212_and_resumed(tmp_path, corpus):
     ckpt = tmp_path / "ckpt"
-    one = _run(corpus, "--metrics", str(tmp_path / "one.jsonl"), "--checkpoint-dir", str(ckpt),
-               "--checkpoint-every", "4")
+    one = _run(
+        corpus, "--metrics", str(tmp_path / "one.jsonl"), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4"
+    )
     assert "tokenizing: 100%" in one.stderr and "HFTokenizer(" in one.stdout
     assert "eval_loss" in one.stdout and "eval_ppl" in one.stdout
     straight = _records(tmp_path / "one.jsonl")
@@ -88,8 +112,17 @@ def test_bpe_on_jsonl_and_parquet_one_process_and_212_and_resumed(tmp_path, corp
     resume_dir = tmp_path / "resume"
     resume_dir.mkdir()
     shutil.copytree(ckpt / "step4", resume_dir / "step4")
-    _run(corpus, "--dp", "2", "--checkpoint-dir", str(resume_dir), "--resume", "--metrics",
-         str(tmp_path / "resumed.jsonl"), torchrun=2)
+    _run(
+        corpus,
+        "--dp",
+        "2",
+        "--checkpoint-dir",
+        str(resume_dir),
+        "--resume",
+        "--metrics",
+        str(tmp_path / "resumed.jsonl"),
+        torchrun=2,
+    )
     resumed = _records(tmp_path / "resumed.jsonl")
     assert [r["step"] for r in resumed] == list(range(5, STEPS + 1))
     _assert_close([r["loss"] for r in resumed], losses[4:])
@@ -107,14 +140,42 @@ def test_a_tokenizer_with_its_own_end_token_and_no_flags_but_tokenizer_and_data(
     docs = documents(600, seed=4)
     tokenizer = train_bpe(tmp_path / "tok" / "tokenizer.json", docs, vocab_size=300, special_tokens=["<|end|>"])
     write_jsonl(tmp_path / "corpus.jsonl", docs)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "examples/llama/train.py", "--tp", "2",
-           "--tokenizer", str(tokenizer), "--data", str(tmp_path / "corpus.jsonl"),
-           # cost only: fewer and shorter steps than the defaults
-           "--n-layers", "2", "--seq-len", "32", "--steps", "4", "--log-every", "1",
-           "--metrics", str(tmp_path / "train.jsonl"), "--export-hf", str(tmp_path / "hf")]
-    done = subprocess.run(cmd, cwd=ROOT, env={**_env(), "MESH3D_CACHE": str(tmp_path / "cache")},
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "examples/llama/train.py",
+        "--tp",
+        "2",
+        "--tokenizer",
+        str(tokenizer),
+        "--data",
+        str(tmp_path / "corpus.jsonl"),
+        # cost only: fewer and shorter steps than the defaults
+        "--n-layers",
+        "2",
+        "--seq-len",
+        "32",
+        "--steps",
+        "4",
+        "--log-every",
+        "1",
+        "--metrics",
+        str(tmp_path / "train.jsonl"),
+        "--export-hf",
+        str(tmp_path / "hf"),
+    ]
+    done = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env={**_env(), "MESH3D_CACHE": str(tmp_path / "cache")},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     _check(done)
     assert "eos='<|end|>' (id 0)" in done.stdout
     exported = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -134,7 +195,8 @@ def test_which_tokenizer(tmp_path, corpus):
     own = corpus[1]
     other = train_bpe(hf_dir / "tokenizer.json", documents(50), vocab_size=300)
     pick = lambda tokenizer, init_from_hf: build_tokenizer(  # noqa: E731
-        Namespace(tokenizer=tokenizer, init_from_hf=init_from_hf, eos_token=None))
+        Namespace(tokenizer=tokenizer, init_from_hf=init_from_hf, eos_token=None)
+    )
     assert isinstance(pick(None, None), ByteTokenizer)
     assert isinstance(pick(None, str(tmp_path)), ByteTokenizer)  # a Hugging Face directory without tokenizer.json
     assert pick(None, str(hf_dir)).path == other and isinstance(pick(None, str(hf_dir)), HFTokenizer)

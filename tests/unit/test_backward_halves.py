@@ -3,11 +3,11 @@ graph once: W never runs the nodes of the input-gradient chain that no weight ha
 
 import torch
 import torch._functorch.config
+from pipeline_cases import tiny_args
 from torch import nn
 
 from examples.llama.model import Transformer
 from mesh3d.pipeline.backward_halves import backward_input, backward_weight
-from pipeline_cases import tiny_args
 
 TOLERANCE = 1e-6  # fp32: the same operations, only run in two passes
 

@@ -2,7 +2,6 @@
 every rank before any message: tests/distributed/test_bad_data.py.)"""
 
 import torch
-
 from pipeline_cases import VOCAB
 
 

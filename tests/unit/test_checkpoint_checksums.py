@@ -58,8 +58,10 @@ def test_every_block_of_a_file_read_in_chunks_has_the_one_shot_digest(tmp_path, 
     (tmp_path / "empty").write_bytes(b"")
     sums = checksums.sums_of(tmp_path, ["f", "empty"], threads=3)
     blocks = [data[:2500], data[2500:5000], data[5000:]]
-    assert sums == {"f": {"size": 6321, "xxh3_64": [xxhash.xxh3_64_hexdigest(b) for b in blocks]},
-                    "empty": {"size": 0, "xxh3_64": [xxhash.xxh3_64_hexdigest(b"")]}}
+    assert sums == {
+        "f": {"size": 6321, "xxh3_64": [xxhash.xxh3_64_hexdigest(b) for b in blocks]},
+        "empty": {"size": 0, "xxh3_64": [xxhash.xxh3_64_hexdigest(b"")]},
+    }
     assert checksums.first_mismatch(tmp_path, sums, sums) is None
     # a manifest written with CRC-32 (mesh3d before XXH3) still verifies, against a bitwise CRC-32
     legacy = {"f": {"size": 6321, "crc32": [f"{reference_crc32(b):08x}" for b in blocks], "algorithm": "crc32"}}
@@ -157,7 +159,9 @@ def test_verify_as_a_command_exits_0_for_whole_and_1_for_damaged(pm, tmp_path):
     damaged = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
     assert damaged.returncode == 1 and str(path / "rng" / "rank-00000.json") in damaged.stdout
     elsewhere = subprocess.run([*command[:-1], str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
-    assert elsewhere.returncode == 1 and elsewhere.stdout.startswith(f"cannot verify: {tmp_path} is not a mesh3d checkpoint")
+    assert elsewhere.returncode == 1 and elsewhere.stdout.startswith(
+        f"cannot verify: {tmp_path} is not a mesh3d checkpoint"
+    )
 
 
 def test_a_checkpoint_without_checksums_loads_with_one_notice(pm, tmp_path, capsys):
@@ -199,8 +203,10 @@ def test_a_safetensors_export_carries_checksums_and_its_import_verifies_them(pm,
 def test_a_checkpoint_with_a_crc32_manifest_still_verifies_and_loads(pm, tmp_path, capsys):
     """Checkpoints written before the switch to XXH3 recorded CRC-32s; they stay loadable."""
     path = _saved(pm, tmp_path)
-    files = {name: {"size": entry["size"], "crc32": [f"{reference_crc32((path / name).read_bytes()):08x}"]}
-             for name, entry in checksums.read_manifest(path).items()}
+    files = {
+        name: {"size": entry["size"], "crc32": [f"{reference_crc32((path / name).read_bytes()):08x}"]}
+        for name, entry in checksums.read_manifest(path).items()
+    }
     manifest = {"algorithm": "crc32", "block_bytes": checksums.BLOCK_BYTES, "files": files}  # as mesh3d wrote it then
     (path / checksums.CHECKSUM_FILE).write_text(json.dumps(manifest))
     assert _verify(path, capsys) == (0, f"whole: {path}\n")

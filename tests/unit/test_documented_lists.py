@@ -65,8 +65,16 @@ def tiny_model(n_layers: int) -> nn.Module:
 def resolved(schedule: str, pp: int, n_layers: int, microbatches: int | None = None) -> PipelineConfig:
     model = tiny_model(n_layers)
     return PipelineConfig.resolve(
-        model, protocol_anatomy(model), pp, schedule=schedule, microbatches=microbatches, virtual_stages=None,
-        activation_checkpoint="never", layers_per_stage=None, stage_balance="layers", end_weight=0.0,
+        model,
+        protocol_anatomy(model),
+        pp,
+        schedule=schedule,
+        microbatches=microbatches,
+        virtual_stages=None,
+        activation_checkpoint="never",
+        layers_per_stage=None,
+        stage_balance="layers",
+        end_weight=0.0,
     )
 
 
@@ -104,8 +112,11 @@ def test_every_schedule_is_documented_with_its_defaults(name):
 def test_no_other_schedule_is_documented():
     assert flag_choices("--schedule") == set(SCHEDULES)
     assert quoted(table_row("pipeline.md", "`schedule`")) == set(SCHEDULES)
-    listed = re.findall(r"^\| `(\w+)`[^|]*\|[^|]*\| [^|]+ \| (?:any count|at least (?:\d\*)?pp) \|$",
-                        (DOCS / "pipeline.md").read_text(), re.M)
+    listed = re.findall(
+        r"^\| `(\w+)`[^|]*\|[^|]*\| [^|]+ \| (?:any count|at least (?:\d\*)?pp) \|$",
+        (DOCS / "pipeline.md").read_text(),
+        re.M,
+    )
     assert sorted(listed) == sorted(SCHEDULES)
 
 
@@ -175,8 +186,16 @@ def test_the_documented_modes_are_the_ones_accepted():
     """The lists above are the ones the checks use: a mode outside them is refused."""
     with pytest.raises(ValueError, match="activation_checkpoint"):
         PipelineConfig.resolve(
-            tiny_model(2), protocol_anatomy(tiny_model(2)), 1, schedule="gpipe", microbatches=None, virtual_stages=None,
-            activation_checkpoint="sometimes", layers_per_stage=None, stage_balance="layers", end_weight=0.0,
+            tiny_model(2),
+            protocol_anatomy(tiny_model(2)),
+            1,
+            schedule="gpipe",
+            microbatches=None,
+            virtual_stages=None,
+            activation_checkpoint="sometimes",
+            layers_per_stage=None,
+            stage_balance="layers",
+            end_weight=0.0,
         )
     from mesh3d.data_parallel.mixed_precision import MixedPrecision
     from mesh3d.data_parallel.wrap import DataParallelConfig

@@ -42,8 +42,17 @@ def test_chrome_trace_matches_the_simulation(tmp_path):
     assert json.loads(path.read_text()) == trace
 
 
-@pytest.mark.parametrize(("name", "pp", "m", "v"), [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("interleaved_1f1b", 4, 5, 2),
-                                                ("zero_bubble", 4, 8, 1), ("zbv", 4, 8, 2), ("dualpipev", 4, 8, 2)])
+@pytest.mark.parametrize(
+    ("name", "pp", "m", "v"),
+    [
+        ("gpipe", 4, 8, 1),
+        ("1f1b", 4, 8, 1),
+        ("interleaved_1f1b", 4, 5, 2),
+        ("zero_bubble", 4, 8, 1),
+        ("zbv", 4, 8, 2),
+        ("dualpipev", 4, 8, 2),
+    ],
+)
 def test_draw_png(tmp_path, name, pp, m, v):
     pytest.importorskip("matplotlib")
     path = tmp_path / f"{name}.png"

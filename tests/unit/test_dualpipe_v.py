@@ -53,8 +53,9 @@ def test_every_stage_and_microbatch_runs_f_i_w_once_on_its_rank():
         schedule = build_schedule("dualpipev", pp, m, 2)
         assert schedule.placement == "v" and schedule.virtual_stages == 2
         seen = [(a.stage, a.kind, a.microbatch) for acts in schedule.actions for a in acts]
-        assert sorted(seen) == sorted((s, k, j) for s in range(2 * pp) for k in (Kind.F, Kind.I, Kind.W)
-                                      for j in range(m)), (pp, m)
+        assert sorted(seen) == sorted(
+            (s, k, j) for s in range(2 * pp) for k in (Kind.F, Kind.I, Kind.W) for j in range(m)
+        ), (pp, m)
         for rank, acts in enumerate(schedule.actions):
             assert {a.stage for a in acts} == {rank, 2 * pp - 1 - rank}
             position = {(a.kind, a.stage, a.microbatch): i for i, a in enumerate(acts)}
@@ -66,12 +67,18 @@ def test_lowering_passes_for_every_allowed_size():
         lower(build_schedule("dualpipev", pp, m, 2))  # check_lowered: every rank reaches its end
 
 
-@pytest.mark.parametrize("args, match", [
-    (("dualpipev", 4, 7, 2), r"needs microbatches >= 2\*pp, got microbatches=7 with pp=4; use at least 8 "
-                             r"microbatches \(or schedule='zbv', which needs microbatches >= pp\)"),
-    (("dualpipev", 1, 1, 2), "use at least 2 microbatches"),
-    (("dualpipev", 2, 4, 1), "places exactly 2 stages per rank"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (
+            ("dualpipev", 4, 7, 2),
+            r"needs microbatches >= 2\*pp, got microbatches=7 with pp=4; use at least 8 "
+            r"microbatches \(or schedule='zbv', which needs microbatches >= pp\)",
+        ),
+        (("dualpipev", 1, 1, 2), "use at least 2 microbatches"),
+        (("dualpipev", 2, 4, 1), "places exactly 2 stages per rank"),
+    ],
+)
 def test_sizes_it_cannot_run_say_what_to_change(args, match):
     with pytest.raises(ValueError, match=match):
         build_schedule(*args)

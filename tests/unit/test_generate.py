@@ -3,6 +3,7 @@ loop gives the tokens a plain full-forward loop would."""
 
 import pytest
 import torch
+from generate_cases import full_forward_greedy, strengthen
 
 from examples.llama.config import ModelArgs
 from examples.llama.generate import generate
@@ -10,12 +11,12 @@ from examples.llama.kv_cache import KVCache
 from examples.llama.model import Transformer
 from examples.llama.sampling import Sampling
 from examples.llama.trained_model import TrainedSource
-from generate_cases import full_forward_greedy, strengthen
 
 TOLERANCE = 1e-5  # fp32, relative
 # Grouped-query attention (8 heads, 2 kv heads), so the cache holds fewer heads than the queries use.
-ARGS = ModelArgs(dim=64, n_layers=3, n_heads=8, n_kv_heads=2, vocab_size=96, multiple_of=16, max_seq_len=48,
-                 rope_theta=10000.0)
+ARGS = ModelArgs(
+    dim=64, n_layers=3, n_heads=8, n_kv_heads=2, vocab_size=96, multiple_of=16, max_seq_len=48, rope_theta=10000.0
+)
 
 
 def model(tied: bool = False) -> Transformer:
@@ -38,7 +39,7 @@ def test_cached_logits_equal_the_full_forward(tied, chunks):
         cache = KVCache(m.args, batch_size=3, max_len=sum(chunks))
         pieces, start = [], 0
         for size in chunks:  # the prompt in one piece or several, then one position at a time
-            pieces.append(m(tokens[:, start:start + size], cache=cache))
+            pieces.append(m(tokens[:, start : start + size], cache=cache))
             start += size
     assert cache.length == sum(chunks)
     assert relative_error(torch.cat(pieces, dim=1), want) <= TOLERANCE
@@ -72,7 +73,7 @@ def test_rows_stop_at_the_stop_id_and_generation_ends_when_all_have():
     assert got.shape[1] == min(12, max(first.values()) + 1)
     for row in (0, 1):
         assert got[row, : first[row]].tolist() == free[row, : first[row]].tolist()
-        assert set(got[row, first[row]:].tolist()) <= {stop}
+        assert set(got[row, first[row] :].tolist()) <= {stop}
 
 
 def test_sampling_is_seeded_and_stays_below_vocab_size():

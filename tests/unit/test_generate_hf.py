@@ -10,6 +10,8 @@ one, no ports). `transformers` is a test dependency only.
 import pytest
 import torch
 import torch.distributed as dist
+from generate_cases import strengthen
+from text_corpus import END_OF_TEXT, documents, train_bpe
 
 import mesh3d
 from examples.llama.config import ModelArgs
@@ -17,15 +19,14 @@ from examples.llama.generate import generate, main
 from examples.llama.model import Transformer
 from examples.llama.sampling import Sampling
 from examples.llama.trained_model import TrainedSource
-from generate_cases import strengthen
 from mesh3d.data import HFTokenizer
-from text_corpus import END_OF_TEXT, documents, train_bpe
 
 transformers = pytest.importorskip("transformers")
 
 # 320 rows: room for a 300-token BPE tokenizer, and the byte tokenizer's 256.
-ARGS = ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=320, multiple_of=16, max_seq_len=64,
-                 rope_theta=10000.0)
+ARGS = ModelArgs(
+    dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=320, multiple_of=16, max_seq_len=64, rope_theta=10000.0
+)
 PROMPTS = [[3], [10, 20, 30, 40, 50], list(range(100, 112))]
 NEW_TOKENS = 20
 
@@ -49,7 +50,7 @@ def transformers_greedy(directory, prompt: list[int]) -> list[int]:
     hf.generation_config.eos_token_id = None  # LlamaConfig's default eos id 2 would end generation early
     hf.generation_config.pad_token_id = 0
     out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -67,13 +68,32 @@ def test_the_command_line_uses_the_directory_tokenizer_and_writes_the_greedy_con
     model = export(tmp_path, tied=False)
     tokenizer = HFTokenizer(train_bpe(tmp_path / "tokenizer.json", documents(40), vocab_size=300))
     assert tokenizer.separator_token == END_OF_TEXT and tokenizer.vocab_size < ARGS.vocab_size
-    texts = main(["--checkpoint", str(tmp_path), "--prompt", "the pipeline", "--prompt", "every rank",
-                  "--greedy", "--max-new-tokens", "12", "--device", "cpu"])
+    texts = main(
+        [
+            "--checkpoint",
+            str(tmp_path),
+            "--prompt",
+            "the pipeline",
+            "--prompt",
+            "every rank",
+            "--greedy",
+            "--max-new-tokens",
+            "12",
+            "--device",
+            "cpu",
+        ]
+    )
     expected = []
     for text in ("the pipeline", "every rank"):
         ids = [int(i) for i in tokenizer.encode(text)]
-        new = generate(model.eval(), [tokenizer.separator_id] + ids, 12, Sampling(temperature=0),
-                       stop_id=tokenizer.separator_id, vocab_size=tokenizer.vocab_size)[0].tolist()
+        new = generate(
+            model.eval(),
+            [tokenizer.separator_id] + ids,
+            12,
+            Sampling(temperature=0),
+            stop_id=tokenizer.separator_id,
+            vocab_size=tokenizer.vocab_size,
+        )[0].tolist()
         assert max(new) < tokenizer.vocab_size
         new = new[: new.index(tokenizer.separator_id)] if tokenizer.separator_id in new else new
         expected.append(tokenizer.decode(ids + new))
@@ -89,8 +109,10 @@ def test_the_command_line_refuses_a_tokenizer_larger_than_the_model(tmp_path):
         main(["--checkpoint", str(tmp_path / "hf"), "--tokenizer", str(big), "--device", "cpu"])
 
 
-@pytest.mark.parametrize("flags, named", [(["--top-p", "1.5"], "--top-p"), (["--top-k", "0"], "--top-k"),
-                                          (["--temperature", "-1"], "--temperature")])
+@pytest.mark.parametrize(
+    "flags, named",
+    [(["--top-p", "1.5"], "--top-p"), (["--top-k", "0"], "--top-k"), (["--temperature", "-1"], "--temperature")],
+)
 def test_the_command_line_names_a_bad_sampling_flag(tmp_path, capsys, flags, named):
     with pytest.raises(SystemExit):
         main(["--checkpoint", str(tmp_path), *flags])

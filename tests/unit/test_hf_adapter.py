@@ -22,7 +22,9 @@ from mesh3d.checkpoint import HFAdapter
 
 MESH3D = Path(mesh3d.__file__).resolve().parent
 # The LLaMA example's module names; they live in examples/llama/hf_adapter.py, never in the library.
-LLAMA_NAMES = re.compile(r"tok_embeddings|attention\.wq|attention\.wk|attention\.wv|attention\.wo|feed_forward|attention_norm|ffn_norm")
+LLAMA_NAMES = re.compile(
+    r"tok_embeddings|attention\.wq|attention\.wk|attention\.wv|attention\.wo|feed_forward|attention_norm|ffn_norm"
+)
 
 
 def test_the_library_holds_no_llama_parameter_name():
@@ -84,7 +86,9 @@ class ToyAdapter(HFAdapter):
 
     def config_mismatch(self, theirs: dict) -> str | None:
         if theirs.get("hidden_size") != self.config["hidden_size"]:
-            return f"hidden_size is {theirs.get('hidden_size')!r} there but {self.config['hidden_size']!r} in this model"
+            return (
+                f"hidden_size is {theirs.get('hidden_size')!r} there but {self.config['hidden_size']!r} in this model"
+            )
         return None
 
 
@@ -109,8 +113,19 @@ def test_a_model_without_an_adapter_exports_under_its_own_names(tmp_path):
     pm = _parallel(Toy())
     mesh3d.checkpoint.export_safetensors(pm, tmp_path, config={"model_type": "toy"})
     saved, state = _saved(tmp_path), pm.full_state_dict()
-    assert sorted(saved) == sorted(state) == sorted(
-        ["embed.weight", "layers.0.proj.weight", "layers.0.proj.bias", "layers.1.proj.weight", "layers.1.proj.bias", "head.weight"]
+    assert (
+        sorted(saved)
+        == sorted(state)
+        == sorted(
+            [
+                "embed.weight",
+                "layers.0.proj.weight",
+                "layers.0.proj.bias",
+                "layers.1.proj.weight",
+                "layers.1.proj.bias",
+                "head.weight",
+            ]
+        )
     )
     assert all(torch.equal(saved[name], state[name]) for name in state)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "toy"
@@ -139,8 +154,13 @@ def test_an_adapter_decides_names_tie_and_config(tmp_path, tied):
     pm = _parallel(AdaptedToy(tied=tied), seed=3)
     mesh3d.checkpoint.export_safetensors(pm, tmp_path)
     saved, state = _saved(tmp_path), pm.full_state_dict()
-    names = {"model.embed.weight", "model.layers.0.proj.weight", "model.layers.0.proj.bias",
-             "model.layers.1.proj.weight", "model.layers.1.proj.bias"}
+    names = {
+        "model.embed.weight",
+        "model.layers.0.proj.weight",
+        "model.layers.0.proj.bias",
+        "model.layers.1.proj.weight",
+        "model.layers.1.proj.bias",
+    }
     assert set(saved) == names | (set() if tied else {"lm_head.weight"})
     assert torch.equal(saved["model.layers.1.proj.bias"], state["layers.1.proj.bias"])
     assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is tied
@@ -164,9 +184,15 @@ def _hf_state(pm) -> dict[str, torch.Tensor]:
 
 def test_import_refuses_a_checkpoint_tensor_it_has_no_place_for(tmp_path):
     pm = _parallel(AdaptedToy(), seed=5)
-    extra = {**_hf_state(pm), "model.layers.0.proj.scale": torch.ones(8), "model.layers.1.rotary.inv_freq": torch.ones(4)}
+    extra = {
+        **_hf_state(pm),
+        "model.layers.0.proj.scale": torch.ones(8),
+        "model.layers.1.rotary.inv_freq": torch.ones(4),
+    }
     before = pm.full_state_dict()
-    with pytest.raises(ValueError, match=r"holds 1 tensor\(s\) this model has no place for \('model.layers.0.proj.scale'\)"):
+    with pytest.raises(
+        ValueError, match=r"holds 1 tensor\(s\) this model has no place for \('model.layers.0.proj.scale'\)"
+    ):
         mesh3d.checkpoint.import_safetensors(pm, _write(tmp_path / "extra", extra))
     assert all(torch.equal(pm.full_state_dict()[n], before[n]) for n in before)  # nothing was read
     ignored = {**_hf_state(pm), "model.layers.1.rotary.inv_freq": torch.ones(4)}  # listed in ignored_hf
@@ -176,7 +202,9 @@ def test_import_refuses_a_checkpoint_tensor_it_has_no_place_for(tmp_path):
 def test_import_refuses_a_checkpoint_that_leaves_a_model_tensor_unset(tmp_path):
     pm = _parallel(AdaptedToy(), seed=6)
     lacking = {name: t for name, t in _hf_state(pm).items() if name != "model.layers.1.proj.bias"}
-    with pytest.raises(ValueError, match=r"has no tensor 'model.layers.1.proj.bias' \(this model's layers.1.proj.bias\)"):
+    with pytest.raises(
+        ValueError, match=r"has no tensor 'model.layers.1.proj.bias' \(this model's layers.1.proj.bias\)"
+    ):
         mesh3d.checkpoint.import_safetensors(pm, _write(tmp_path / "lacking", lacking))
 
 
@@ -196,8 +224,13 @@ def test_the_llama_example_refuses_a_checkpoint_with_biases_it_lacks(tmp_path):
     pm = mesh3d.parallelize(Transformer(args))
     mesh3d.checkpoint.export_safetensors(pm, tmp_path / "llama")
     tensors = _saved(tmp_path / "llama")
-    biases = {f"model.layers.{i}.self_attn.{p}_proj.bias": torch.zeros(8 if p != "q" else 32) for i in range(2) for p in "qkv"}
+    biases = {
+        f"model.layers.{i}.self_attn.{p}_proj.bias": torch.zeros(8 if p != "q" else 32) for i in range(2) for p in "qkv"
+    }
     config = json.loads((tmp_path / "llama" / "config.json").read_text())
-    with pytest.raises(ValueError, match=r"holds 6 tensor\(s\) this model has no place for \('model.layers.0.self_attn.k_proj.bias', 'model.layers.0.self_attn.q_proj.bias'"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds 6 tensor\(s\) this model has no place for \('model.layers.0.self_attn.k_proj.bias', 'model.layers.0.self_attn.q_proj.bias'",
+    ):
         mesh3d.checkpoint.import_safetensors(pm, _write(tmp_path / "qwen2", {**tensors, **biases}, config))
     mesh3d.checkpoint.import_safetensors(pm, tmp_path / "llama")  # its own export loads

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
+import hf_cases
 import pytest
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-import hf_cases
 from mesh3d.model.hugging_face.tp_plan import declared_tp_plan
 from mesh3d.model.intake import anatomy_of
 from mesh3d.tensor.plan import TensorParallelConfig
@@ -34,8 +34,9 @@ def test_an_untranslatable_tp_style_is_refused_only_under_tensor_parallelism():
     anatomy = anatomy_of(model)  # pipeline-only use is fine
     assert TensorParallelConfig.resolve(model, 1, anatomy.tp_plan, False, refusal=anatomy.tp_plan_refusal).plan == {}
     with pytest.raises(ValueError) as error:
-        TensorParallelConfig.resolve(model, 2, anatomy.tp_plan, False, anatomy.tensor_parallel_sizes,
-                                     refusal=anatomy.tp_plan_refusal)
+        TensorParallelConfig.resolve(
+            model, 2, anatomy.tp_plan, False, anatomy.tensor_parallel_sizes, refusal=anatomy.tp_plan_refusal
+        )
     message = str(error.value)
     refused = {p: s for p, s in declared_tp_plan(model).items() if s in ("packed_colwise", "moe_tp_experts")}
     assert "Qwen3MoeForCausalLM" in message
@@ -48,8 +49,13 @@ def test_the_translated_plan_is_transformers_declaration(arch):
     declared = declared_tp_plan(model)
     plan = anatomy_of(model).tp_plan
     assert set(plan) == set(declared)  # every declared module pattern, under its name in the whole model
-    kinds = {"colwise": ColwiseParallel, "colwise_gather_output": ColwiseParallel, "rowwise": RowwiseParallel,
-             "embedding_rowwise": RowwiseParallel, "replicated_with_grad_allreduce": SequenceParallel}
+    kinds = {
+        "colwise": ColwiseParallel,
+        "colwise_gather_output": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "embedding_rowwise": RowwiseParallel,
+        "replicated_with_grad_allreduce": SequenceParallel,
+    }
     for pattern, style in declared.items():
         assert type(plan[pattern]) is kinds[style], (pattern, style, plan[pattern])
     assert "model.layers.*.self_attn.q_proj" in plan and "lm_head" in plan and "model.embed_tokens" in plan

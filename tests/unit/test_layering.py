@@ -42,8 +42,10 @@ def _imports(path: Path) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found += [(node.lineno, f"{node.module}.{alias.name}" if node.module == "mesh3d" else node.module)
-                      for alias in node.names]
+            found += [
+                (node.lineno, f"{node.module}.{alias.name}" if node.module == "mesh3d" else node.module)
+                for alias in node.names
+            ]
     return [(line, name) for line, name in found if name == "mesh3d" or name.startswith("mesh3d.")]
 
 
@@ -63,7 +65,12 @@ def _imported_files(path: Path) -> set[Path]:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found |= {_file_of(alias.name) for alias in node.names if alias.name.startswith("mesh3d.")}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.split(".")[0] == "mesh3d":
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and node.module.split(".")[0] == "mesh3d"
+        ):
             found |= {_file_of(f"{node.module}.{alias.name}") or _file_of(node.module) for alias in node.names}
     return found - {None, path}
 
@@ -103,9 +110,14 @@ def test_no_import_cycle_between_files():
 
 
 def test_every_room_has_a_floor():
-    rooms = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
-             if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.name != "__init__.py")}
-    assert rooms == set(FLOOR_OF), f"rooms without a floor here: {rooms - set(FLOOR_OF)}; floors without a room: {set(FLOOR_OF) - rooms}"
+    rooms = {
+        p.stem if p.is_file() else p.name
+        for p in PACKAGE.iterdir()
+        if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.name != "__init__.py")
+    }
+    assert rooms == set(FLOOR_OF), (
+        f"rooms without a floor here: {rooms - set(FLOOR_OF)}; floors without a room: {set(FLOOR_OF) - rooms}"
+    )
 
 
 def test_no_module_imports_upward_or_the_face():

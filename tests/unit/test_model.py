@@ -142,8 +142,9 @@ def llama31_scaled_frequencies_reference(head_dim, theta, factor, low, high, ori
 
 @pytest.mark.parametrize("factor", [8.0, 32.0])
 def test_llama3_rope_scaling_matches_the_published_rule(factor):
-    args = TINY.with_(dim=2048, n_heads=16, n_kv_heads=16, rope_theta=500000.0, max_seq_len=2,
-                      rope_scaling=RopeScaling(factor=factor))
+    args = TINY.with_(
+        dim=2048, n_heads=16, n_kv_heads=16, rope_theta=500000.0, max_seq_len=2, rope_scaling=RopeScaling(factor=factor)
+    )
     table = rope_cache(args)
     # Position 1's angles are the frequencies; recover them from cos and sin without ambiguity.
     angles = torch.atan2(table[1, 1, : args.head_dim // 2].double(), table[1, 0, : args.head_dim // 2].double())

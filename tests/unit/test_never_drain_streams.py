@@ -16,7 +16,11 @@ from mesh3d.pipeline import simulate
 from mesh3d.pipeline.schedule.catalog import build_schedule
 from mesh3d.pipeline.schedule.ir import Kind
 from mesh3d.pipeline.schedule.never_drain import (
-    NEVER_DRAIN, NeverDrainStream, UpdateRule, continuous_schedule, lower_stream,
+    NEVER_DRAIN,
+    NeverDrainStream,
+    UpdateRule,
+    continuous_schedule,
+    lower_stream,
 )
 from mesh3d.pipeline.schedule.timeline import timeline
 
@@ -126,8 +130,9 @@ def test_a_call_ends_one_forward_later_per_rank(pp, m, f, b):
     microbatch still travels to the loss): what the call's closing collective makes rank 0 wait,
     (p-1)*f per call, against (p-1)*(f+b) for a flush (docs/pipeline.md#never-drain-schedules)."""
     stream = lower_stream(UpdateRule("pipedream_2bw", pp, m), 3)
-    ends = {(e.rank, e.action): e.end
-            for e in timeline(continuous_schedule("pipedream_2bw", pp, m, 3), f_cost=f, b_cost=b)}
+    ends = {
+        (e.rank, e.action): e.end for e in timeline(continuous_schedule("pipedream_2bw", pp, m, 3), f_cost=f, b_cost=b)
+    }
     for call in range(3):
         last = []
         for rank in range(pp):

@@ -12,6 +12,7 @@ from mesh3d.pipeline.schedule.ir import Action, Kind
 def test_off_cpu_receives_keep_the_lowered_order_and_are_not_held_past_their_use(monkeypatch):
     """On CUDA (here: any device but the CPU) nothing is posted ahead, no buffer is pooled, and the
     mailbox drops a received tensor once its compute took it, so it is freed with its last use."""
+
     class Done:
         def wait(self):
             pass

@@ -26,8 +26,12 @@ def test_each_face_exports_what_it_imports_and_names_it_in_its_docstring():
     for init in INITS:
         tree = ast.parse(init.read_text())
         exported = _exports(tree)
-        imported = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) and n.module != "__future__"
-                    for a in n.names}
+        imported = {
+            a.asname or a.name
+            for n in tree.body
+            if isinstance(n, ast.ImportFrom) and n.module != "__future__"
+            for a in n.names
+        }
         if init.parent != ROOT:  # the top face also names its subpackages
             assert imported == set(exported), f"{init}: imports {sorted(imported)}, exports {sorted(exported)}"
         doc = ast.get_docstring(tree) or ""

@@ -7,8 +7,8 @@ def test_timeout_argument_and_what_counts_as_a_peer_failure():
 
     import pytest
 
-    from mesh3d.mesh import _as_timeout
     from mesh3d.distributed.peer_timeout import is_peer_failure
+    from mesh3d.mesh import _as_timeout
 
     assert _as_timeout(10) == timedelta(seconds=10) and _as_timeout(None) is None
     for bad in (0, -1, "10", True):

@@ -72,50 +72,86 @@ def test_parallelize_kwargs_name_parallelize_arguments(plans):
 
 
 def test_fix_pins_every_choice():
-    fix = {"pp": 2, "dp": 1, "tp": 2, "schedule": "1f1b", "virtual_stages": 1, "microbatches": 4,
-           "activation_checkpoint": "always", "dp_mode": "fsdp", "param_dtype": None, "compile": False}
+    fix = {
+        "pp": 2,
+        "dp": 1,
+        "tp": 2,
+        "schedule": "1f1b",
+        "virtual_stages": 1,
+        "microbatches": 4,
+        "activation_checkpoint": "always",
+        "dp_mode": "fsdp",
+        "param_dtype": None,
+        "compile": False,
+    }
     plans = mesh3d.plan(debug_model(), fix=fix, **SIZES)
     assert len(plans) == 1
     assert {k: getattr(plans[0], k) for k in fix} == fix
 
 
 def test_more_pipeline_stages_hold_fewer_parameters_per_rank():
-    per_rank = {pp: mesh3d.plan(debug_model(), fix={"pp": pp, "tp": 1, "schedule": "gpipe" if pp > 1 else "1f1b",
-                                                    "microbatches": 4, "activation_checkpoint": "never"},
-                                **{**SIZES, "gpus": pp, "gpus_per_node": pp})[0].memory_per_rank.parameters
-                for pp in (1, 2, 4)}
+    per_rank = {
+        pp: mesh3d.plan(
+            debug_model(),
+            fix={
+                "pp": pp,
+                "tp": 1,
+                "schedule": "gpipe" if pp > 1 else "1f1b",
+                "microbatches": 4,
+                "activation_checkpoint": "never",
+            },
+            **{**SIZES, "gpus": pp, "gpus_per_node": pp},
+        )[0].memory_per_rank.parameters
+        for pp in (1, 2, 4)
+    }
     assert per_rank[1] > per_rank[2] > per_rank[4]
 
 
 def test_checkpointing_keeps_less():
     def kept(mode):
-        fix = {"pp": 2, "dp": 2, "tp": 1, "schedule": "1f1b", "microbatches": 4, "activation_checkpoint": mode,
-               "dp_mode": "fsdp"}
+        fix = {
+            "pp": 2,
+            "dp": 2,
+            "tp": 1,
+            "schedule": "1f1b",
+            "microbatches": 4,
+            "activation_checkpoint": mode,
+            "dp_mode": "fsdp",
+        }
         return mesh3d.plan(debug_model(), fix=fix, **SIZES)[0].memory_per_rank.activations
 
     assert kept("always") < kept("except_last") < kept("never")
 
 
 def test_a_custom_hardware_and_a_memory_limit_as_text():
-    slow = mesh3d.Hardware("slow", peak_flops=1e12, memory_bytes=2**30, intra_node_bandwidth=1e9,
-                           inter_node_bandwidth=1e8, memory_bandwidth=1e10)
+    slow = mesh3d.Hardware(
+        "slow",
+        peak_flops=1e12,
+        memory_bytes=2**30,
+        intra_node_bandwidth=1e9,
+        inter_node_bandwidth=1e8,
+        memory_bandwidth=1e10,
+    )
     fast = mesh3d.plan(debug_model(), **SIZES)[0]
     plans = mesh3d.plan(debug_model(), **{**SIZES, "hardware": slow}, memory_limit="512MiB")
     assert plans[0].tokens_per_second_per_gpu < fast.tokens_per_second_per_gpu
     assert all(p.memory_per_rank.total <= 512 * 2**20 for p in plans)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"fix": {"pipeline": 2}}, "fix has unknown keys ['pipeline']"),
-    ({"fix": {"schedule": "pipedream"}}, "choose one of"),
-    ({"fix": {"activation_checkpoint": "sometimes"}}, "activation_checkpoint='sometimes'"),
-    ({"gpus": 12, "gpus_per_node": 8}, "not a whole number of nodes of 8; use a multiple of 8 (e.g. 8 or 16)"),
-    ({"seq_len": 128}, "seq_len=128 is longer than the model takes (64)"),
-    ({"memory_limit": "1MiB"}, "the leanest needs"),
-    ({"memory_limit": "lots"}, "memory_limit='lots'"),
-    ({"hardware": "tpu"}, "unknown hardware 'tpu'"),
-    ({"global_batch": 3, "fix": {"dp": 2}}, "global_batch must divide over dp"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"fix": {"pipeline": 2}}, "fix has unknown keys ['pipeline']"),
+        ({"fix": {"schedule": "pipedream"}}, "choose one of"),
+        ({"fix": {"activation_checkpoint": "sometimes"}}, "activation_checkpoint='sometimes'"),
+        ({"gpus": 12, "gpus_per_node": 8}, "not a whole number of nodes of 8; use a multiple of 8 (e.g. 8 or 16)"),
+        ({"seq_len": 128}, "seq_len=128 is longer than the model takes (64)"),
+        ({"memory_limit": "1MiB"}, "the leanest needs"),
+        ({"memory_limit": "lots"}, "memory_limit='lots'"),
+        ({"hardware": "tpu"}, "unknown hardware 'tpu'"),
+        ({"global_batch": 3, "fix": {"dp": 2}}, "global_batch must divide over dp"),
+    ],
+)
 def test_errors_say_what_to_change(kwargs, message):
     with pytest.raises(ValueError, match=None) as error:
         mesh3d.plan(debug_model(), **{**SIZES, **kwargs})

@@ -29,14 +29,32 @@ STEP_TERMS = ("compute_seconds", "exposed_dp_seconds", "optimizer_seconds")
 @pytest.fixture(scope="module")
 def config_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama")
-    transformers.LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                             intermediate_size=128, vocab_size=256, max_position_embeddings=256).save_pretrained(path)
+    transformers.LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+        max_position_embeddings=256,
+    ).save_pretrained(path)
     return path
 
 
 def _argv(config_dir, *extra: str) -> list[str]:
-    return ["--model", str(config_dir / "config.json"), "--gpus", "4", "--gpus-per-node", "4", "--seq-len", "128",
-            "--global-batch", "8", *extra]
+    return [
+        "--model",
+        str(config_dir / "config.json"),
+        "--gpus",
+        "4",
+        "--gpus-per-node",
+        "4",
+        "--seq-len",
+        "128",
+        "--global-batch",
+        "8",
+        *extra,
+    ]
 
 
 def _run(argv: list[str]) -> str:
@@ -59,8 +77,16 @@ def _rows(output: str) -> list[list[str]]:
 
 
 def _layout(p) -> list[str]:
-    return [str(p.pp), str(p.dp), str(p.tp), p.schedule, str(p.virtual_stages), str(p.microbatches),
-            p.activation_checkpoint, p.dp_mode]
+    return [
+        str(p.pp),
+        str(p.dp),
+        str(p.tp),
+        p.schedule,
+        str(p.virtual_stages),
+        str(p.microbatches),
+        p.activation_checkpoint,
+        p.dp_mode,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +112,10 @@ def test_table_is_plans_top_ten_in_order_with_its_numbers(top_ten, reference):
         assert row[10] == f"{p.mfu:.1%}" and row[12] == f"{p.bubble_fraction:.1%}"
         assert math.isclose(float(row[11]), p.step_seconds, rel_tol=1e-2)
         assert math.isclose(float(row[13]), p.memory_per_rank.total / 2**30, rel_tol=1e-2)
-        largest = max(("parameters", "gradients", "optimizer", "activations", "recompute", "communication"),
-                      key=lambda term: getattr(p.memory_per_rank, term))
+        largest = max(
+            ("parameters", "gradients", "optimizer", "activations", "recompute", "communication"),
+            key=lambda term: getattr(p.memory_per_rank, term),
+        )
         assert row[14] == largest
 
 
@@ -104,9 +132,12 @@ def test_why_names_the_term_that_differs_most(top_ten, reference):
 def test_why_follows_the_terms_not_the_layout(reference):
     """Make the runner-up's exposed data-parallel time the gap: the paragraph must say so."""
     best, second = reference[0], reference[1]
-    slower = dataclasses.replace(second.time, exposed_dp_seconds=best.time.exposed_dp_seconds + best.time.seconds,
-                                 compute_seconds=best.time.compute_seconds,
-                                 optimizer_seconds=best.time.optimizer_seconds)
+    slower = dataclasses.replace(
+        second.time,
+        exposed_dp_seconds=best.time.exposed_dp_seconds + best.time.seconds,
+        compute_seconds=best.time.compute_seconds,
+        optimizer_seconds=best.time.optimizer_seconds,
+    )
     text = cli.why(best, dataclasses.replace(second, time=slower))
     assert f"The term that differs most is {cli._STEP_TERMS['exposed_dp_seconds']}" in text
     assert "no runner-up" in cli.why(best, None)
@@ -120,13 +151,37 @@ def test_all_lists_every_plan(config_dir, reference):
 
 def test_fix_pins_typed_values(config_dir):
     fix = cli.parse_fix(["tp=1", "pp=2", "schedule=1f1b", "ac=always", "param_dtype=fp32", "compile=true", "m=4"])
-    assert fix == dict(tp=1, pp=2, schedule="1f1b", activation_checkpoint="always", param_dtype=torch.float32,
-                       compile=True, microbatches=4)
+    assert fix == dict(
+        tp=1,
+        pp=2,
+        schedule="1f1b",
+        activation_checkpoint="always",
+        param_dtype=torch.float32,
+        compile=True,
+        microbatches=4,
+    )
     assert cli.parse_fix(["param_dtype=none"]) == {"param_dtype": None}
-    out = _run(_argv(config_dir, "--fix", "tp=1", "--fix", "pp=2", "--fix", "schedule=1f1b", "--fix", "ac=always",
-                     "--fix", "param_dtype=fp32", "--all"))
-    expected = plan(transformers.AutoConfig.from_pretrained(config_dir), **SIZES,
-                    fix=dict(tp=1, pp=2, schedule="1f1b", activation_checkpoint="always", param_dtype=torch.float32))
+    out = _run(
+        _argv(
+            config_dir,
+            "--fix",
+            "tp=1",
+            "--fix",
+            "pp=2",
+            "--fix",
+            "schedule=1f1b",
+            "--fix",
+            "ac=always",
+            "--fix",
+            "param_dtype=fp32",
+            "--all",
+        )
+    )
+    expected = plan(
+        transformers.AutoConfig.from_pretrained(config_dir),
+        **SIZES,
+        fix=dict(tp=1, pp=2, schedule="1f1b", activation_checkpoint="always", param_dtype=torch.float32),
+    )
     rows = _rows(out)
     assert [row[1:9] for row in rows] == [_layout(p) for p in expected]
     assert all(row[1] == "2" and row[4] == "1f1b" and row[7] == "always" for row in rows)
@@ -140,8 +195,11 @@ def test_draw_writes_the_timeline_the_planner_timed(config_dir, tmp_path):
     _run(_argv(config_dir, *pins, "--draw", str(png)))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     _run(_argv(config_dir, *pins, "--draw", str(trace)))  # a Chrome trace needs no matplotlib
-    best = plan(transformers.AutoConfig.from_pretrained(config_dir), **SIZES,
-                fix=dict(tp=1, pp=2, schedule="zero_bubble", dp_mode="fsdp"))[0]
+    best = plan(
+        transformers.AutoConfig.from_pretrained(config_dir),
+        **SIZES,
+        fix=dict(tp=1, pp=2, schedule="zero_bubble", dp_mode="fsdp"),
+    )[0]
     report = cli.replay(best)
     assert math.isclose(report.makespan, best.time.compute_seconds, rel_tol=1e-9)
     assert math.isclose(report.bubble_fraction, best.bubble_fraction, rel_tol=1e-9)
@@ -157,12 +215,18 @@ def test_draw_without_matplotlib_fails_before_planning(config_dir, tmp_path, mon
     assert "mesh3d[draw]" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("extra, words", [
-    (["--seq-len", "100000"], ["seq_len=100000", "256"]),  # beyond max_position_embeddings
-    (["--fix", "pp=two"], ["pp", "whole number"]),
-    (["--fix", "colour=red"], ["unknown keys", "colour"]),
-    (["--memory-limit", "1KiB", "--fix", "tp=1", "--fix", "pp=2", "--fix", "schedule=1f1b"], ["no layout fits", "GiB"]),
-])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--seq-len", "100000"], ["seq_len=100000", "256"]),  # beyond max_position_embeddings
+        (["--fix", "pp=two"], ["pp", "whole number"]),
+        (["--fix", "colour=red"], ["unknown keys", "colour"]),
+        (
+            ["--memory-limit", "1KiB", "--fix", "tp=1", "--fix", "pp=2", "--fix", "schedule=1f1b"],
+            ["no layout fits", "GiB"],
+        ),
+    ],
+)
 def test_errors_are_one_line_and_exit_2(config_dir, capsys, extra, words):
     with pytest.raises(SystemExit) as exit_:
         cli.main(_argv(config_dir, *extra))  # a repeated flag: argparse keeps the last

@@ -11,8 +11,9 @@ from mesh3d.planner.measure.data_parallel_timing import time_data_parallel
 
 def tiny():
     with torch.device("meta"):
-        return Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16,
-                                     max_seq_len=16))
+        return Transformer(
+            ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16)
+        )
 
 
 def test_wrapping_adds_time_and_is_timed_only_where_it_can_be():

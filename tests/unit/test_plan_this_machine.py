@@ -32,15 +32,30 @@ def debug_model():
 
 def latency_only(**changes):
     """A machine whose links and memory are so fast that only the latency of each collective shows."""
-    fields = dict(peak_flops=1e12, memory_bytes=2**40, intra_node_bandwidth=1e18, inter_node_bandwidth=1e18,
-                  memory_bandwidth=1e18, collective_latency=LATENCY, overlaps_communication=False)
+    fields = dict(
+        peak_flops=1e12,
+        memory_bytes=2**40,
+        intra_node_bandwidth=1e18,
+        inter_node_bandwidth=1e18,
+        memory_bandwidth=1e18,
+        collective_latency=LATENCY,
+        overlaps_communication=False,
+    )
     return mesh3d.Hardware("latency-only", **{**fields, **changes})
 
 
 def one_plan(hardware, **fix):
     fix = {"microbatches": 4, "activation_checkpoint": "never", "param_dtype": None, "compile": False, **fix}
-    return mesh3d.plan(debug_model(), gpus=2, gpus_per_node=2, hardware=hardware, seq_len=SEQ, global_batch=8,
-                       fix=fix, memory_limit="1TiB")[0]
+    return mesh3d.plan(
+        debug_model(),
+        gpus=2,
+        gpus_per_node=2,
+        hardware=hardware,
+        seq_len=SEQ,
+        global_batch=8,
+        fix=fix,
+        memory_limit="1TiB",
+    )[0]
 
 
 def test_fsdp_without_pipeline_gathers_every_microbatch_and_reduces_once():
@@ -54,8 +69,9 @@ def test_fsdp_without_pipeline_gathers_every_microbatch_and_reduces_once():
 def flat_collectives(all_gather, reduce_scatter, all_reduce):
     """A CollectiveTimes whose every size takes the same seconds: each collective's count shows."""
     flat = lambda seconds: ((1.0, seconds), (2.0**40, seconds))  # noqa: E731
-    return mesh3d.planner.CollectiveTimes({"all_gather": flat(all_gather), "reduce_scatter": flat(reduce_scatter),
-                                           "all_reduce": flat(all_reduce)})
+    return mesh3d.planner.CollectiveTimes(
+        {"all_gather": flat(all_gather), "reduce_scatter": flat(reduce_scatter), "all_reduce": flat(all_reduce)}
+    )
 
 
 def test_measured_collectives_are_counted_per_module_at_their_own_time():
@@ -84,8 +100,9 @@ def test_measured_data_parallel_collectives_are_charged_the_bytes_a_rank_sends()
 
 def test_measured_tensor_parallel_collectives_are_charged_by_kind():
     model = debug_model()
-    costs = measure_model(model, anatomy_of(model), tp=2, tp_plan=model.tp_plan, microbatch_size=1, seq_len=SEQ,
-                          param_dtype=None)
+    costs = measure_model(
+        model, anatomy_of(model), tp=2, tp_plan=model.tp_plan, microbatch_size=1, seq_len=SEQ, param_dtype=None
+    )
     parts = [costs.block] * BLOCKS + [costs.first_end, costs.last_end]
     assert sum(count for _, count in costs.block.tp_by_kind.values()) == costs.block.tp_collectives == 8
     mbs = 2  # batch 8 over 4 microbatches
@@ -100,20 +117,27 @@ def test_measured_tensor_parallel_collectives_are_charged_by_kind():
 
 
 def test_collective_times_interpolate_between_measured_sizes():
-    times = mesh3d.planner.CollectiveTimes({kind: ((100.0, 1.0), (300.0, 2.0), (500.0, 4.0))
-                                            for kind in ("all_gather", "reduce_scatter", "all_reduce")})
+    times = mesh3d.planner.CollectiveTimes(
+        {kind: ((100.0, 1.0), (300.0, 2.0), (500.0, 4.0)) for kind in ("all_gather", "reduce_scatter", "all_reduce")}
+    )
     assert times.seconds("all_gather", 10.0) == 1.0  # below the smallest: its fixed cost
     assert times.seconds("reduce_scatter", 200.0) == pytest.approx(1.5)
     assert times.seconds("all_reduce", 1000.0) == pytest.approx(8.0)  # beyond: the largest's seconds per byte
     # over 4 ranks a ring takes 3 steps, each a third of what a rank sends
     assert times.seconds("all_gather", 600.0, ranks=4) == pytest.approx(3 * 1.5)
     # a larger size measured faster (noise) is taken as the smaller's time
-    noisy = mesh3d.planner.CollectiveTimes({kind: ((100.0, 2.0), (300.0, 1.0), (500.0, 4.0))
-                                            for kind in ("all_gather", "reduce_scatter", "all_reduce")})
+    noisy = mesh3d.planner.CollectiveTimes(
+        {kind: ((100.0, 2.0), (300.0, 1.0), (500.0, 4.0)) for kind in ("all_gather", "reduce_scatter", "all_reduce")}
+    )
     assert noisy.seconds("all_gather", 300.0) == 2.0 and noisy.seconds("all_gather", 400.0) == pytest.approx(3.0)
     with pytest.raises(ValueError, match="'all_reduce' needs at least two sizes in increasing order"):
-        mesh3d.planner.CollectiveTimes({"all_gather": ((1.0, 1.0), (2.0, 1.0)),
-                                        "reduce_scatter": ((1.0, 1.0), (2.0, 1.0)), "all_reduce": ((1.0, 1.0),)})
+        mesh3d.planner.CollectiveTimes(
+            {
+                "all_gather": ((1.0, 1.0), (2.0, 1.0)),
+                "reduce_scatter": ((1.0, 1.0), (2.0, 1.0)),
+                "all_reduce": ((1.0, 1.0),),
+            }
+        )
 
 
 def test_communication_that_overlaps_hides_behind_compute():
@@ -162,9 +186,11 @@ def test_timed_parts_add_up_to_the_whole_model_run_here():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+
         def step():
             loss = cross_entropy_loss(whole(tokens), tokens)
             (loss[0] if isinstance(loss, tuple) else loss).backward()
+
         measured = _best_seconds(step)
     finally:
         torch.set_num_threads(threads)

@@ -14,6 +14,8 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
+from pipeline_cases import TOLERANCE, relative
+from sequential_cases import BLOCK_TP_PLAN, DIM, VOCAB, Residual, SkipModel, token_model
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -23,8 +25,6 @@ from mesh3d.model.meta_copy import meta_copy
 from mesh3d.planner.measure.data_parallel_timing import time_data_parallel
 from mesh3d.planner.measure.measured_stages import planner_anatomy, token_ids
 from mesh3d.planner.measure.probe import measure_model
-from pipeline_cases import TOLERANCE, relative
-from sequential_cases import BLOCK_TP_PLAN, DIM, VOCAB, Residual, SkipModel, token_model
 
 SEQ = 16
 SIZES = dict(gpus=4, gpus_per_node=4, hardware="h100", seq_len=SEQ, global_batch=8)
@@ -67,8 +67,15 @@ class BranchesOnValues(nn.Module):
 
 def measured(model: nn.Module, tp: int = 1, microbatch_size: int = 2):
     meta = meta_copy(model)
-    return measure_model(meta, planner_anatomy(meta, SEQ), tp=tp, tp_plan=BLOCK_TP_PLAN, microbatch_size=microbatch_size,
-                         seq_len=SEQ, param_dtype=None)
+    return measure_model(
+        meta,
+        planner_anatomy(meta, SEQ),
+        tp=tp,
+        tp_plan=BLOCK_TP_PLAN,
+        microbatch_size=microbatch_size,
+        seq_len=SEQ,
+        param_dtype=None,
+    )
 
 
 def test_a_traced_model_is_planned_and_its_block_measured_as_the_same_block_cut_from_a_sequential():
@@ -102,10 +109,17 @@ def test_plans_carry_the_example_inputs_and_parallelize_runs_them_on_the_same_mo
     """plan, then parallelize the very model planned (on meta) with the plan's kwargs: the capture
     at the plan's microbatch size; the step's loss is the one-process model's with the same values."""
     model = meta_copy(SkipModel(tied=False))
-    slow = mesh3d.Hardware("slow", peak_flops=1e12, memory_bytes=2**30, intra_node_bandwidth=1e9,
-                           inter_node_bandwidth=1e8, memory_bandwidth=1e10)
-    best = mesh3d.plan(model, gpus=1, hardware=slow, seq_len=SEQ, global_batch=4,
-                       fix={"microbatches": 2, "param_dtype": None})[0]
+    slow = mesh3d.Hardware(
+        "slow",
+        peak_flops=1e12,
+        memory_bytes=2**30,
+        intra_node_bandwidth=1e9,
+        inter_node_bandwidth=1e8,
+        memory_bandwidth=1e10,
+    )
+    best = mesh3d.plan(
+        model, gpus=1, hardware=slow, seq_len=SEQ, global_batch=4, fix={"microbatches": 2, "param_dtype": None}
+    )[0]
     kwargs = best.parallelize_kwargs()
     (ids,) = kwargs["example_inputs"]
     assert ids.is_meta and ids.dtype == torch.long and tuple(ids.shape) == (2, SEQ) and "split_points" not in kwargs
@@ -125,8 +139,9 @@ def test_plans_carry_the_example_inputs_and_parallelize_runs_them_on_the_same_mo
 
 
 def test_split_points_pick_the_stages_and_are_passed_on():
-    plans = mesh3d.plan(meta_copy(SkipModel(tied=False)), **{**SIZES, "gpus": 2, "gpus_per_node": 2},
-                        split_points=["blocks.3"])
+    plans = mesh3d.plan(
+        meta_copy(SkipModel(tied=False)), **{**SIZES, "gpus": 2, "gpus_per_node": 2}, split_points=["blocks.3"]
+    )
     assert plans and all(p.pp * p.virtual_stages == 2 for p in plans)
     assert all(p.parallelize_kwargs()["split_points"] == ["blocks.3"] for p in plans)
     with pytest.raises(ValueError, match="split_points make 2 stages, so pp \\* virtual_stages must be 2"):
@@ -145,14 +160,29 @@ def test_a_model_torch_export_cannot_capture_is_refused_with_the_anatomys_error(
 def test_a_traced_model_is_timed_on_this_machine():
     """Its parts timed at the plan's microbatch size (a capture of its own: 2 rows, the probe's 1),
     and data parallelism's wrapping of its middle stage, for FSDP and DDP."""
-    plans = mesh3d.plan(meta_copy(SkipModel(tied=False)), gpus=2, gpus_per_node=2, hardware="this-machine",
-                        seq_len=SEQ, global_batch=4, fix={"pp": 1, "microbatches": 1, "param_dtype": None,
-                                                          "activation_checkpoint": "never"})
+    plans = mesh3d.plan(
+        meta_copy(SkipModel(tied=False)),
+        gpus=2,
+        gpus_per_node=2,
+        hardware="this-machine",
+        seq_len=SEQ,
+        global_batch=4,
+        fix={"pp": 1, "microbatches": 1, "param_dtype": None, "activation_checkpoint": "never"},
+    )
     assert {(p.dp, p.microbatch_size) for p in plans} == {(2, 2)} and {p.dp_mode for p in plans} == {"fsdp", "ddp"}
     assert all(p.step_seconds > 0 and p.time.exposed_dp_seconds > 0 for p in plans)
     meta = meta_copy(SkipModel(tied=False))
-    overhead = time_data_parallel(meta, planner_anatomy(meta, SEQ), dp=2, dp_mode="fsdp", tp=1, tp_plan=None,
-                                  microbatch_size=2, seq_len=SEQ, param_dtype=None)
+    overhead = time_data_parallel(
+        meta,
+        planner_anatomy(meta, SEQ),
+        dp=2,
+        dp_mode="fsdp",
+        tp=1,
+        tp_plan=None,
+        microbatch_size=2,
+        seq_len=SEQ,
+        param_dtype=None,
+    )
     assert overhead.elements == sum(p.numel() for p in Residual().parameters()) and overhead.regathered > 0
 
 

@@ -11,14 +11,20 @@ from examples.llama import plot
 def _write_run(path, steps, scale, resumed_from=None, evaluated=True):
     lines = []
     for step in range(1, steps + 1):
-        record = {"step": step, "loss": scale * 5 / step, "grad_norm": 1.0 / step, "tokens_per_s": 1000.0 + step,
-                  "tokens": step * 512}
+        record = {
+            "step": step,
+            "loss": scale * 5 / step,
+            "grad_norm": 1.0 / step,
+            "tokens_per_s": 1000.0 + step,
+            "tokens": step * 512,
+        }
         if evaluated and step % 2 == 0:
             record |= {"eval_loss": scale * 6 / step, "eval_perplexity": 0.0}
         lines.append(json.dumps(record))
     if resumed_from:  # a crashed run's steps after the checkpoint, then the resumed run's
-        lines[resumed_from:resumed_from] = [json.dumps({"step": s, "loss": 99.0, "tokens": 0}) for s in
-                                            range(resumed_from + 1, steps + 1)]
+        lines[resumed_from:resumed_from] = [
+            json.dumps({"step": s, "loss": 99.0, "tokens": 0}) for s in range(resumed_from + 1, steps + 1)
+        ]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -44,8 +50,12 @@ def test_two_runs_side_by_side(tmp_path):
 
 def test_no_eval_legend_without_evaluations(tmp_path):
     pytest.importorskip("matplotlib")
-    figure = plot.plot_runs({"a": plot.read_run(_write_run(tmp_path / "a.jsonl", 4, 1.0, evaluated=False)),
-                             "b": plot.read_run(_write_run(tmp_path / "b.jsonl", 4, 1.0))})
+    figure = plot.plot_runs(
+        {
+            "a": plot.read_run(_write_run(tmp_path / "a.jsonl", 4, 1.0, evaluated=False)),
+            "b": plot.read_run(_write_run(tmp_path / "b.jsonl", 4, 1.0)),
+        }
+    )
     by_step, by_tokens = figure.axes[:2]
     for ax in (by_step, by_tokens):
         assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a train", "b train", "b eval"]

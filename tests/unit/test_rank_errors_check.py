@@ -1,7 +1,6 @@
 """The test side of the errors-on-every-rank harness (rank_errors.py): what it lets through and what it fails."""
 
 import pytest
-
 from rank_errors import assert_raised_on_every_rank
 
 EXPECTED = {"bad size": "tp=4 does not divide"}
@@ -12,11 +11,14 @@ def test_every_rank_with_the_expected_error_passes_and_other_cases_are_left_alon
     assert_raised_on_every_rank(per_rank, EXPECTED)
 
 
-@pytest.mark.parametrize("message, says", [
-    (None, "rank 2: bad size did not raise"),
-    ("NotImplementedError: tp=4 does not divide n_heads=6", "NotImplementedError"),
-    ("ValueError: something else", "rank 2: bad size: ValueError: something else"),
-])
+@pytest.mark.parametrize(
+    "message, says",
+    [
+        (None, "rank 2: bad size did not raise"),
+        ("NotImplementedError: tp=4 does not divide n_heads=6", "NotImplementedError"),
+        ("ValueError: something else", "rank 2: bad size: ValueError: something else"),
+    ],
+)
 def test_one_rank_without_the_error_fails_naming_it(message, says):
     per_rank = [{"bad size": "ValueError: tp=4 does not divide n_heads=6"}] * 4
     per_rank[2] = {"bad size": message}

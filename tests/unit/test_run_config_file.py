@@ -3,9 +3,9 @@ command line on top, unknown keys refused with the valid ones listed, the effect
 same run. (train.py printing and checkpointing it: tests/distributed/test_run_config.py.)"""
 
 import re
-import tomllib
 
 import pytest
+import tomllib
 
 from examples.llama.run_config import effective_config_toml
 from examples.llama.train import parse_args
@@ -38,17 +38,22 @@ def test_the_effective_config_reads_back_as_the_same_run(tmp_path):
     assert tomllib.loads(saved)["seed"] == 4 and "config_file" not in tomllib.loads(saved)
     (tmp_path / "effective.toml").write_text(saved)
     assert vars(parse_args(["--config-file", str(tmp_path / "effective.toml")])) == {
-        **vars(args), "config_file": str(tmp_path / "effective.toml")}
+        **vars(args),
+        "config_file": str(tmp_path / "effective.toml"),
+    }
 
 
-@pytest.mark.parametrize("toml, message", [
-    ("global_bach = 8", "unknown setting 'global_bach'; valid settings are: .*global_batch"),
-    ("steps = \"many\"", "argument --steps: invalid int value: 'many'"),
-    ("schedule = \"zigzag\"", "argument --schedule: invalid choice: 'zigzag'"),
-    ("loss_parallel = 1", "loss_parallel must be bool"),
-    ("steps = [1, 2]", "steps takes one value"),
-    ("steps = ", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "toml, message",
+    [
+        ("global_bach = 8", "unknown setting 'global_bach'; valid settings are: .*global_batch"),
+        ('steps = "many"', "argument --steps: invalid int value: 'many'"),
+        ('schedule = "zigzag"', "argument --schedule: invalid choice: 'zigzag'"),
+        ("loss_parallel = 1", "loss_parallel must be bool"),
+        ("steps = [1, 2]", "steps takes one value"),
+        ("steps = ", "not valid TOML"),
+    ],
+)
 def test_bad_settings_name_the_problem(tmp_path, capsys, toml, message):
     (tmp_path / "run.toml").write_text(toml)
     with pytest.raises(SystemExit):
@@ -64,7 +69,9 @@ def test_the_grad_clip_default_follows_the_schedule(tmp_path):
     assert args.grad_clip == 0.0 and parse_args(["--schedule", "pipedream", "--grad-clip", "0"]).grad_clip == 0.0
     (tmp_path / "effective.toml").write_text(effective_config_toml(args))
     assert vars(parse_args(["--config-file", str(tmp_path / "effective.toml")])) == {
-        **vars(args), "config_file": str(tmp_path / "effective.toml")}
+        **vars(args),
+        "config_file": str(tmp_path / "effective.toml"),
+    }
     (tmp_path / "clip.toml").write_text("grad_clip = 1.0")
     with pytest.raises(SystemExit):
         parse_args(["--config-file", str(tmp_path / "clip.toml"), "--schedule", "pipedream"])

@@ -71,7 +71,9 @@ def test_the_same_seed_draws_the_same_tokens():
     assert not torch.equal(drawn(Sampling(temperature=1.5), seed=3), drawn(Sampling(temperature=1.5), seed=4))
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_k=0), dict(top_k=2.5), dict(top_p=0.0), dict(top_p=1.5)])
+@pytest.mark.parametrize(
+    "bad", [dict(temperature=-0.1), dict(top_k=0), dict(top_k=2.5), dict(top_p=0.0), dict(top_p=1.5)]
+)
 def test_bad_settings_are_refused_by_name(bad):
     (name,) = bad
     with pytest.raises(ValueError, match=name):

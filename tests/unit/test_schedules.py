@@ -9,9 +9,9 @@ schedules' gains hold at more than one I/W cost split.
 import pytest
 
 from mesh3d.pipeline import SCHEDULES, Action, Kind, Schedule, ScheduleError, build_schedule, lower, simulate
+from mesh3d.pipeline.schedule.ir import stage_to_rank
 from mesh3d.pipeline.schedule.lower import LoweredSchedule, check_lowered
 from mesh3d.pipeline.schedule.timeline import timeline
-from mesh3d.pipeline.schedule.ir import stage_to_rank
 
 PPS = (2, 4, 8)
 
@@ -72,9 +72,21 @@ def test_interleaved_matches_megatron_order_when_m_is_a_multiple():
 
 def test_lowering_pairs_every_send_with_a_receive():
     lowered = lower(build_schedule("interleaved_1f1b", 2, 3, 2))
-    sends = {(a.stage, a.kind, a.microbatch) for acts in lowered.actions for a in acts if a.kind in (Kind.SEND_F, Kind.SEND_B)}
-    recvs = {(a.stage, a.kind, a.microbatch) for acts in lowered.actions for a in acts if a.kind in (Kind.RECV_F, Kind.RECV_B)}
-    as_sent = {(s + 1 if k == Kind.SEND_F else s - 1, Kind.RECV_F if k == Kind.SEND_F else Kind.RECV_B, j) for s, k, j in sends}
+    sends = {
+        (a.stage, a.kind, a.microbatch)
+        for acts in lowered.actions
+        for a in acts
+        if a.kind in (Kind.SEND_F, Kind.SEND_B)
+    }
+    recvs = {
+        (a.stage, a.kind, a.microbatch)
+        for acts in lowered.actions
+        for a in acts
+        if a.kind in (Kind.RECV_F, Kind.RECV_B)
+    }
+    as_sent = {
+        (s + 1 if k == Kind.SEND_F else s - 1, Kind.RECV_F if k == Kind.SEND_F else Kind.RECV_B, j) for s, k, j in sends
+    }
     assert as_sent == recvs
     assert len(sends) == 2 * 3 * 3  # 3 boundaries, forward and backward, 3 microbatches
     for rank, acts in enumerate(lowered.actions):
@@ -147,8 +159,11 @@ def test_placements():
 @pytest.mark.parametrize(
     "args, match",
     [
-        (("dualpipe", 2, 4), r"unknown pipeline schedule 'dualpipe'; choose one of \['1f1b', 'dualpipev', 'gpipe', "
-                             r"'interleaved_1f1b', 'pipedream', 'pipedream_2bw', 'zbv', 'zero_bubble'\]"),
+        (
+            ("dualpipe", 2, 4),
+            r"unknown pipeline schedule 'dualpipe'; choose one of \['1f1b', 'dualpipev', 'gpipe', "
+            r"'interleaved_1f1b', 'pipedream', 'pipedream_2bw', 'zbv', 'zero_bubble'\]",
+        ),
         (("dualpipev", 4, 7, 2), r"needs microbatches >= 2\*pp, got microbatches=7 with pp=4; use at least 8"),
         (("zbv", 4, 3, 2), "needs microbatches >= pp, got microbatches=3 with pp=4"),
         (("zbv", 2, 4, 3), "places exactly 2 stages per rank"),
@@ -171,8 +186,14 @@ def test_gpipe_accepts_fewer_microbatches_than_stages():
 def test_every_builtin_schedule_passes_the_single_stream_check():
     """lower() runs check_lowered (each rank's communication completes in issue order)."""
     count = 0
-    for name, virtual in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved_1f1b", (1, 2, 3)), ("zero_bubble", (1, 2)),
-                          ("zbv", (2,)), ("dualpipev", (2,))):
+    for name, virtual in (
+        ("gpipe", (1,)),
+        ("1f1b", (1,)),
+        ("interleaved_1f1b", (1, 2, 3)),
+        ("zero_bubble", (1, 2)),
+        ("zbv", (2,)),
+        ("dualpipev", (2,)),
+    ):
         for p in range(1, 9):
             for m in range(SCHEDULES[name].min_microbatches(p), 3 * p + 2):
                 for v in virtual:

@@ -15,14 +15,14 @@ import contextlib
 
 import pytest
 import torch
+from pipeline_cases import tiny_args
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from examples.llama.model import Transformer
-from mesh3d.pipeline.backward_halves import backward_input, backward_weight
 from mesh3d.pipeline.activation_checkpoint import SAVED_OPS, selective_contexts
-from pipeline_cases import tiny_args
+from mesh3d.pipeline.backward_halves import backward_input, backward_weight
 
 aten = torch.ops.aten
 MATMUL_AND_ATTENTION = (aten.mm.default, aten._scaled_dot_product_flash_attention_for_cpu.default)
@@ -100,7 +100,9 @@ def test_selective_keeps_matmuls_and_attention_and_recomputes_the_rest():
         assert op not in SAVED_OPS
         assert never[1][op] == 0, op
         assert selective[1][op] == always[1][op] == forward_ops[op], f"selective did not recompute {op}"
-    assert always[2] < selective[2] < never[2], f"bytes kept: always {always[2]}, selective {selective[2]}, never {never[2]}"
+    assert always[2] < selective[2] < never[2], (
+        f"bytes kept: always {always[2]}, selective {selective[2]}, never {never[2]}"
+    )
     for mode, result in (("always", always), ("selective", selective)):
         for got, want in zip(result[3], never[3]):
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{mode}: gradients differ from never's")

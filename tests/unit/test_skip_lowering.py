@@ -10,8 +10,15 @@ from mesh3d.pipeline import SCHEDULES, Kind, ScheduleError, build_schedule, lowe
 from mesh3d.pipeline.p2p import message_tag
 from mesh3d.pipeline.schedule.ir import COMPUTE
 
-FAMILIES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1), ("zero_bubble", 2), ("zbv", 2),
-            ("dualpipev", 2)]
+FAMILIES = [
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved_1f1b", 2),
+    ("zero_bubble", 1),
+    ("zero_bubble", 2),
+    ("zbv", 2),
+    ("dualpipev", 2),
+]
 
 
 def skip_messages(lowered, pair):

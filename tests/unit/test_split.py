@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from pipeline_cases import meta_model, tiny_args
 from torch import nn
 
 from examples.llama.model import Transformer
@@ -12,7 +13,6 @@ from mesh3d.model.cut import block_parameter_counts, cut_stage
 from mesh3d.model.intake import anatomy_of, protocol_anatomy
 from mesh3d.model.meta_copy import meta_copy
 from mesh3d.pipeline.split import assign_layers, split_point_counts
-from pipeline_cases import meta_model, tiny_args
 
 
 def build_stage(model, stage, n_stages, layer_range):

@@ -13,9 +13,18 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
-from mesh3d.data import ByteTokenizer, DistributedLoader, HFTokenizer, TokenDataset, build_token_cache, split_heldout  # noqa: E402
-from mesh3d.data import sources, token_cache  # noqa: E402
 from text_corpus import END_OF_TEXT, documents, train_bpe, write_jsonl, write_parquet  # noqa: E402
+
+from mesh3d.data import (  # noqa: E402  # noqa: E402
+    ByteTokenizer,
+    DistributedLoader,
+    HFTokenizer,
+    TokenDataset,
+    build_token_cache,
+    sources,
+    split_heldout,
+    token_cache,
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +69,9 @@ def test_hf_tokenizer_declares_its_separator(tmp_path, bpe, docs):
     from tokenizers import Tokenizer, processors
 
     templated = Tokenizer.from_file(str(bpe))
-    templated.post_processor = processors.TemplateProcessing(single=f"$A {END_OF_TEXT}", special_tokens=[(END_OF_TEXT, 0)])
+    templated.post_processor = processors.TemplateProcessing(
+        single=f"$A {END_OF_TEXT}", special_tokens=[(END_OF_TEXT, 0)]
+    )
     (tmp_path / "templated").mkdir()
     templated.save(str(tmp_path / "templated" / "tokenizer.json"))
     assert HFTokenizer(tmp_path / "templated").separator == "eos"
@@ -95,8 +106,13 @@ def test_every_format_streams_the_same_documents(tmp_path, bpe, docs, monkeypatc
     for name, (paths, field) in cases.items():
         got = build_token_cache(paths, tok, text_field=field, cache_dir=tmp_path / "cache", workers=2)
         assert got.dtype == np.uint16 and np.array_equal(got, want), name
-    bos_stream = build_token_cache([tmp_path / "docs.parquet"], _bos_tokenizer(tmp_path, bpe), text_field="body",
-                                   cache_dir=tmp_path / "cache", workers=2)
+    bos_stream = build_token_cache(
+        [tmp_path / "docs.parquet"],
+        _bos_tokenizer(tmp_path, bpe),
+        text_field="body",
+        cache_dir=tmp_path / "cache",
+        workers=2,
+    )
     assert np.array_equal(bos_stream, reference_stream(bpe, docs, separator="bos"))
 
 
@@ -126,9 +142,13 @@ def test_cache_hits_and_rebuilds(tmp_path, bpe, docs):
     assert cached.stat().st_mtime_ns == stamp and np.array_equal(first, again)  # a hit: nothing rewritten
 
     write_jsonl(shard, docs[:49])  # a changed file: a new entry with the new contents
-    assert np.array_equal(build_token_cache([shard], HFTokenizer(bpe), cache_dir=cache), reference_stream(bpe, docs[:49]))
+    assert np.array_equal(
+        build_token_cache([shard], HFTokenizer(bpe), cache_dir=cache), reference_stream(bpe, docs[:49])
+    )
     other = train_bpe(tmp_path / "other" / "tokenizer.json", docs, vocab_size=320)  # another tokenizer
-    assert np.array_equal(build_token_cache([shard], HFTokenizer(other), cache_dir=cache), reference_stream(other, docs[:49]))
+    assert np.array_equal(
+        build_token_cache([shard], HFTokenizer(other), cache_dir=cache), reference_stream(other, docs[:49])
+    )
     assert len(list(cache.glob("tokens-*.npy"))) == 3
     assert not list(cache.glob("*.tmp")) and not list(cache.glob("*.parts"))
 

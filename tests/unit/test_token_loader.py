@@ -136,7 +136,7 @@ def test_resume_at_the_exact_sample_under_another_dp(stream, dp_before, dp_after
 
 
 def test_every_sample_once_per_epoch_then_a_new_order(stream):
-    ds = TokenDataset(stream[:16 * 40 + 1], seq_len=16)  # 40 samples, 5 steps of 8 per epoch
+    ds = TokenDataset(stream[: 16 * 40 + 1], seq_len=16)  # 40 samples, 5 steps of 8 per epoch
     loader = DistributedLoader(ds, 8, seed=0)
     first_token = lambda batch: batch[0][:, 0].tolist()  # noqa: E731 - sample i starts with token 16*i % 251
     epoch0 = sum((first_token(next(loader)) for _ in range(5)), [])

@@ -4,11 +4,11 @@ a model torch.export cannot capture (raised before any process group exists)."""
 
 import pytest
 import torch
+from sequential_cases import DIM, SEQ, VOCAB, Residual, SkipModel
 from torch import nn
 
 import mesh3d
 from mesh3d.model.intake import anatomy_of
-from sequential_cases import DIM, SEQ, VOCAB, Residual, SkipModel
 
 IDS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
 
@@ -46,8 +46,9 @@ def test_split_routes_the_skip_straight_to_its_consumer_and_stages_compose_to_th
     assert set(split.takes) == {(0, 1), (1, 2), (2, 3), (0, 3)}
     stages = [split.stage(model, s) for s in range(4)]
     names = [sorted(n for n, _ in stage.named_parameters()) for stage in stages]
-    assert names[0] == sorted(["emb.weight"] + [f"blocks.{i}.{l}.{p}" for i in (0, 1) for l in ("up", "down")
-                                                 for p in ("weight", "bias")])
+    assert names[0] == sorted(
+        ["emb.weight"] + [f"blocks.{i}.{l}.{p}" for i in (0, 1) for l in ("up", "down") for p in ("weight", "bias")]
+    )
     assert "head.weight" in names[3] and isinstance(stages[1].get_submodule("blocks.2.up"), nn.Linear)
     # the runtime's calling convention (pipeline/routes.py): previous stage's outputs, then the skips'
     out0 = stages[0](IDS)

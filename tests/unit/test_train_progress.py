@@ -13,18 +13,39 @@ from mesh3d.train import Progress, flops_per_token, human_count, human_duration,
 from mesh3d.train.flops import peak_flops_of
 
 
-@pytest.mark.parametrize("n, text", [
-    (0, "0"), (950, "950"), (12_345, "12.3k"), (40_000, "40.0k"), (999_960, "1.0M"), (4_100_000, "4.1M"),
-    (31_500_000, "31.5M"), (2e9, "2.0B"), (3.2e12, "3.2T"), (-1500, "-1.5k"),
-])
+@pytest.mark.parametrize(
+    "n, text",
+    [
+        (0, "0"),
+        (950, "950"),
+        (12_345, "12.3k"),
+        (40_000, "40.0k"),
+        (999_960, "1.0M"),
+        (4_100_000, "4.1M"),
+        (31_500_000, "31.5M"),
+        (2e9, "2.0B"),
+        (3.2e12, "3.2T"),
+        (-1500, "-1.5k"),
+    ],
+)
 def test_counts_in_human_units(n, text):
     assert human_count(n) == text
 
 
-@pytest.mark.parametrize("seconds, text", [
-    (0.04, "0.0s"), (4.23, "4.2s"), (42, "42s"), (59.6, "1m00s"), (65, "1m05s"), (3599, "59m59s"),
-    (7380, "2h03m"), (100_800, "1d04h"), (math.inf, "?"),
-])
+@pytest.mark.parametrize(
+    "seconds, text",
+    [
+        (0.04, "0.0s"),
+        (4.23, "4.2s"),
+        (42, "42s"),
+        (59.6, "1m00s"),
+        (65, "1m05s"),
+        (3599, "59m59s"),
+        (7380, "2h03m"),
+        (100_800, "1d04h"),
+        (math.inf, "?"),
+    ],
+)
 def test_durations_in_human_units(seconds, text):
     assert human_duration(seconds) == text
 
@@ -41,8 +62,9 @@ def test_flops_are_counted_as_the_formula_says(seq_len, tied):
     forward, 3 times that with backward (the count is of full, unmasked attention, as SDPA computes)."""
     model = _meta_llama(seq_len, tied)
     a = model.args
-    matmul_weights = sum(p.numel() for name, p in model.named_parameters()
-                         if p.ndim == 2 and not name.startswith("tok_embeddings"))
+    matmul_weights = sum(
+        p.numel() for name, p in model.named_parameters() if p.ndim == 2 and not name.startswith("tok_embeddings")
+    )
     if tied:  # the output head is the embedding: its matmul counts once
         matmul_weights += a.vocab_size * a.dim
     want = 6 * matmul_weights + 12 * a.n_layers * seq_len * a.dim
@@ -70,8 +92,15 @@ def test_peak_flops_table_and_unknown_devices():
 
 
 def test_the_progress_line():
-    progress = Progress(total_steps=100, tokens_per_step=2048, start_step=40, flops_per_token=6e6,
-                        peak_flops=None, world_size=8, device="cpu")
+    progress = Progress(
+        total_steps=100,
+        tokens_per_step=2048,
+        start_step=40,
+        flops_per_token=6e6,
+        peak_flops=None,
+        world_size=8,
+        device="cpu",
+    )
     progress.started -= 30.0  # 30 s into the run, 10 steps done: 3 s a step, 50 left
     line = progress.line(50, loss=2.5, lr=1e-3, grad_norm=0.5, step_seconds=2.048)
     assert line.startswith("step    50  loss 2.5000  lr 1.00e-03  grad_norm 0.500  elapsed 30s")

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_cases import TOLERANCE, VOCAB, hf_config, hf_model
 from safetensors import safe_open
 
 import mesh3d
-from hf_cases import TOLERANCE, VOCAB, hf_config, hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,8 +89,11 @@ def test_import_refuses_another_architecture_naming_what_differs(tmp_path):
     with pytest.raises(ValueError, match="model_type is 'qwen2' there but 'llama' in this model"):
         mesh3d.checkpoint.import_safetensors(llama, tmp_path / "qwen2")
     (tmp_path / "qwen2" / "config.json").unlink()
-    with pytest.raises(ValueError, match=r"holds 12 tensor\(s\) this model has no place for "
-                                         r"\('model.layers.0.self_attn.k_proj.bias', 'model.layers.0.self_attn.q_proj.bias'"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds 12 tensor\(s\) this model has no place for "
+        r"\('model.layers.0.self_attn.k_proj.bias', 'model.layers.0.self_attn.q_proj.bias'",
+    ):
         mesh3d.checkpoint.import_safetensors(llama, tmp_path / "qwen2")
     assert all(torch.equal(llama.full_state_dict()[n], before[n]) for n in before)  # nothing was read
 
@@ -129,7 +132,14 @@ def test_a_tied_checkpoint_gives_an_untied_model_its_head_from_the_embedding(tmp
 
 
 def test_the_library_imports_without_transformers():
-    blocked = "import sys; sys.modules['transformers'] = None; import mesh3d, mesh3d.checkpoint, mesh3d.train; print('ok')"
-    result = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": str(Path(mesh3d.__file__).resolve().parents[1])})
+    blocked = (
+        "import sys; sys.modules['transformers'] = None; import mesh3d, mesh3d.checkpoint, mesh3d.train; print('ok')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", blocked],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(mesh3d.__file__).resolve().parents[1])},
+    )
     assert result.stdout.strip() == "ok", result.stderr

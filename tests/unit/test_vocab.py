@@ -20,6 +20,8 @@ import torch
 
 pytest.importorskip("tokenizers")
 
+from text_corpus import documents, train_bpe, write_jsonl  # noqa: E402
+
 from examples.llama.config import ModelArgs, get_config, padded_vocab_size  # noqa: E402
 from examples.llama.model import Transformer  # noqa: E402
 from examples.llama.text_data import build_datasets, build_tokenizer, fit_vocab  # noqa: E402
@@ -27,7 +29,6 @@ from mesh3d.data import HFTokenizer, TokenDataset  # noqa: E402
 from mesh3d.data.hf_tokenizer import NoEOSTokenError  # noqa: E402
 from mesh3d.model.intake import anatomy_of  # noqa: E402
 from mesh3d.step.batch_check import batch_problem, declared_vocab_size  # noqa: E402
-from text_corpus import documents, train_bpe, write_jsonl  # noqa: E402
 
 END = "<|end|>"
 
@@ -45,8 +46,9 @@ def own_end(tmp_path_factory, docs):
 
 @pytest.fixture(scope="module")
 def two_specials(tmp_path_factory, docs):
-    return train_bpe(tmp_path_factory.mktemp("two") / "tokenizer.json", docs, vocab_size=300,
-                     special_tokens=["<pad>", END])
+    return train_bpe(
+        tmp_path_factory.mktemp("two") / "tokenizer.json", docs, vocab_size=300, special_tokens=["<pad>", END]
+    )
 
 
 def _args(**flags) -> Namespace:
@@ -152,8 +154,14 @@ def test_padding_rows_are_never_a_target(tmp_path, own_end, docs):
 
 def test_library_errors_name_library_parameters_and_the_trainer_adds_its_flags(tmp_path, monkeypatch):
     write_jsonl(tmp_path / "a.jsonl", ["x"], field="content")
-    args = Namespace(token_file=None, data=[str(tmp_path / "a.jsonl")], seq_len=4, text_field="text",
-                     tokenize_workers=1, eval_every=0)
+    args = Namespace(
+        token_file=None,
+        data=[str(tmp_path / "a.jsonl")],
+        seq_len=4,
+        text_field="text",
+        tokenize_workers=1,
+        eval_every=0,
+    )
     with pytest.raises(ValueError, match="pass the field's name as text_field") as refused:
         TokenDataset.from_corpus(args.data, 4, cache_dir=tmp_path / "c")
     assert "--" not in str(refused.value)

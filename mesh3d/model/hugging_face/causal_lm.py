@@ -52,7 +52,9 @@ def hugging_face_anatomy(model: nn.Module) -> Anatomy:
     names = list(pp_plan)
     blocks = [n for n in names if isinstance(getattr(base, n, None), nn.ModuleList)]
     if len(blocks) != 1:
-        raise ValueError(f"{arch}: its base_model_pp_plan {names} must name exactly one nn.ModuleList of blocks, found {blocks}")
+        raise ValueError(
+            f"{arch}: its base_model_pp_plan {names} must name exactly one nn.ModuleList of blocks, found {blocks}"
+        )
     at = names.index(blocks[0])
     before, after = names[:at], names[at + 1 :]
     problem = _plan_problem(pp_plan, before, blocks[0], after) or _stateful_extra(model, base, prefix, head, names)
@@ -125,8 +127,16 @@ def architecture_of(stage: nn.Module) -> type | None:
 @functools.cache
 def _stage_class(original: type) -> type:
     # A subclass, so the stage is still the architecture's class for everything but its forward.
-    return type(original.__name__, (original,), {"forward": _stage_forward, "init_weights": _stage_init_weights,
-                                                 "__module__": original.__module__, "__qualname__": original.__qualname__})
+    return type(
+        original.__name__,
+        (original,),
+        {
+            "forward": _stage_forward,
+            "init_weights": _stage_init_weights,
+            "__module__": original.__module__,
+            "__qualname__": original.__qualname__,
+        },
+    )
 
 
 def _stage_init_weights(self) -> None:

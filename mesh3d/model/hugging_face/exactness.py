@@ -47,9 +47,11 @@ def _stage_problem(model_class: type, config_json: str) -> str | None:
             small = model_class(small_config).float().eval()
             ids = torch.randint(0, small_config.vocab_size, (2, PROBE_SEQUENCE))
     except Exception as error:  # noqa: BLE001 - any failure to build is a reason to refuse
-        return (f"mesh3d could not build a small instance of this architecture to check that its pipeline stages "
-                f"compute what its own forward computes ({type(error).__name__}: {error}); it is refused rather "
-                "than trusted")
+        return (
+            f"mesh3d could not build a small instance of this architecture to check that its pipeline stages "
+            f"compute what its own forward computes ({type(error).__name__}: {error}); it is refused rather "
+            "than trusted"
+        )
     anatomy = hugging_face_anatomy(small)
     n_blocks = len(anatomy.blocks(small))
     bounds = sorted({0, min(1, n_blocks - 1), max(n_blocks - 1, 0), n_blocks})
@@ -85,9 +87,13 @@ def shrunk(config):
     if explicit_head_dim is not None and explicit_head_dim * heads != config.hidden_size:
         hidden += PROBE_HEAD_DIM  # keeps "head_dim is not hidden_size / heads" so
     sizes = {
-        "num_attention_heads": new_heads, "hidden_size": hidden, "intermediate_size": 3 * PROBE_HEAD_DIM,
-        "moe_intermediate_size": 2 * PROBE_HEAD_DIM, "shared_expert_intermediate_size": 2 * PROBE_HEAD_DIM,
-        "vocab_size": PROBE_VOCAB, "num_hidden_layers": min(config.num_hidden_layers, PROBE_LAYERS),
+        "num_attention_heads": new_heads,
+        "hidden_size": hidden,
+        "intermediate_size": 3 * PROBE_HEAD_DIM,
+        "moe_intermediate_size": 2 * PROBE_HEAD_DIM,
+        "shared_expert_intermediate_size": 2 * PROBE_HEAD_DIM,
+        "vocab_size": PROBE_VOCAB,
+        "num_hidden_layers": min(config.num_hidden_layers, PROBE_LAYERS),
     }
     if hasattr(config, "num_key_value_heads"):
         sizes["num_key_value_heads"] = new_kv

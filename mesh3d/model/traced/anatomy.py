@@ -31,7 +31,7 @@ def traced_anatomy(model: nn.Module, example_inputs: tuple | None, split_points:
     first = last = ()
     if layers in children:  # a top-level container: what is registered around it weighs as the ends
         at = children.index(layers)
-        first, last = tuple(children[:at]), tuple(children[at + 1:])
+        first, last = tuple(children[:at]), tuple(children[at + 1 :])
     return Anatomy(
         name=name,
         layers=layers,

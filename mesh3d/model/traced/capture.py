@@ -51,7 +51,11 @@ class TracedModel:
     """A model torch.export captures from `example_inputs` (one microbatch), split by block names."""
 
     def __init__(self, model: nn.Module, example_inputs: tuple, name: str):
-        if not isinstance(example_inputs, tuple) or len(example_inputs) != 1 or not isinstance(example_inputs[0], torch.Tensor):
+        if (
+            not isinstance(example_inputs, tuple)
+            or len(example_inputs) != 1
+            or not isinstance(example_inputs[0], torch.Tensor)
+        ):
             raise ValueError(
                 f"{name}: example_inputs must be a tuple of one tensor, one microbatch of what pm.step takes as "
                 f"inputs (the first stage receives exactly that); got {_describe(example_inputs)}"
@@ -130,8 +134,12 @@ class TracedModel:
         """(producer stage, index of its output) of one input of stage `consumer`."""
         if isinstance(arg, fx.Node) and arg in stage_of:
             return stage_of[arg], 0
-        if (isinstance(arg, fx.Node) and arg.op == "call_function" and arg.target is operator.getitem
-                and arg.args[0] in stage_of):
+        if (
+            isinstance(arg, fx.Node)
+            and arg.op == "call_function"
+            and arg.target is operator.getitem
+            and arg.args[0] in stage_of
+        ):
             return stage_of[arg.args[0]], int(arg.args[1])
         if isinstance(arg, fx.Node) and arg.op == "placeholder":
             raise ValueError(
@@ -149,7 +157,9 @@ class TracedModel:
             try:
                 original = self.meta_model.get_submodule(target)
             except AttributeError:
-                raise ValueError(f"{self.name}: stage {index} calls {target!r}, which is not a module of the model") from None
+                raise ValueError(
+                    f"{self.name}: stage {index} calls {target!r}, which is not a module of the model"
+                ) from None
             kept = {n for n, _ in stage.get_submodule(target).named_parameters()}
             whole = {n for n, _ in original.named_parameters()}
             if kept != whole:

@@ -60,14 +60,27 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         interleaved_one_f_one_b, multi_stage=True, min_microbatches_per_rank=1, default_virtual_stages=None
     ),
     "zero_bubble": ScheduleSpec(zero_bubble, multi_stage=True, min_microbatches_per_rank=1, default_virtual_stages=1),
-    "zbv": ScheduleSpec(zero_bubble_v, multi_stage=True, min_microbatches_per_rank=1, default_virtual_stages=2,
-                        fixed_virtual_stages=2),
-    "dualpipev": ScheduleSpec(dualpipe_v, multi_stage=True, min_microbatches_per_rank=2, default_virtual_stages=2,
-                              fixed_virtual_stages=2),
-    "pipedream": ScheduleSpec(never_drain("pipedream"), multi_stage=False, min_microbatches_per_rank=1,
-                              default_virtual_stages=1, never_drains=True, loss_per_microbatch=True),
-    "pipedream_2bw": ScheduleSpec(never_drain("pipedream_2bw"), multi_stage=False, min_microbatches_per_rank=1,
-                                  default_virtual_stages=1, never_drains=True),
+    "zbv": ScheduleSpec(
+        zero_bubble_v, multi_stage=True, min_microbatches_per_rank=1, default_virtual_stages=2, fixed_virtual_stages=2
+    ),
+    "dualpipev": ScheduleSpec(
+        dualpipe_v, multi_stage=True, min_microbatches_per_rank=2, default_virtual_stages=2, fixed_virtual_stages=2
+    ),
+    "pipedream": ScheduleSpec(
+        never_drain("pipedream"),
+        multi_stage=False,
+        min_microbatches_per_rank=1,
+        default_virtual_stages=1,
+        never_drains=True,
+        loss_per_microbatch=True,
+    ),
+    "pipedream_2bw": ScheduleSpec(
+        never_drain("pipedream_2bw"),
+        multi_stage=False,
+        min_microbatches_per_rank=1,
+        default_virtual_stages=1,
+        never_drains=True,
+    ),
 }
 
 

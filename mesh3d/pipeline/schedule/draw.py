@@ -69,9 +69,9 @@ def draw(
 ) -> SimulationReport:
     """Simulate `schedule` (or take a SimulationReport) and write its timeline to `path`.
 
-    A ".json" path gets a Chrome trace (see `chrome_trace`, no matplotlib needed); any other
-    suffix an image in the format matplotlib infers from it (PNG, SVG, PDF, ...). Given a report,
-`pp`, `microbatches`, `virtual_stages` and the costs are ignored. Returns the report.
+        A ".json" path gets a Chrome trace (see `chrome_trace`, no matplotlib needed); any other
+        suffix an image in the format matplotlib infers from it (PNG, SVG, PDF, ...). Given a report,
+    `pp`, `microbatches`, `virtual_stages` and the costs are ignored. Returns the report.
     """
     if isinstance(schedule, SimulationReport):
         report = schedule
@@ -85,7 +85,9 @@ def draw(
     try:
         import matplotlib
     except ImportError as error:
-        raise ImportError('drawing a schedule image needs matplotlib: pip install "mesh3d[draw]" (or matplotlib)') from error
+        raise ImportError(
+            'drawing a schedule image needs matplotlib: pip install "mesh3d[draw]" (or matplotlib)'
+        ) from error
     # A standalone Figure on an Agg canvas, not pyplot: no window, and the caller's backend is left alone.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -113,24 +115,47 @@ def draw(
     for e in events:
         a = e.action
         chunk = a.stage // s.pp
-        ax.barh(e.rank, e.end - e.start, left=e.start, height=0.8, color=colour(a.kind, chunk),
-                edgecolor="white", linewidth=0.5)
-        ax.text((e.start + e.end) / 2, e.rank, str(a.microbatch), ha="center", va="center", fontsize=font,
-                rotation=90 if upright else 0, color="white" if shade[chunk] > 0.7 else "black")
+        ax.barh(
+            e.rank,
+            e.end - e.start,
+            left=e.start,
+            height=0.8,
+            color=colour(a.kind, chunk),
+            edgecolor="white",
+            linewidth=0.5,
+        )
+        ax.text(
+            (e.start + e.end) / 2,
+            e.rank,
+            str(a.microbatch),
+            ha="center",
+            va="center",
+            fontsize=font,
+            rotation=90 if upright else 0,
+            color="white" if shade[chunk] > 0.7 else "black",
+        )
     ax.set_yticks(range(s.pp), [f"rank {r}" for r in range(s.pp)])
     ax.set_ylim(s.pp - 0.5, -0.5)  # rank 0 on top
     ax.set_xlim(0, report.makespan)
     weight = f", of which weight gradient = {w_cost:g}" if w_cost else ""
-    costs = "" if isinstance(schedule, SimulationReport) else f" (forward = {f_cost:g}, backward = {b_cost:g}{weight} per stage)"
+    costs = (
+        ""
+        if isinstance(schedule, SimulationReport)
+        else f" (forward = {f_cost:g}, backward = {b_cost:g}{weight} per stage)"
+    )
     ax.set_xlabel("simulated time" + costs)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     kinds = [k for k in (Kind.F, Kind.B, Kind.I, Kind.W) if any(e.action.kind == k for e in events)]
-    legend = [Patch(color=colour(k, c), label=f"{k.value} chunk {c}" if v > 1 else _CATEGORY[k])
-              for k in kinds for c in range(v)]
+    legend = [
+        Patch(color=colour(k, c), label=f"{k.value} chunk {c}" if v > 1 else _CATEGORY[k])
+        for k in kinds
+        for c in range(v)
+    ]
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
-    default = (f"{_title(report)}: bubble {report.bubble_fraction:.1%}, "
-               f"peak activations per rank {report.peak_activations}")
+    default = (
+        f"{_title(report)}: bubble {report.bubble_fraction:.1%}, peak activations per rank {report.peak_activations}"
+    )
     ax.set_title(title if title is not None else default, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

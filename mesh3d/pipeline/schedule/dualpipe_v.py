@@ -50,7 +50,6 @@ from collections import deque
 
 from mesh3d.pipeline.schedule.ir import Action, Kind, Schedule, ScheduleError
 
-
 Chunk = tuple[Action, ...]  # one entry of torch's list: F; I; W; a whole backward (I, W); or F, I, W overlapped
 
 

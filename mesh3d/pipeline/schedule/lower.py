@@ -123,8 +123,13 @@ def check_lowered(lowered: LoweredSchedule) -> None:
     check_lists(lowered.schedule, lowered.actions, lowered.skips)
 
 
-def check_lists(schedule: Schedule, actions_per_rank, skips: tuple[tuple[int, int], ...] = (),
-                done: set[Action] | None = None, completed: set[Message] | None = None) -> None:
+def check_lists(
+    schedule: Schedule,
+    actions_per_rank,
+    skips: tuple[tuple[int, int], ...] = (),
+    done: set[Action] | None = None,
+    completed: set[Message] | None = None,
+) -> None:
     """check_lowered's replay over any per-rank lists of `schedule`'s actions (a never-drain
     schedule's one call among several: `done` and `completed` carry the compute actions and
     messages earlier calls finished, and gain this one's). An update (U) runs whenever reached; a
@@ -192,7 +197,9 @@ def check_lists(schedule: Schedule, actions_per_rank, skips: tuple[tuple[int, in
         )
 
 
-def _messages_needed(action: Action, schedule: Schedule, rank: int, skips: tuple[tuple[int, int], ...]) -> list[Message]:
+def _messages_needed(
+    action: Action, schedule: Schedule, rank: int, skips: tuple[tuple[int, int], ...]
+) -> list[Message]:
     """The messages from other ranks a compute action consumes: F its inputs, B / I its output gradients."""
     s, j = action.stage, action.microbatch
     if action.kind == Kind.F:

@@ -164,8 +164,9 @@ def lower_stream(rule: UpdateRule, calls: int, ties: tuple[tuple[int, ...], ...]
     return stream
 
 
-def _add_tie_updates(segments: list[list[list[Action]]], holders: list[int], start: dict[Action, float],
-                     end: dict[Action, float]) -> None:
+def _add_tie_updates(
+    segments: list[list[list[Action]]], holders: list[int], start: dict[Action, float], end: dict[Action, float]
+) -> None:
     """A weight tied across stages follows the rule of its first stage (the primary), on every copy
     at once: a TIE joins the primary's update (right before its U, which then applies the summed
     gradient) with each other holder's update of its copy. Every holder reaches it at the moment
@@ -254,12 +255,21 @@ class NeverDrainStream:
 
 
 @functools.lru_cache(maxsize=32)
-def never_drain_stream(schedule: str, pp: int, microbatches: int,
-                       ties: tuple[tuple[int, ...], ...] = ()) -> NeverDrainStream:
+def never_drain_stream(
+    schedule: str, pp: int, microbatches: int, ties: tuple[tuple[int, ...], ...] = ()
+) -> NeverDrainStream:
     """The stream of a never-drain schedule (cached: every rank and every parallelize reuses it);
     `ties`: the stages holding a copy of each weight tied across stages."""
     return NeverDrainStream(UpdateRule(schedule, pp, microbatches), ties)
 
 
-__all__ = ["NEVER_DRAIN", "NeverDrainStream", "UpdateRule", "continuous_schedule", "lower_stream",
-           "never_drain", "never_drain_stream", "shifted"]
+__all__ = [
+    "NEVER_DRAIN",
+    "NeverDrainStream",
+    "UpdateRule",
+    "continuous_schedule",
+    "lower_stream",
+    "never_drain",
+    "never_drain_stream",
+    "shifted",
+]

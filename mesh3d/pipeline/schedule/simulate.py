@@ -7,13 +7,12 @@ whose communication could not finish, and times its compute with `timeline()`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 from dataclasses import dataclass
 
-from mesh3d.pipeline.schedule.lower import lower
 from mesh3d.pipeline.schedule.catalog import SCHEDULES, build_schedule
-from mesh3d.pipeline.schedule.never_drain import continuous_schedule, never_drain_stream
 from mesh3d.pipeline.schedule.ir import RELEASES, Action, Kind, Schedule
+from mesh3d.pipeline.schedule.lower import lower
+from mesh3d.pipeline.schedule.never_drain import continuous_schedule, never_drain_stream
 from mesh3d.pipeline.schedule.timeline import TimedAction, timeline
 
 
@@ -53,8 +52,12 @@ def peak_live_activations(actions: tuple[Action, ...] | list[Action]) -> int:
 
 
 def simulate_schedule(
-    schedule: Schedule, *, f_cost: float | Sequence[float] = 1.0, b_cost: float | Sequence[float] = 2.0,
-    w_cost: float | Sequence[float] = 0.0, comm_cost: float = 0.0,
+    schedule: Schedule,
+    *,
+    f_cost: float | Sequence[float] = 1.0,
+    b_cost: float | Sequence[float] = 2.0,
+    w_cost: float | Sequence[float] = 0.0,
+    comm_cost: float = 0.0,
 ) -> SimulationReport:
     """Simulate a schedule object (see `simulate` for the by-name form); a cost may be one per stage."""
     events = timeline(schedule, f_cost, b_cost, comm_cost, w_cost)
@@ -105,7 +108,11 @@ def simulate(
     one = simulate_schedule(built, f_cost=f_cost, b_cost=b_cost, w_cost=w_cost, comm_cost=comm_cost)
     if calls == 1:
         return one
-    events = tuple(TimedAction(e.rank, e.action, e.start + c * one.makespan, e.end + c * one.makespan)
-                   for c in range(calls) for e in one.events)
-    return SimulationReport(built, events, calls * one.makespan, one.bubble_fraction, one.peak_activations,
-                            [calls * b for b in one.busy])
+    events = tuple(
+        TimedAction(e.rank, e.action, e.start + c * one.makespan, e.end + c * one.makespan)
+        for c in range(calls)
+        for e in one.events
+    )
+    return SimulationReport(
+        built, events, calls * one.makespan, one.bubble_fraction, one.peak_activations, [calls * b for b in one.busy]
+    )

@@ -45,7 +45,9 @@ def backward_kinds(schedule: Schedule) -> tuple[Kind, ...]:
         return (Kind.B,)
     if used == {Kind.I, Kind.W}:
         return (Kind.I, Kind.W)
-    raise ScheduleError(f"{schedule.name}: backward actions {sorted(map(str, used))}; use B throughout, or I and W throughout")
+    raise ScheduleError(
+        f"{schedule.name}: backward actions {sorted(map(str, used))}; use B throughout, or I and W throughout"
+    )
 
 
 def _check_complete(schedule: Schedule) -> None:
@@ -57,7 +59,9 @@ def _check_complete(schedule: Schedule) -> None:
             if action.kind not in COMPUTE:
                 raise ScheduleError(f"rank {rank}: {action} is not a compute action; lower() adds communication")
             if not 0 <= action.stage < schedule.n_stages or not 0 <= action.microbatch < schedule.microbatches:
-                raise ScheduleError(f"rank {rank}: {action} is outside {schedule.n_stages} stages x {schedule.microbatches} microbatches")
+                raise ScheduleError(
+                    f"rank {rank}: {action} is outside {schedule.n_stages} stages x {schedule.microbatches} microbatches"
+                )
             if schedule.stage_rank(action.stage) != rank:
                 raise ScheduleError(f"rank {rank}: {action} belongs on rank {schedule.stage_rank(action.stage)}")
             if key in seen:
@@ -97,8 +101,11 @@ def replay(
 
 
 def timeline(
-    schedule: Schedule, f_cost: float | Sequence[float] = 1.0, b_cost: float | Sequence[float] = 2.0,
-    comm_cost: float = 0.0, w_cost: float | Sequence[float] = 0.0,
+    schedule: Schedule,
+    f_cost: float | Sequence[float] = 1.0,
+    b_cost: float | Sequence[float] = 2.0,
+    comm_cost: float = 0.0,
+    w_cost: float | Sequence[float] = 0.0,
 ) -> list[TimedAction]:
     """Start and end of every compute action: each rank runs its list in order, as soon as inputs exist.
 

@@ -124,7 +124,9 @@ def _follow_then_inputs_first(pp: int, microbatches: int, patterns: list[list[Ac
                 position[rank] += 1
                 return run(nxt)
             return None
-        candidates = [Action(s, Kind.I, inputs_run[s]) for s in (rank, 2 * pp - 1 - rank) if inputs_run[s] < microbatches]
+        candidates = [
+            Action(s, Kind.I, inputs_run[s]) for s in (rank, 2 * pp - 1 - rank) if inputs_run[s] < microbatches
+        ]
         ready_inputs = [a for a in candidates if ready(a)]
         if ready_inputs:
             return run(min(ready_inputs, key=lambda a: (a.microbatch, -a.stage)))
@@ -135,7 +137,9 @@ def _follow_then_inputs_first(pp: int, microbatches: int, patterns: list[list[Ac
 
 def _follow(base: Schedule, limits: list[int]) -> Policy:
     """Run `base`'s forwards and backwards (as I) in its order; a W when the next cannot start."""
-    order = [[Action(a.stage, Kind.I if a.kind == Kind.B else a.kind, a.microbatch) for a in acts] for acts in base.actions]
+    order = [
+        [Action(a.stage, Kind.I if a.kind == Kind.B else a.kind, a.microbatch) for a in acts] for acts in base.actions
+    ]
     position = [0] * base.pp
 
     def policy(rank: int, now: float, ready, live: int, waiting: list) -> Action | None:
@@ -157,7 +161,9 @@ def _peak(actions) -> int:
     return peak
 
 
-def _play(name: str, pp: int, microbatches: int, v: int, placement: str, policy: Policy) -> tuple[tuple[Action, ...], ...]:
+def _play(
+    name: str, pp: int, microbatches: int, v: int, placement: str, policy: Policy
+) -> tuple[tuple[Action, ...], ...]:
     """Event-driven play with unit costs; each rank asks `policy` what to start whenever it is free."""
     n_stages = pp * v
     finished: dict[Action, float] = {}
@@ -182,6 +188,7 @@ def _play(name: str, pp: int, microbatches: int, v: int, placement: str, policy:
                 if j > 0:
                     needs.append(Action(s, Kind.I, j - 1))
             return all(finished.get(d, float("inf")) <= now for d in needs)
+
         return ready
 
     while placed < total:

@@ -33,17 +33,27 @@ class PartCosts:
     weight_half_seconds: float = 0.0
 
     def minus(self, other: PartCosts, names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> PartCosts:
-        return PartCosts(shapes, names, {k: v - other.saved.get(k, 0) for k, v in self.saved.items()},
-                         self.flops - other.flops, self.forward_flops - other.forward_flops,
-                         self.tp_bytes - other.tp_bytes, self.tp_collectives - other.tp_collectives,
-                         _by_kind_minus(self.tp_by_kind, other.tp_by_kind))
+        return PartCosts(
+            shapes,
+            names,
+            {k: v - other.saved.get(k, 0) for k, v in self.saved.items()},
+            self.flops - other.flops,
+            self.forward_flops - other.forward_flops,
+            self.tp_bytes - other.tp_bytes,
+            self.tp_collectives - other.tp_collectives,
+            _by_kind_minus(self.tp_by_kind, other.tp_by_kind),
+        )
 
 
-def _by_kind_minus(mine: dict[str, tuple[float, int]], other: dict[str, tuple[float, int]]) -> dict[str, tuple[float, int]]:
+def _by_kind_minus(
+    mine: dict[str, tuple[float, int]], other: dict[str, tuple[float, int]]
+) -> dict[str, tuple[float, int]]:
     """What a stage issues beyond a block, per collective kind (no kind left out of either)."""
     none = (0.0, 0)
-    return {kind: (mine.get(kind, none)[0] - other.get(kind, none)[0], mine.get(kind, none)[1] - other.get(kind, none)[1])
-            for kind in {**mine, **other}}
+    return {
+        kind: (mine.get(kind, none)[0] - other.get(kind, none)[0], mine.get(kind, none)[1] - other.get(kind, none)[1])
+        for kind in {**mine, **other}
+    }
 
 
 @dataclass(frozen=True)

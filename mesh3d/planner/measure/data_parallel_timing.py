@@ -53,8 +53,18 @@ def fake_mesh(dp: int, tp: int) -> Iterator[object]:
         dist.destroy_process_group()
 
 
-def time_data_parallel(model: nn.Module, anatomy: Anatomy, *, dp: int, dp_mode: str, tp: int, tp_plan: dict | None,
-                       microbatch_size: int, seq_len: int, param_dtype: torch.dtype | None) -> DataParallelOverhead | None:
+def time_data_parallel(
+    model: nn.Module,
+    anatomy: Anatomy,
+    *,
+    dp: int,
+    dp_mode: str,
+    tp: int,
+    tp_plan: dict | None,
+    microbatch_size: int,
+    seq_len: int,
+    param_dtype: torch.dtype | None,
+) -> DataParallelOverhead | None:
     """The overhead of wrapping a block for `dp` ranks in `dp_mode`; None where it cannot be timed
     here (this process already has a process group: the planner then estimates the copies)."""
     if dp == 1 or tp > 1 or dist.is_initialized():  # with tp, sequence parallel shards the block's input
@@ -69,6 +79,7 @@ def time_data_parallel(model: nn.Module, anatomy: Anatomy, *, dp: int, dp_mode: 
     torch.set_num_threads(1)
     try:
         with fake_mesh(dp, tp) as mesh:
+
             def block_stage() -> nn.Module:
                 stage = copy.deepcopy(on_meta.stages["middle"])
                 stage.to_empty(device="cpu")

@@ -47,14 +47,23 @@ def measure_this_machine() -> Hardware:
     flops = _matmul_rate()
     link, latency, dtensor_update, collectives = _gloo_link()
     return Hardware(
-        "this-machine", peak_flops=flops, memory_bytes=_ram_bytes(), intra_node_bandwidth=link,
-        inter_node_bandwidth=link, memory_bandwidth=_copy_bandwidth(), peak_fp32_flops=flops, achievable_fraction=1.0,
-        times_the_model=True, collective_latency=latency, overlaps_communication=False,
-        dtensor_update_overhead=dtensor_update, collective_times=collectives,
+        "this-machine",
+        peak_flops=flops,
+        memory_bytes=_ram_bytes(),
+        intra_node_bandwidth=link,
+        inter_node_bandwidth=link,
+        memory_bandwidth=_copy_bandwidth(),
+        peak_fp32_flops=flops,
+        achievable_fraction=1.0,
+        times_the_model=True,
+        collective_latency=latency,
+        overlaps_communication=False,
+        dtensor_update_overhead=dtensor_update,
+        collective_times=collectives,
         source=f"measured here: {flops / 1e9:.1f} GFLOP/s one-thread fp32 matmul {MATMUL_SIZE}^3, "
-               f"gloo {link / 1e9:.2f} GB/s and {latency * 1e6:.0f} us per small collective between two "
-               f"processes ({_describe(collectives)}); AdamW +{dtensor_update * 1e6:.0f} us per DTensor parameter; the model's own parts timed "
-               "on one thread",
+        f"gloo {link / 1e9:.2f} GB/s and {latency * 1e6:.0f} us per small collective between two "
+        f"processes ({_describe(collectives)}); AdamW +{dtensor_update * 1e6:.0f} us per DTensor parameter; the model's own parts timed "
+        "on one thread",
     )
 
 
@@ -152,8 +161,10 @@ def _collective_times() -> CollectiveTimes:
 
 def _describe(times: CollectiveTimes) -> str:
     size = COLLECTIVE_BYTES[-1]
-    return ", ".join(f"{kind.replace('_', '-')} of {size // 2**20} MiB {times.seconds(kind, sent) * 1e3:.1f} ms"
-                     for kind, sent in (("all_gather", size / 2), ("reduce_scatter", size / 2), ("all_reduce", size)))
+    return ", ".join(
+        f"{kind.replace('_', '-')} of {size // 2**20} MiB {times.seconds(kind, sent) * 1e3:.1f} ms"
+        for kind, sent in (("all_gather", size / 2), ("reduce_scatter", size / 2), ("all_reduce", size))
+    )
 
 
 def _dtensor_update_overhead() -> float:
@@ -172,8 +183,9 @@ def _dtensor_update_overhead() -> float:
         return _best_of(optimizer.step)
 
     plain = [torch.nn.Parameter(torch.zeros(8, 8)) for _ in range(OVERHEAD_TENSORS)]
-    shards = [torch.nn.Parameter(distribute_tensor(torch.zeros(16, 8), mesh, [Shard(0)]))
-              for _ in range(OVERHEAD_TENSORS)]
+    shards = [
+        torch.nn.Parameter(distribute_tensor(torch.zeros(16, 8), mesh, [Shard(0)])) for _ in range(OVERHEAD_TENSORS)
+    ]
     return max(0.0, update_seconds(shards) - update_seconds(plain)) / OVERHEAD_TENSORS
 
 

@@ -29,8 +29,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mesh3d.model.anatomy import Anatomy
-from mesh3d.model.intake import anatomy_of
 from mesh3d.model.cut import cut_stage
+from mesh3d.model.intake import anatomy_of
 from mesh3d.model.traced.capture import TracedModel
 from mesh3d.pipeline.routes import MessageSpec, StageRoutes, divide, join, pack, unpack
 

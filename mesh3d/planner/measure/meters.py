@@ -33,7 +33,11 @@ class CollectiveBytes(TorchDispatchMode):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if getattr(func, "namespace", "") in ("_c10d_functional", "c10d_functional") and tensors:
             size, n = tensors[0].numel() * tensors[0].element_size(), self.ranks
-            sent = {"all_gather": (n - 1) * size, "reduce_scatter": (n - 1) * size / n, "all_reduce": 2 * (n - 1) * size / n}
+            sent = {
+                "all_gather": (n - 1) * size,
+                "reduce_scatter": (n - 1) * size / n,
+                "all_reduce": 2 * (n - 1) * size / n,
+            }
             kind = next((k for k in sent if name.startswith(k)), None)
             if kind is not None:
                 self.count += 1
@@ -144,8 +148,9 @@ def _cpu_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=N
     return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
-def _cpu_attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
-                                  **kwargs) -> int:
+def _cpu_attention_backward_flops(
+    grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
+) -> int:
     return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 

@@ -16,8 +16,8 @@ from torch import nn
 
 from mesh3d.model.anatomy import Anatomy
 from mesh3d.planner import constants as C
-from mesh3d.planner.measure.measured_stages import KINDS, MeasuredStages, StageFlow, measured_stages
 from mesh3d.planner.measure.costs import ModelCosts, PartCosts
+from mesh3d.planner.measure.measured_stages import KINDS, MeasuredStages, StageFlow, measured_stages
 from mesh3d.planner.measure.probe import _computed, _forward, _input, fake_tp_mesh
 
 
@@ -62,15 +62,25 @@ def time_model(
         return tuple(max(0.0, whole - one) for whole, one in zip(seconds[kind], block))
 
     def timed(part: PartCosts, times: tuple[float, ...]) -> PartCosts:
-        return replace(part, forward_seconds=times[0], backward_seconds=times[1], split_backward_seconds=times[2],
-                       weight_half_seconds=times[3])
+        return replace(
+            part,
+            forward_seconds=times[0],
+            backward_seconds=times[1],
+            split_backward_seconds=times[2],
+            weight_half_seconds=times[3],
+        )
 
-    return replace(costs, block=timed(costs.block, block), first_end=timed(costs.first_end, end("first")),
-                   last_end=timed(costs.last_end, end("last")))
+    return replace(
+        costs,
+        block=timed(costs.block, block),
+        first_end=timed(costs.first_end, end("first")),
+        last_end=timed(costs.last_end, end("last")),
+    )
 
 
-def _time_chain(measured: MeasuredStages, batch: int, seq_len: int,
-                param_dtype: torch.dtype | None) -> dict[str, tuple[float, float, float, float]]:
+def _time_chain(
+    measured: MeasuredStages, batch: int, seq_len: int, param_dtype: torch.dtype | None
+) -> dict[str, tuple[float, float, float, float]]:
     """Per stage: the best forward, backward, split backward (I + W) and W seconds. A stage that
     receives several tensors gets them joined into one, as the runtime does: its I ends there."""
     from mesh3d.pipeline.backward_halves import backward_input, backward_weight

@@ -34,11 +34,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mesh3d.model.anatomy import Anatomy
 from mesh3d.model.loss import cross_entropy_loss
+from mesh3d.pipeline.activation_checkpoint import SAVED_OPS
 from mesh3d.planner.measure.costs import ModelCosts, PartCosts
 from mesh3d.planner.measure.measured_stages import KINDS, MeasuredStages, StageFlow, measured_stages, planner_anatomy
 from mesh3d.planner.measure.meters import CPU_ATTENTION_FLOPS, CollectiveBytes, ResultsOf, SavedBytesMeter, local_shard
-
-from mesh3d.pipeline.activation_checkpoint import SAVED_OPS
 
 
 @contextlib.contextmanager
@@ -51,7 +50,8 @@ def fake_tp_mesh(tp: int) -> Iterator[object]:
     if dist.is_initialized():
         raise RuntimeError(
             f"plan: measuring tp={tp} runs tensor parallelism over a fake process group, which needs a process "
-            "without one; call mesh3d.plan before build_mesh (or in a process of its own), or fix tp=1")
+            "without one; call mesh3d.plan before build_mesh (or in a process of its own), or fix tp=1"
+        )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -62,8 +62,9 @@ def fake_tp_mesh(tp: int) -> Iterator[object]:
         dist.destroy_process_group()
 
 
-def measure_model_anywhere(model: nn.Module, anatomy: Anatomy, split_points: Sequence[str] | None = None,
-                           **sizes) -> ModelCosts:
+def measure_model_anywhere(
+    model: nn.Module, anatomy: Anatomy, split_points: Sequence[str] | None = None, **sizes
+) -> ModelCosts:
     """`measure_model`, in a process of its own when this one already has a process group: the
     fake group of tp > 1 ranks cannot be made beside it (under torchrun after build_mesh, or in a
     test process that built a mesh). The model goes there on meta, pickled, with the `split_points`
@@ -128,8 +129,9 @@ def _end_params(stage: nn.Module, middle: nn.Module) -> tuple[tuple[str, ...], t
     return tuple(names), tuple(shapes)
 
 
-def _run_chain(measured: MeasuredStages, tp: int, batch: int, seq_len: int,
-               param_dtype: torch.dtype | None) -> tuple[dict[str, PartCosts], int, dict[str, int]]:
+def _run_chain(
+    measured: MeasuredStages, tp: int, batch: int, seq_len: int, param_dtype: torch.dtype | None
+) -> tuple[dict[str, PartCosts], int, dict[str, int]]:
     """Each measured stage's costs, its input the stages before it handed on; and the middle
     stage's message (everything it sends on)."""
     tokens = torch.zeros(batch, seq_len, dtype=torch.long)
@@ -142,15 +144,18 @@ def _run_chain(measured: MeasuredStages, tp: int, batch: int, seq_len: int,
     for kind in KINDS:
         stage, x = flow.stage_and_input(kind)
         is_last = kind == "last"
-        saved = {"never": _saved_bytes(stage, x, targets if is_last else None, "never"),
-                 "selective": _selective_cache_bytes(stage, x)}
+        saved = {
+            "never": _saved_bytes(stage, x, targets if is_last else None, "never"),
+            "selective": _selective_cache_bytes(stage, x),
+        }
         checkpointed[kind] = _saved_bytes(stage, x, targets if is_last else None, "always")
         flops, forward_flops, traffic, out = _flops_and_traffic(stage, x, targets if is_last else None, tp)
         own = measured.stages[kind]
         params = tuple(local_shard(p).shape for p in own.parameters())
         names = tuple(n for n, _ in own.named_parameters())
-        results[kind] = PartCosts(params, names, saved, flops, forward_flops, traffic.bytes, traffic.count,
-                                  dict(traffic.by_kind))
+        results[kind] = PartCosts(
+            params, names, saved, flops, forward_flops, traffic.bytes, traffic.count, dict(traffic.by_kind)
+        )
         if not is_last:
             flow.hand_on(kind, out)
     return results, flow.sent_bytes("middle"), checkpointed
@@ -164,12 +169,15 @@ def _computed(stage: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:
     for module in stage.modules():
         for name, param in module._parameters.items():
             if param is not None and param.is_floating_point():
-                module._parameters[name] = nn.Parameter(param.detach().to(param_dtype), requires_grad=param.requires_grad)
+                module._parameters[name] = nn.Parameter(
+                    param.detach().to(param_dtype), requires_grad=param.requires_grad
+                )
     return stage
 
 
 def _forward(stage: nn.Module, x: torch.Tensor, targets: torch.Tensor | None, mode: str) -> torch.Tensor:
     """The stage as the runtime runs it (pipeline/runtime.py): the loss outside the checkpoint."""
+
     def call(inp):
         out = stage(inp)
         return getattr(out, "logits", out)

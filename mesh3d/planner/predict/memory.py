@@ -39,7 +39,9 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.recompute + self.communication
+        return (
+            self.parameters + self.gradients + self.optimizer + self.activations + self.recompute + self.communication
+        )
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,10 @@ def _stage_parts(costs: ModelCosts, stage: int, place: StagePlacement) -> list[t
 
 def stage_parameter_elements(costs: ModelCosts, stage: int, place: StagePlacement, sharded: bool = True) -> int:
     dp = place.dp if sharded else 1
-    return sum(count * sum(_shard_rows(s, dp, place.dp_mode) for s in part.param_shapes)
-               for part, count in _stage_parts(costs, stage, place))
+    return sum(
+        count * sum(_shard_rows(s, dp, place.dp_mode) for s in part.param_shapes)
+        for part, count in _stage_parts(costs, stage, place)
+    )
 
 
 def _tied_elements(costs: ModelCosts, place: StagePlacement, sharded: bool = True) -> int:
@@ -109,7 +113,9 @@ def _per_block(place: StagePlacement, stage: int) -> bool:
 def _ends(costs: ModelCosts, stage: int, place: StagePlacement) -> int:
     """Bytes the stage's ends (embedding; final norm, head and loss) keep: never checkpointed."""
     n = len(place.stage_layers)
-    return (costs.first_end.saved["never"] if stage == 0 else 0) + (costs.last_end.saved["never"] if stage == n - 1 else 0)
+    return (costs.first_end.saved["never"] if stage == 0 else 0) + (
+        costs.last_end.saved["never"] if stage == n - 1 else 0
+    )
 
 
 def _kept(costs: ModelCosts, stage: int, place: StagePlacement, mode: str) -> int:
@@ -123,8 +129,9 @@ def _kept(costs: ModelCosts, stage: int, place: StagePlacement, mode: str) -> in
         return (len(place.stage_layers[stage]) * per_block + _ends(costs, stage, place)) * place.microbatch_size
     if mode == "selective":  # the stage's input (token ids: those of the first stage) and the cache
         taken = costs.checkpointed_stage["first"] if stage == 0 else costs.message_bytes
-        return (taken + sum(count * part.saved["selective"] for part, count in _stage_parts(costs, stage, place))) \
-            * place.microbatch_size
+        return (
+            taken + sum(count * part.saved["selective"] for part, count in _stage_parts(costs, stage, place))
+        ) * place.microbatch_size
     if mode == "always":
         kept = costs.checkpointed_stage
         if n == 1:  # the stage takes the tokens and computes the loss
@@ -145,8 +152,9 @@ def rank_activations(costs: ModelCosts, rank: int, place: StagePlacement) -> tup
     held: dict[tuple[int, int], int] = {}
     live = peak = peak_with_recompute = first_held = 0
     kept_as = "selective" if mode == "selective" else "always"
-    kept = {s: (_kept(costs, s, place, "never"), _kept(costs, s, place, kept_as))
-            for s in place.schedule.local_stages(rank)}
+    kept = {
+        s: (_kept(costs, s, place, "never"), _kept(costs, s, place, kept_as)) for s in place.schedule.local_stages(rank)
+    }
     by_block = {s: _per_block(place, s) for s in kept}
     for action in place.schedule.actions[rank]:
         key = (action.stage, action.microbatch)
@@ -154,8 +162,11 @@ def rank_activations(costs: ModelCosts, rank: int, place: StagePlacement) -> tup
         full, checkpoint_kept = kept[action.stage]  # full: what a recompute rebuilds for the backward
         # what a recompute in B adds on top: one block at a time, or the whole stage
         per_block = by_block[action.stage]
-        rebuilt = costs.block.saved["never"] * place.microbatch_size if per_block else \
-            full - (ids if action.stage == 0 else 0)
+        rebuilt = (
+            costs.block.saved["never"] * place.microbatch_size
+            if per_block
+            else full - (ids if action.stage == 0 else 0)
+        )
         first_stage_before = first_held > 0
         if action.kind == Kind.F:
             held[key] = checkpoint_kept if checkpointed else full
@@ -179,8 +190,9 @@ def rank_activations(costs: ModelCosts, rank: int, place: StagePlacement) -> tup
     return peak, peak_with_recompute - peak
 
 
-def rank_memory(costs: ModelCosts, rank: int, place: StagePlacement,
-                kept: tuple[int, int] | None = None) -> MemoryBreakdown:
+def rank_memory(
+    costs: ModelCosts, rank: int, place: StagePlacement, kept: tuple[int, int] | None = None
+) -> MemoryBreakdown:
     """The peak bytes of pp rank `rank` (its fullest dp and tp rank) at this placement; `kept`:
     its `rank_activations`, when already walked (they do not depend on dp)."""
     params = rank_parameter_elements(costs, rank, place) * place.param_bytes

@@ -19,11 +19,11 @@ import math
 from dataclasses import dataclass
 
 from mesh3d.pipeline.schedule.simulate import simulate_schedule
-from mesh3d.planner.measure.data_parallel_timing import DataParallelOverhead
 from mesh3d.planner import constants as C
 from mesh3d.planner.hardware import Hardware
-from mesh3d.planner.predict.memory import StagePlacement, rank_parameter_elements, _stage_parts
 from mesh3d.planner.measure.costs import ModelCosts
+from mesh3d.planner.measure.data_parallel_timing import DataParallelOverhead
+from mesh3d.planner.predict.memory import StagePlacement, _stage_parts, rank_parameter_elements
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class Links:
     def of(cls, hardware: Hardware, pp: int, dp: int, tp: int, gpus_per_node: int) -> Links:
         """Ranks are laid out tp fastest, then dp, then pp (mesh.py): an axis stays in a node while
         its span of ranks fits in one."""
+
         def link(span: int) -> float:
             bandwidth = hardware.intra_node_bandwidth if span <= gpus_per_node else hardware.inter_node_bandwidth
             return bandwidth * C.ACHIEVABLE_LINK_FRACTION
@@ -61,8 +62,16 @@ class StepTime:
     weight_grad_seconds: tuple[float, ...] = ()  # the W part of a split backward (zero-bubble schedules)
 
 
-def step_time(costs: ModelCosts, place: StagePlacement, hardware: Hardware, links: Links, *,
-              compile: bool, fp32_compute: bool, dp_overhead: DataParallelOverhead | None = None) -> StepTime:
+def step_time(
+    costs: ModelCosts,
+    place: StagePlacement,
+    hardware: Hardware,
+    links: Links,
+    *,
+    compile: bool,
+    fp32_compute: bool,
+    dp_overhead: DataParallelOverhead | None = None,
+) -> StepTime:
     """Predicted seconds of one training step (forward, backward, gradient sync, AdamW).
 
     `dp_overhead`: what FSDP/DDP's wrapping added to a block, timed on this machine
@@ -87,8 +96,9 @@ def step_time(costs: ModelCosts, place: StagePlacement, hardware: Hardware, link
         tp_count = sum(c * p.tp_collectives for p, c in parts)
         tp_s = 0.0
         if costs.tp > 1 and hardware.collective_times is not None:  # each as its kind was timed at its size
-            tp_s = sum(c * _measured_collectives(p.tp_by_kind, mbs, costs.tp, hardware) for p, c in parts) \
-                * (1 - C.TP_HIDDEN_FRACTION)
+            tp_s = sum(c * _measured_collectives(p.tp_by_kind, mbs, costs.tp, hardware) for p, c in parts) * (
+                1 - C.TP_HIDDEN_FRACTION
+            )
         elif costs.tp > 1:
             tp_s = (tp_bytes / links.tp + tp_count * hardware.collective_latency) * (1 - C.TP_HIDDEN_FRACTION)
         f = fwd_s + tp_s / 2
@@ -115,11 +125,21 @@ def step_time(costs: ModelCosts, place: StagePlacement, hardware: Hardware, link
     params = max(rank_parameter_elements(costs, r, place) for r in range(place.schedule.pp))
     optimizer = params * C.ADAMW_BYTES_PER_PARAMETER / hardware.memory_bandwidth
     if place.dp > 1 or costs.tp > 1:  # the parameters are DTensors (wrap.py; tensor parallelism)
-        optimizer += hardware.dtensor_update_overhead * max(_rank_parameter_tensors(costs, r, place)
-                                                            for r in range(place.schedule.pp))
-    return StepTime(report.makespan + exposed + optimizer, report.bubble_fraction, report.makespan, exposed,
-                    optimizer, tp_time, p2p, forward_seconds=tuple(forward), backward_seconds=tuple(backward),
-                    weight_grad_seconds=tuple(w))
+        optimizer += hardware.dtensor_update_overhead * max(
+            _rank_parameter_tensors(costs, r, place) for r in range(place.schedule.pp)
+        )
+    return StepTime(
+        report.makespan + exposed + optimizer,
+        report.bubble_fraction,
+        report.makespan,
+        exposed,
+        optimizer,
+        tp_time,
+        p2p,
+        forward_seconds=tuple(forward),
+        backward_seconds=tuple(backward),
+        weight_grad_seconds=tuple(w),
+    )
 
 
 def _measured_collectives(by_kind: dict[str, tuple[float, int]], mbs: int, ranks: int, hardware: Hardware) -> float:
@@ -139,12 +159,21 @@ def _measured_collectives(by_kind: dict[str, tuple[float, int]], mbs: int, ranks
 
 def _rank_parameter_tensors(costs: ModelCosts, rank: int, place: StagePlacement) -> int:
     """How many parameter tensors pp rank `rank` updates."""
-    return sum(count * len(part.param_shapes) for stage in range(len(place.stage_layers))
-               if place.schedule.stage_rank(stage) == rank for part, count in _stage_parts(costs, stage, place))
+    return sum(
+        count * len(part.param_shapes)
+        for stage in range(len(place.stage_layers))
+        if place.schedule.stage_rank(stage) == rank
+        for part, count in _stage_parts(costs, stage, place)
+    )
 
 
-def _dp_seconds(costs: ModelCosts, place: StagePlacement, links: Links, hardware: Hardware,
-                overhead: DataParallelOverhead | None = None) -> float:
+def _dp_seconds(
+    costs: ModelCosts,
+    place: StagePlacement,
+    links: Links,
+    hardware: Hardware,
+    overhead: DataParallelOverhead | None = None,
+) -> float:
     """FSDP: gather the parameters and reduce-scatter the gradients; DDP: all-reduce the gradients.
     One collective per wrapped module (each block, and each stage's root for the ends) and pass.
     With pp > 1 FSDP gathers once per step (the parameters stay gathered until the last backward);
@@ -174,8 +203,9 @@ def _dp_seconds(costs: ModelCosts, place: StagePlacement, links: Links, hardware
         def moved(elements: int) -> float:  # one module's collectives in a step, as measured
             if place.dp_mode == "ddp":
                 return times.seconds("all_reduce", 2 * share * elements * grad_bytes, dp)
-            return (gathers * times.seconds("all_gather", share * elements * place.compute_bytes, dp)
-                    + times.seconds("reduce_scatter", share * elements * grad_bytes, dp))
+            return gathers * times.seconds("all_gather", share * elements * place.compute_bytes, dp) + times.seconds(
+                "reduce_scatter", share * elements * grad_bytes, dp
+            )
 
         return wrapped + max(sum(moved(e) for e in _rank_module_elements(costs, r, place) if e) for r in range(pp))
     latency = hardware.collective_latency
@@ -199,6 +229,11 @@ def _rank_module_elements(costs: ModelCosts, rank: int, place: StagePlacement) -
     modules = []
     for stage in place.schedule.local_stages(rank):
         modules += [block] * len(place.stage_layers[stage])
-        modules.append(sum(count * sum(math.prod(shape) for shape in part.param_shapes)
-                           for part, count in _stage_parts(costs, stage, place) if part is not costs.block))
+        modules.append(
+            sum(
+                count * sum(math.prod(shape) for shape in part.param_shapes)
+                for part, count in _stage_parts(costs, stage, place)
+                if part is not costs.block
+            )
+        )
     return modules
