@@ -135,17 +135,21 @@ def main() -> None:
         print("| operation | wall s | on disk GiB | GiB/s |")
         print("| --- | --- | --- | --- |")
         print(
-            f"| save (DCP: model + AdamW + train state, {args.writer_threads} writer threads), checksums | {save_s:.2f} | {ckpt_bytes / gib:.3f} | {ckpt_bytes / gib / save_s:.2f} |"
+            f"| save (DCP: model + AdamW + train state, {args.writer_threads} writer threads), checksums "
+            f"| {save_s:.2f} | {ckpt_bytes / gib:.3f} | {ckpt_bytes / gib / save_s:.2f} |"
         )
         print(f"| save without checksums | {save_unchecked_s:.2f} | | {ckpt_bytes / gib / save_unchecked_s:.2f} |")
         print(
-            f"| load into a fresh model and optimizer, verifying checksums | {load_s:.2f} | | {ckpt_bytes / gib / load_s:.2f} |"
+            f"| load into a fresh model and optimizer, verifying checksums "
+            f"| {load_s:.2f} | | {ckpt_bytes / gib / load_s:.2f} |"
         )
         print(
-            f"| load without checksums (sizes checked) | {load_unchecked_s:.2f} | | {ckpt_bytes / gib / load_unchecked_s:.2f} |"
+            f"| load without checksums (sizes checked) "
+            f"| {load_unchecked_s:.2f} | | {ckpt_bytes / gib / load_unchecked_s:.2f} |"
         )
         print(
-            f"| export safetensors ({args.export_dtype}) | {export_s:.2f} | {hf_bytes / gib:.3f} | {hf_bytes / gib / export_s:.2f} |"
+            f"| export safetensors ({args.export_dtype}) "
+            f"| {export_s:.2f} | {hf_bytes / gib:.3f} | {hf_bytes / gib / export_s:.2f} |"
         )
         print(f"| import safetensors | {import_s:.2f} | | {hf_bytes / gib / import_s:.2f} |")
         print(

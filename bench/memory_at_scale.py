@@ -109,9 +109,11 @@ def main() -> None:
                 if reshard is not None:
                     label += f" reshard={reshard}"
                 print(
-                    f"{layout:>11} {label:>10}: model {ranks[0]['params'] / 4e6:.0f}M params, share {share / MIB:.0f} MiB; "
+                    f"{layout:>11} {label:>10}: model {ranks[0]['params'] / 4e6:.0f}M params, "
+                    f"share {share / MIB:.0f} MiB; "
                     f"peak rise per rank {', '.join(f'{r / MIB:.0f}' for r in rises)} MiB "
-                    f"= {max(rises) / share:.2f}x share (bound 1.25x + 256 MiB = {(1.25 * share + 256 * MIB) / MIB:.0f} MiB)",
+                    f"= {max(rises) / share:.2f}x share "
+                    f"(bound 1.25x + 256 MiB = {(1.25 * share + 256 * MIB) / MIB:.0f} MiB)",
                     flush=True,
                 )
 

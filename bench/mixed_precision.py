@@ -8,8 +8,9 @@ compute, fp32 parameters and gradient reduction, bf16 across stage boundaries), 
 training steps of each (pm.step with the default loss, AdamW), then times --steps more, each
 between barriers (so a step is the slowest rank's); the two take turns step by step on the same
 batches. Rank 0 prints the median step time, tokens/s, the last loss, and the pipeline P2P bytes
-and messages sent per step summed over every rank, with the bf16/fp32 ratios. The bytes ratio is exactly 1/2 whatever the machine; the time ratio depends on
-the hardware's bf16 support (and on a machine with fewer cores than ranks, on contention).
+and messages sent per step summed over every rank, with the bf16/fp32 ratios. The bytes ratio is
+exactly 1/2 whatever the machine; the time ratio depends on the hardware's bf16 support (and on a
+machine with fewer cores than ranks, on contention).
 """
 
 from __future__ import annotations
@@ -119,11 +120,13 @@ def main() -> None:
         mib = 2**20
         print(
             f"{layout}\nmodel {args.config} ({fp32['params'] / 1e6:.2f}M parameters), {args.schedule}, "
-            f"microbatches {args.microbatches or 2 * layout.pp}, global batch {args.global_batch} x {args.seq_len} tokens, "
+            f"microbatches {args.microbatches or 2 * layout.pp}, "
+            f"global batch {args.global_batch} x {args.seq_len} tokens, "
             f"{layout.backend} on {layout.device.type}, median of {args.steps} steps after {args.warmup} warm-up"
         )
         print(
-            "| dtype | step ms | tokens/s | loss (last step) | p2p sent/step, all ranks | messages | time vs fp32 | bytes vs fp32 |"
+            "| dtype | step ms | tokens/s | loss (last step) | p2p sent/step, all ranks | messages "
+            "| time vs fp32 | bytes vs fp32 |"
         )
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for name, r in results.items():

@@ -273,7 +273,8 @@ def main() -> None:
         f"pp={args.pp}, {args.microbatches} microbatches, gloo on CPU, one thread per rank"
     )
     print(
-        f"one process, whole batch, one thread: {whole * 1e3:.1f} ms (limit for pp={args.pp}: {whole / args.pp * 1e3:.1f} ms)"
+        f"one process, whole batch, one thread: {whole * 1e3:.1f} ms "
+        f"(limit for pp={args.pp}: {whole / args.pp * 1e3:.1f} ms)"
     )
     print(
         f"one process, the same {args.microbatches} microbatches one after another: {microbatched * 1e3:.1f} ms "

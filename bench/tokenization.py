@@ -72,14 +72,16 @@ def main(argv=None) -> None:
                 seconds = time.perf_counter() - began
                 workers_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
                 print(
-                    f"{name:>10} {workers:>7} {seconds:8.2f} {size_mb / seconds:7.1f} {len(tokens) / seconds / 1e6:9.2f} "
+                    f"{name:>10} {workers:>7} {seconds:8.2f} {size_mb / seconds:7.1f} "
+                    f"{len(tokens) / seconds / 1e6:9.2f} "
                     f"{_rss_mb('VmHWM') - before:8.0f} {workers_peak - before if workers > 1 else 0:10.0f}",
                     flush=True,
                 )
             began = time.perf_counter()
             build_token_cache([corpus], tokenizer, cache_dir=cache)
             print(
-                f"{name:>10} {'hit':>7} {time.perf_counter() - began:8.3f}   (the cache in place: {len(tokens):,} tokens)"
+                f"{name:>10} {'hit':>7} {time.perf_counter() - began:8.3f}   "
+                f"(the cache in place: {len(tokens):,} tokens)"
             )
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -267,7 +267,8 @@ class ParallelModel:
         """
         if self.never_drains:
             raise ValueError(
-                f"pm.clip_grad_norm_ under schedule {self.schedule.name!r}: its updates run inside the pipeline, stage by "
+                f"pm.clip_grad_norm_ under schedule {self.schedule.name!r}: its updates run inside the pipeline, "
+                "stage by "
                 "stage, so no whole gradient is ever there to clip by its global norm; train without clipping"
             )
         counted = lambda param: not self._tied.is_secondary_copy(param)  # noqa: E731
@@ -323,7 +324,8 @@ class ParallelModel:
             return
         if self._runtime.never_drain.failed is not None and self.layout.pp > 1:
             raise RuntimeError(
-                f"a never-drain {self._runtime.never_drain.failed} with messages in flight between pipeline ranks, which the process "
+                f"a never-drain {self._runtime.never_drain.failed} with messages in flight between pipeline ranks, "
+                "which the process "
                 "group cannot withdraw: restart the processes (torchrun restarts them with --max-restarts) and resume "
                 "from the checkpoint there"
             )

@@ -279,7 +279,8 @@ def _check_optimizer(pipe: PipelineConfig, optimizer) -> None:
     if pipe.never_drains and pipe.routes.skips:
         raise ValueError(
             f"schedule {schedule!r} does not run a model with skip connections between stages yet (this split has "
-            f"{list(pipe.routes.skips)}); use a schedule that drains, or split points that keep each skip within a stage"
+            f"{list(pipe.routes.skips)}); use a schedule that drains, "
+            "or split points that keep each skip within a stage"
         )
 
 

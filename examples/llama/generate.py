@@ -68,7 +68,8 @@ def generate(
     if length > model.args.max_seq_len:
         raise ValueError(
             f"generate: the prompt ({prompt.shape[1]} tokens) and max_new_tokens={max_new_tokens} need {length} "
-            f"positions, more than the model's max_seq_len={model.args.max_seq_len}; load it with max_seq_len >= {length} "
+            f"positions, more than the model's max_seq_len={model.args.max_seq_len}; "
+            f"load it with max_seq_len >= {length} "
             "(TrainedSource.load(max_seq_len=...)) or ask for fewer tokens"
         )
     model.eval()

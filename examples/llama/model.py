@@ -169,7 +169,9 @@ class Transformer(nn.Module):
         return self.output(h) if self.output is not None else h
 
     def hf_adapter(self) -> LlamaHFAdapter:
-        """Its names and config as transformers' LlamaForCausalLM's (mesh3d.checkpoint's safetensors export and import ask it)."""
+        """Its names and config as transformers' LlamaForCausalLM's.
+
+        mesh3d.checkpoint's safetensors export and import ask it."""
         return LlamaHFAdapter(self.args)
 
     def tensor_parallel_sizes(self) -> dict[str, int]:

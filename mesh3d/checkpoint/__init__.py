@@ -1,6 +1,7 @@
 """Checkpoints: save and resume under any (pp, dp, tp); safetensors export and import with Hugging Face names.
 
-    mesh3d.checkpoint.save(path, pm, optimizer=None, *, step, data_state=None, extra=None, before_publish=None, checksums=True)
+    mesh3d.checkpoint.save(path, pm, optimizer=None, *, step, data_state=None, extra=None,
+                           before_publish=None, checksums=True)
     state = mesh3d.checkpoint.load(path, pm, optimizer=None)    # {"step", "data_state", "extra"}
     mesh3d.checkpoint.latest(root) -> path | None   # this process's listing; jobs resume with mesh3d.train
     mesh3d.checkpoint.complete_checkpoints(root) -> [path, ...]   # oldest first

@@ -144,8 +144,9 @@ def first_mismatch(
     directory: Path, sums: dict[str, dict], names: Iterable[str], threads: int | None = None
 ) -> str | None:
     """The first of `names` (in name order) whose file is missing, of another size or whose
-    blocks hash to other digests than `sums` records (in the algorithm each entry names, default ALGORITHM), described with both values; None when all
-    match. The blocks are hashed in threads, as `sums_of` does."""
+    blocks hash to other digests than `sums` records (in the algorithm each entry names, default
+    ALGORITHM), described with both values; None when all match. The blocks are hashed in threads,
+    as `sums_of` does."""
     problems: dict[str, str] = {}
     blocks = []
     for name in sorted(names):

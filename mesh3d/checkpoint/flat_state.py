@@ -195,10 +195,14 @@ def check_against_checkpoint(
         )
     has_optimizer = any(k.startswith(OPTIM_STATE) or k.startswith(OPTIM_GROUPS) for k in saved)
     if optimizer_type is not None and not has_optimizer:
-        return f"checkpoint {path} holds no optimizer state (it was saved without an optimizer); pass optimizer=None to load"
+        return (
+            f"checkpoint {path} holds no optimizer state (it was saved without an optimizer); "
+            "pass optimizer=None to load"
+        )
     if optimizer_type is not None and saved_optimizer not in (None, optimizer_type):
         return (
-            f"checkpoint {path} holds {saved_optimizer} optimizer state, not {optimizer_type}; build a {saved_optimizer} "
+            f"checkpoint {path} holds {saved_optimizer} optimizer state, not {optimizer_type}; "
+            f"build a {saved_optimizer} "
             "(with the settings it was saved with), or pass optimizer=None to load the model only"
         )
     for key, value in state.entries.items():
@@ -220,7 +224,8 @@ def check_against_checkpoint(
         if saved_entries - entries:
             extra_entry = sorted(saved_entries - entries)[0]
             return (
-                f"checkpoint {path} has optimizer state {name}.{extra_entry!r} that this optimizer does not keep: it was "
+                f"checkpoint {path} has optimizer state {name}.{extra_entry!r} that this optimizer does not keep: "
+                "it was "
                 "saved with other optimizer settings (e.g. amsgrad=True, momentum); build the optimizer the checkpoint "
                 "was saved with"
             )

@@ -120,7 +120,8 @@ def _read(path: Path) -> tuple[dict, Metadata]:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as error:  # noqa: BLE001 - a cut or corrupt pickle raises anything
         raise DamagedCheckpoint(
-            f"checkpoint {path}: its metadata file {path / DCP_METADATA} is unreadable ({type(error).__name__}: {error})"
+            f"checkpoint {path}: its metadata file {path / DCP_METADATA} is unreadable "
+            f"({type(error).__name__}: {error})"
         ) from None
     return train_state, metadata
 

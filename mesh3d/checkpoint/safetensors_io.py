@@ -3,14 +3,14 @@
 Names and config come from the model's adapter (`hf_adapter.py`): the Hugging Face name of each
 state entry, the config written and checked, the tied embedding/output pair.
 
-Export gathers one tensor at a time to global rank 0 through the state map (a DTensor is
-assembled by the ranks of its owning pp rank, then sent from that pp rank's first rank), which writes `model.safetensors`
-or, above `max_shard_size`, `model-0000k-of-0000n.safetensors` files with the standard
-`model.safetensors.index.json`, plus `config.json`, and last `checksums.json`: a CRC-32 of each
-weight file, as a checkpoint has (not of config.json and the index, which users edit by hand).
-Import verifies those checksums when the file is there (each rank hashing a share of the
-files), then every rank opens the files and reads only the
-slices of the tensors it owns (safetensors reads a slice without reading the rest of the file).
+Export gathers one tensor at a time to global rank 0 through the state map (a DTensor is assembled
+by the ranks of its owning pp rank, then sent from that pp rank's first rank), which writes
+`model.safetensors` or, above `max_shard_size`, `model-0000k-of-0000n.safetensors` files with the
+standard `model.safetensors.index.json`, plus `config.json`, and last `checksums.json`: a CRC-32 of
+each weight file, as a checkpoint has (not of config.json and the index, which users edit by hand).
+Import verifies those checksums when the file is there (each rank hashing a share of the files),
+then every rank opens the files and reads only the slices of the tensors it owns (safetensors reads
+a slice without reading the rest of the file).
 """
 
 from __future__ import annotations

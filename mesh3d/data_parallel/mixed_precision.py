@@ -49,7 +49,8 @@ class MixedPrecision:
         dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
         if param_dtype is not None and dtypes and dtypes != {torch.float32}:
             raise ValueError(
-                f"param_dtype={param_dtype} keeps fp32 master weights, but the model's parameters are {sorted(map(str, dtypes))}; "
+                f"param_dtype={param_dtype} keeps fp32 master weights, "
+                f"but the model's parameters are {sorted(map(str, dtypes))}; "
                 "build the model in fp32 (the default) and let param_dtype set the compute dtype"
             )
         model_dtype = next(iter(dtypes)) if len(dtypes) == 1 else None

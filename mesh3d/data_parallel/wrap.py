@@ -65,8 +65,9 @@ def apply_data_parallel(
     config: DataParallelConfig,
     blocks: Callable[[nn.Module], list[nn.Module]],
 ) -> GradientSync:
-    """Wrap each block of every stage (`blocks(stage)`, the model's repeated blocks), then the stage itself, over layout's dp dim (of any size,
-    1 included: the mixed-precision policy applies all the same); returns the once-per-step
+    """Wrap each block of every stage (`blocks(stage)`, the model's repeated blocks), then the stage
+    itself, over layout's dp dim (of any size, 1 included: the mixed-precision policy applies all
+    the same); returns the once-per-step
     gradient sync the pipeline runtime calls before each backward.
 
     Each stage becomes its own FSDP/DDP root, so no Parameter may be shared by two stages
@@ -83,10 +84,11 @@ def apply_data_parallel(
         # GradientSync.after_weight_backward finishes after a split backward's W, and
         # reset_iter_state after a failed step. torch.nn.parallel.DistributedDataParallel has none
         # of these (no_sync() only, no public mixed-precision policy) and takes tp's DTensor
-        # parameters only after the private `_pre_dp_module_transform`; the public fully_shard(..., dp_mesh_dims=DataParallelMeshDims(
-        # replicate="dp")) refuses plain parameters ("must be DTensors on the full SPMD mesh"),
-        # and mesh3d's are plain (tp = 1) or DTensors on the tp mesh. The DDP parity cases in
-        # tests/distributed/test_composition_parity.py fail if this import moves or changes.
+        # parameters only after the private `_pre_dp_module_transform`; the public fully_shard(...,
+        # dp_mesh_dims=DataParallelMeshDims(replicate="dp")) refuses plain parameters ("must be
+        # DTensors on the full SPMD mesh"), and mesh3d's are plain (tp = 1) or DTensors on the tp
+        # mesh. The DDP parity cases in tests/distributed/test_composition_parity.py fail if this
+        # import moves or changes.
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         wrap = functools.partial(replicate, mesh=mesh)

@@ -152,12 +152,14 @@ class StateMap:
         if missing or unexpected:
             raise ValueError(
                 f"load_full_state_dict: the state_dict does not fit the model: missing {missing[:5]}"
-                f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+                f"{' ...' if len(missing) > 5 else ''}, "
+                f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
             )
         for name, (shape, _) in self.specs.items():
             if tuple(state_dict[name].shape) != tuple(shape):
                 raise ValueError(
-                    f"load_full_state_dict: {name} has shape {tuple(state_dict[name].shape)}, the model expects {tuple(shape)}"
+                    f"load_full_state_dict: {name} has shape {tuple(state_dict[name].shape)}, "
+                    f"the model expects {tuple(shape)}"
                 )
         for names in self.ties:  # one weight in the model: its names must agree
             for name in names[1:]:

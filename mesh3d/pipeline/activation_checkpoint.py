@@ -35,7 +35,8 @@ block's `forward` is replaced in place by one that runs the original under
   compiled forward (the runtime patches after parallelize compiled it);
 - the stage's ends (embedding, final norm and head, loss) are not checkpointed.
 
-Under "selective" the checkpoint takes the selective contexts (above): the block keeps its matmul and attention results as well, and its recompute runs the rest only.
+Under "selective" the checkpoint takes the selective contexts (above): the block keeps its matmul
+and attention results as well, and its recompute runs the rest only.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """Point-to-point traffic between pipeline stages: the only place that talks to peers.
 
-A `Mailbox` lives for one step (under a never-drain schedule, for every call until the flush:
-each call receives everything sent to it, and what a later call consumes waits in the inbox). A stage's output (or input gradient) is handed over in memory
-when the consuming stage sits on this rank, and goes out with `isend` otherwise; a receive is
-posted early (`irecv` into a buffer shaped from the meta run) and waited on only when the compute
-that consumes it starts. Every message has a tag unique within the step, so gloo (which matches
-by tag) and NCCL (which matches by order; the lowering fixed one order on both ends) both pair
-them correctly. Sends are waited on at the end of the step; a completed send is dropped as soon as
-the next one is posted, so a step holds the messages in flight, not all it sent.
+A `Mailbox` lives for one step (under a never-drain schedule, for every call until the flush: each
+call receives everything sent to it, and what a later call consumes waits in the inbox). A stage's
+output (or input gradient) is handed over in memory when the consuming stage sits on this rank, and
+goes out with `isend` otherwise; a receive is posted early (`irecv` into a buffer shaped from the
+meta run) and waited on only when the compute that consumes it starts. Every message has a tag
+unique within the step, so gloo (which matches by tag) and NCCL (which matches by order; the
+lowering fixed one order on both ends) both pair them correctly. Sends are waited on at the end of
+the step; a completed send is dropped as soon as the next one is posted, so a step holds the
+messages in flight, not all it sent.
 
 On CPU (gloo) two things go further, because there a receive posted late is paid on the critical
 path (posting an `irecv` for a message the peer already sent took 2-6 ms of the receiving rank's
@@ -190,7 +191,8 @@ class Mailbox:
         if tensor.shape != shape or tensor.dtype != dtype:
             what = "output" if forward else "input gradient"
             raise RuntimeError(
-                f"stage {stage} produced an {what} of {tuple(tensor.shape)} {tensor.dtype} for microbatch {microbatch}, "
+                f"stage {stage} produced an {what} of {tuple(tensor.shape)} {tensor.dtype} "
+                f"for microbatch {microbatch}, "
                 f"but the meta run gave {tuple(shape)} {dtype}: a stage's output must depend only on its input's "
                 "shape and dtype"
             )

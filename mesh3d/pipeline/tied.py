@@ -162,9 +162,9 @@ class TiedWeights:
                         layouts[name] = tuple(getattr(param, "placements", ()))
             if len(set(layouts.values())) > 1:
                 raise ValueError(
-                    f"tied weights are sharded differently by the tp plan ({layouts}); give both modules styles that "
-                    "split the shared weight along the same dim (e.g. RowwiseParallel embedding and ColwiseParallel head "
-                    "both split the vocabulary)"
+                    f"tied weights are sharded differently by the tp plan ({layouts}); "
+                    "give both modules styles that split the shared weight along the same dim "
+                    "(e.g. RowwiseParallel embedding and ColwiseParallel head both split the vocabulary)"
                 )
 
     def is_secondary_copy(self, param: torch.Tensor) -> bool:

@@ -5,7 +5,8 @@
     mesh3d.parallelize(model, **best.parallelize_kwargs())
 
 `Plan` is one ranked row (its MemoryBreakdown included); `Hardware` (HARDWARE: the named ones,
-with their CollectiveTimes) describes the machine. See docs/plan.md for the model's terms and its validation against published runs.
+with their CollectiveTimes) describes the machine. See docs/plan.md for the model's terms and its
+validation against published runs.
 """
 
 from mesh3d.planner.hardware import HARDWARE, CollectiveTimes, Hardware

@@ -17,12 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mesh3d.pipeline.schedule.catalog import SCHEDULES, build_schedule, check_schedule_config
-
-# The never-drain schedules (pipedream, pipedream_2bw) hold stashed weight versions and overlap
-# calls; the planner's memory walk and step timeline model one flushing step, so it leaves them out.
-PLANNED_SCHEDULES = [name for name, spec in SCHEDULES.items() if not spec.never_drains]
 from mesh3d.pipeline.config import ACTIVATION_CHECKPOINT_MODES
+from mesh3d.pipeline.schedule.catalog import SCHEDULES, build_schedule, check_schedule_config
 from mesh3d.pipeline.split import split_point_counts, stage_layer_ranges
 from mesh3d.pipeline.tied import find_ties
 from mesh3d.planner import constants as C
@@ -36,6 +32,10 @@ from mesh3d.planner.measure.probe import measure_model_anywhere
 from mesh3d.planner.model_source import max_sequence_length, meta_model
 from mesh3d.planner.predict.memory import MemoryBreakdown, StagePlacement, rank_activations, rank_memory
 from mesh3d.planner.predict.step_time import Links, StepTime, step_time
+
+# The never-drain schedules (pipedream, pipedream_2bw) hold stashed weight versions and overlap
+# calls; the planner's memory walk and step timeline model one flushing step, so it leaves them out.
+PLANNED_SCHEDULES = [name for name, spec in SCHEDULES.items() if not spec.never_drains]
 
 FIXABLE = (
     "pp",
@@ -430,7 +430,8 @@ def _nothing_fits(gpus, limit, smallest_need, fix, global_batch, split_counts=No
         stages = (
             ""
             if split_counts is None
-            else f", and split_points make {len(split_counts)} stages, so pp * virtual_stages must be {len(split_counts)}"
+            else f", and split_points make {len(split_counts)} stages, "
+            f"so pp * virtual_stages must be {len(split_counts)}"
         )
         return (
             f"plan: no layout of {gpus} GPUs matches these sizes (global_batch={global_batch}, fix={fix}); "

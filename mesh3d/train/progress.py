@@ -3,7 +3,9 @@
     progress = Progress(total_steps=1000, tokens_per_step=16 * 128, start_step=0,
                         flops_per_token=per_token, peak_flops=peak, world_size=8, device="cpu")
     print(progress.line(step, loss, lr, grad_norm, step_seconds))
-    # step    10  loss 3.2101  lr 1.50e-03  grad_norm 0.812  elapsed 12.4s  eta 1m05s  tokens/s 1.7k  MFU n/a (peak FLOP/s unknown for cpu)
+    # (one line, wrapped here)
+    # step    10  loss 3.2101  lr 1.50e-03  grad_norm 0.812  elapsed 12.4s  eta 1m05s  tokens/s 1.7k
+    #   MFU n/a (peak FLOP/s unknown for cpu)
 
 Counts read 950, 12.3k, 4.1M, 2.0B; durations 4.2s, 42s, 1m05s, 2h03m, 1d04h. The ETA is the
 mean time of the steps this process ran so far, times the steps left: a resumed run's ETA counts

@@ -101,7 +101,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, where):
 
 
 def _error_message(fn) -> str:
-    # After the barrier in `raised`: a rank that hung in a collective would never get there, and the harness fails the test.
+    # After the barrier in `raised`: a rank that hung in a collective would never get there, and the
+    # harness fails the test.
     return message_of(fn, (ValueError, FileNotFoundError)) or "no error"
 
 

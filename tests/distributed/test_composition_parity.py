@@ -29,7 +29,8 @@ LAYOUTS = {
 }
 
 # (layout, tied, parallelize options) beyond FSDP + interleaved 1F1B. "vocab" changes the model:
-# 65 rows (66 over tp = 2) do not shard evenly over dp, so FSDP pads the tied weight (both tie ends on one rank at pp=1).
+# 65 rows (66 over tp = 2) do not shard evenly over dp, so FSDP pads the tied weight (both tie ends
+# on one rank at pp=1).
 EXTRA = {
     2: [((1, 2, 1), True, {"vocab": 65})],
     4: [

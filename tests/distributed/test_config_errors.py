@@ -44,8 +44,9 @@ TRAIN = [
         ),
         (
             ["--schedule", "pipedream_2bw", "--grad-clip", "1.0"],
-            "train.py: error: --grad-clip 1.0 cannot apply with --schedule pipedream_2bw: its stages update at different "
-            "times, so no whole gradient exists to clip by its global norm; leave --grad-clip out (or pass --grad-clip 0)",
+            "train.py: error: --grad-clip 1.0 cannot apply with --schedule pipedream_2bw: "
+            "its stages update at different times, so no whole gradient exists to clip by its global norm; "
+            "leave --grad-clip out (or pass --grad-clip 0)",
             None,
         ),
     ],

@@ -1,4 +1,5 @@
-"""The multi-process harness itself (tests/multiprocess.py): a failing, silent or hung rank is reported, not waited on."""
+"""The multi-process harness itself (tests/multiprocess.py): a failing, silent or hung rank is
+reported, not waited on."""
 
 import os
 import time

@@ -82,7 +82,7 @@ def _kept_by_the_rule(pm, schedule: str, pp: int) -> int:
     return total
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda l: "x".join(map(str, l)))
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda layout: "x".join(map(str, layout)))
 def test_never_drain_matches_its_update_rule(layout):
     pp, dp, tp = layout
     per_rank = run_on_ranks(_run, pp * dp * tp, pp, dp, tp, timeout=300)

@@ -83,21 +83,30 @@ def _bad_configs():
 EXPECTED = {
     "unknown schedule": f"unknown pipeline schedule 'zero_bubble_v'; choose one of {sorted(SCHEDULES)}",
     "too few microbatches": "schedule '1f1b' needs microbatches >= pp, got microbatches=3 with pp=4; use at least 4",
-    "too few microbatches interleaved": "schedule 'interleaved_1f1b' needs microbatches >= pp, got microbatches=2 with pp=4",
-    "dualpipev with the default microbatches": "schedule 'dualpipev' needs microbatches >= 2*pp, got microbatches=4 with pp=4; "
-    "use at least 8 microbatches (or schedule='zbv', which needs microbatches >= pp)",
+    "too few microbatches interleaved": (
+        "schedule 'interleaved_1f1b' needs microbatches >= pp, got microbatches=2 with pp=4"
+    ),
+    "dualpipev with the default microbatches": (
+        "schedule 'dualpipev' needs microbatches >= 2*pp, got microbatches=4 with pp=4; "
+        "use at least 8 microbatches (or schedule='zbv', which needs microbatches >= pp)"
+    ),
     "more stages than layers": "cannot split 6 layers into 8 pipeline stages (pp x virtual_stages)",
     "no layers": "NoLayers has no nn.ModuleDict attribute 'layers' (found nothing)",
-    "virtual stages with one-stage schedule": "schedule '1f1b' runs one stage per rank, but virtual_stages=2; use virtual_stages=1",
-    "bad checkpoint mode": "activation_checkpoint='sometimes'; choose one of ['never', 'always', 'except_last', 'selective']",
+    "virtual stages with one-stage schedule": (
+        "schedule '1f1b' runs one stage per rank, but virtual_stages=2; use virtual_stages=1"
+    ),
+    "bad checkpoint mode": (
+        "activation_checkpoint='sometimes'; choose one of ['never', 'always', 'except_last', 'selective']"
+    ),
     "bad layers_per_stage": "layers_per_stage=[4, 4] must list 4 positive counts",
     "different configs on ranks": "ranks were given different pipeline configurations",
     "never-drain without an optimizer": "schedule 'pipedream_2bw' updates the weights inside the pipeline, stage by "
     "stage, so mesh3d must own the optimizer: pass optimizer=functools.partial(",
     "optimizer not callable": "optimizer='adamw' is not callable; pass a factory taking the parameters",
     "never-drain with two stages per rank": "schedule 'pipedream' runs one stage per rank, but virtual_stages=2",
-    "clipping under a never-drain schedule": "pm.clip_grad_norm_ under schedule 'pipedream_2bw': its updates run inside "
-    "the pipeline",
+    "clipping under a never-drain schedule": (
+        "pm.clip_grad_norm_ under schedule 'pipedream_2bw': its updates run inside the pipeline"
+    ),
     "batch does not split": "a batch of 6 samples does not split into microbatches=4 equal microbatches",
 }
 

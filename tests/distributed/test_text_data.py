@@ -37,7 +37,9 @@ expected = (root / "book.txt").stat().st_size + 1 + int(100e6 // len(line)) * (l
 corpus_mb = sum(p.stat().st_size for p in root.iterdir()) / 1e6
 before = rss_mb("VmRSS")
 open("/proc/self/clear_refs", "w").write("5")  # restart the peak (VmHWM) from here
-tokens = build_token_cache([root / "book.txt", root / "docs.jsonl"], ByteTokenizer(), cache_dir=root / "cache", workers=2)
+tokens = build_token_cache(
+    [root / "book.txt", root / "docs.jsonl"], ByteTokenizer(), cache_dir=root / "cache", workers=2
+)
 main_peak = rss_mb("VmHWM")
 workers_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # forked from this process at `before`
 book = (root / "book.txt").open("rb").read(1000)

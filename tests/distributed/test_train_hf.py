@@ -1,9 +1,10 @@
 """train.py --hf-model: a Hugging Face model trained with the example's flags, written back as itself.
 
 - `--hf-model qwen2` (the architecture at the debug config's sizes), the README-style command at
-  (pp, dp, tp) = (2, 1, 2) under torchrun (tensor parallelism from Qwen2's own plan), with checkpoints, held-out eval and --export-hf: the loss falls; its step-14
-  checkpoint resumed in one process (pp 2 -> 1) gives steps 15-16 the same losses (1e-4, as
-  test_train_checkpoint.py); both exports load in transformers as Qwen2ForCausalLM with equal logits.
+  (pp, dp, tp) = (2, 1, 2) under torchrun (tensor parallelism from Qwen2's own plan), with
+  checkpoints, held-out eval and --export-hf: the loss falls; its step-14 checkpoint resumed in one
+  process (pp 2 -> 1) gives steps 15-16 the same losses (1e-4, as test_train_checkpoint.py); both
+  exports load in transformers as Qwen2ForCausalLM with equal logits.
 - The issue's Qwen2 case: a Qwen2 checkpoint (q/k/v biases) given to the LLaMA example with
   --init-from-hf is refused, naming the biases; with --hf-model the same directory is imported and
   exported exactly as Qwen2 (logits equal the original's, 1e-5).

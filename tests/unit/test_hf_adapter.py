@@ -230,7 +230,8 @@ def test_the_llama_example_refuses_a_checkpoint_with_biases_it_lacks(tmp_path):
     config = json.loads((tmp_path / "llama" / "config.json").read_text())
     with pytest.raises(
         ValueError,
-        match=r"holds 6 tensor\(s\) this model has no place for \('model.layers.0.self_attn.k_proj.bias', 'model.layers.0.self_attn.q_proj.bias'",
+        match=r"holds 6 tensor\(s\) this model has no place for "
+        r"\('model.layers.0.self_attn.k_proj.bias', 'model.layers.0.self_attn.q_proj.bias'",
     ):
         mesh3d.checkpoint.import_safetensors(pm, _write(tmp_path / "qwen2", {**tensors, **biases}, config))
     mesh3d.checkpoint.import_safetensors(pm, tmp_path / "llama")  # its own export loads

@@ -91,7 +91,8 @@ def linear_collectives():
 def test_measured_data_parallel_collectives_are_charged_the_bytes_a_rank_sends():
     elements = sum(p.numel() for p in Transformer(get_config("debug", max_seq_len=SEQ)).parameters())
     machine = latency_only(collective_times=linear_collectives())
-    # FSDP over 2 ranks: each gather sends half the fp32 parameters, 4 microbatches x 2; the reduce-scatter half the gradients
+    # FSDP over 2 ranks: each gather sends half the fp32 parameters, 4 microbatches x 2; the
+    # reduce-scatter half the gradients
     fsdp = one_plan(machine, pp=1, dp=2, tp=1, dp_mode="fsdp")
     assert fsdp.time.exposed_dp_seconds == pytest.approx(8 * elements * 4 / 2 + elements * 4 / 2, rel=1e-6)
     ddp = one_plan(machine, pp=1, dp=2, tp=1, dp_mode="ddp")  # the ring all-reduce sends the gradients once

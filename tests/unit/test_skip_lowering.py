@@ -49,7 +49,10 @@ def test_a_skip_from_the_first_stage_to_the_last_is_sent_directly(name, v):
         assert found == {}
     else:
         assert set(found) == {first_rank, last_rank}  # the ranks between see nothing of it
-        kinds = lambda rank: sorted(str(a.kind) for a in found[rank])
+
+        def kinds(rank):
+            return sorted(str(a.kind) for a in found[rank])
+
         assert kinds(first_rank) == sorted(["RECV_B", "SEND_F"] * m)
         assert kinds(last_rank) == sorted(["RECV_F", "SEND_B"] * m)
     # what the skip adds is only its own messages: the rest of every list is unchanged

@@ -47,7 +47,8 @@ def test_split_routes_the_skip_straight_to_its_consumer_and_stages_compose_to_th
     stages = [split.stage(model, s) for s in range(4)]
     names = [sorted(n for n, _ in stage.named_parameters()) for stage in stages]
     assert names[0] == sorted(
-        ["emb.weight"] + [f"blocks.{i}.{l}.{p}" for i in (0, 1) for l in ("up", "down") for p in ("weight", "bias")]
+        ["emb.weight"]
+        + [f"blocks.{i}.{part}.{p}" for i in (0, 1) for part in ("up", "down") for p in ("weight", "bias")]
     )
     assert "head.weight" in names[3] and isinstance(stages[1].get_submodule("blocks.2.up"), nn.Linear)
     # the runtime's calling convention (pipeline/routes.py): previous stage's outputs, then the skips'

@@ -23,7 +23,9 @@ class Kind(str, enum.Enum):
 
     F = "F"  # forward of one stage on one microbatch
     B = "B"  # full backward (input and weight gradients) of one stage on one microbatch
-    I = "I"  # input-gradient half of a backward (zero-bubble schedules): what the previous stage waits for
+    # input-gradient half of a backward (zero-bubble schedules): what the previous stage waits for.
+    # The name is the schedule notation's letter (F, B, I, W), used as Kind.I throughout.
+    I = "I"  # noqa: E741
     W = "W"  # weight-gradient half of a backward: nobody waits for it; it frees the activation
     SEND_F = "SEND_F"  # send a forward activation to the next stage's rank
     RECV_F = "RECV_F"  # post the receive of a forward activation from the previous stage's rank

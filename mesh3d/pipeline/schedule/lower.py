@@ -192,9 +192,8 @@ def check_lists(
     pending = [issued[r][head[r]] for r in range(schedule.pp) if head[r] < len(issued[r])]
     if stuck or pending:
         where = "; ".join(f"rank {r} stuck at {a}" for r, a in stuck)
-        raise ScheduleError(
-            f"lowered schedule {schedule.name!r} cannot finish: {where or 'operations never matched: ' + ', '.join(map(str, pending))}"
-        )
+        where = where or "operations never matched: " + ", ".join(map(str, pending))
+        raise ScheduleError(f"lowered schedule {schedule.name!r} cannot finish: {where}")
 
 
 def _messages_needed(

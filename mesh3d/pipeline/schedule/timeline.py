@@ -60,7 +60,8 @@ def _check_complete(schedule: Schedule) -> None:
                 raise ScheduleError(f"rank {rank}: {action} is not a compute action; lower() adds communication")
             if not 0 <= action.stage < schedule.n_stages or not 0 <= action.microbatch < schedule.microbatches:
                 raise ScheduleError(
-                    f"rank {rank}: {action} is outside {schedule.n_stages} stages x {schedule.microbatches} microbatches"
+                    f"rank {rank}: {action} is outside {schedule.n_stages} stages "
+                    f"x {schedule.microbatches} microbatches"
                 )
             if schedule.stage_rank(action.stage) != rank:
                 raise ScheduleError(f"rank {rank}: {action} belongs on rank {schedule.stage_rank(action.stage)}")

@@ -62,7 +62,8 @@ def measure_this_machine() -> Hardware:
         collective_times=collectives,
         source=f"measured here: {flops / 1e9:.1f} GFLOP/s one-thread fp32 matmul {MATMUL_SIZE}^3, "
         f"gloo {link / 1e9:.2f} GB/s and {latency * 1e6:.0f} us per small collective between two "
-        f"processes ({_describe(collectives)}); AdamW +{dtensor_update * 1e6:.0f} us per DTensor parameter; the model's own parts timed "
+        f"processes ({_describe(collectives)}); AdamW +{dtensor_update * 1e6:.0f} us per DTensor parameter; "
+        "the model's own parts timed "
         "on one thread",
     )
 
