@@ -45,7 +45,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mesh3d  # noqa: E402
-from examples.llama import arguments, hf_model  # noqa: E402
+from examples.llama import arguments  # noqa: E402
+from examples.llama.checkpoints import restore, save_checkpoint  # noqa: E402
 from examples.llama.config_errors import flags_of, reported_once  # noqa: E402
 from examples.llama.fault_injection import FaultInjection  # noqa: E402
 from examples.llama.model import count_parameters, llama_tp_plan  # noqa: E402
@@ -63,8 +64,6 @@ from mesh3d.train import (  # noqa: E402
     HeldOutEvaluator,
     Progress,
     due,
-    resume_from,
-    resume_latest,
 )
 from mesh3d.train.flops import device_name, flops_per_token, peak_flops  # noqa: E402
 
@@ -107,23 +106,7 @@ def set_up(args):
     loader = DistributedLoader.for_layout(dataset, args.global_batch, layout, seed=args.seed)
     optimizer = pm.optimizer if pm.never_drains else build_optimizer(pm.parameters(), args)
     say = (lambda line: print(line, flush=True)) if layout.rank == 0 else (lambda line: None)
-    start_step, origin, state = 0, f"initialized with seed {args.seed}", None
-    if args.resume_from:  # weights, optimizer state, RNG and the data position, saved under any layout
-        resumed, state = args.resume_from, resume_from(args.resume_from, pm, optimizer)
-    elif args.resume:
-        resumed, state = resume_latest(args.checkpoint_dir, pm, optimizer, say=say)
-    if state is not None:
-        loader.load_state_dict(state["data_state"])
-        start_step, origin = state["step"], f"resumed from {resumed} (step {state['step']})"
-    elif args.init_from_hf or hf_model.weights_dir(args):
-        weights = args.init_from_hf or hf_model.weights_dir(args)
-        try:
-            mesh3d.checkpoint.import_safetensors(pm, weights)
-        except ValueError as error:
-            if args.init_from_hf:  # the LLaMA example's import: another architecture has its own way in
-                error.add_note(f"to train the model in {weights} as its own architecture, pass --hf-model {weights}")
-            raise
-        origin = f"weights from {weights}"
+    start_step, origin, resumed = restore(args, pm, optimizer, loader, say)
     say(
         f"effective config (TOML):\n{effective_config_toml(args)}\n{layout}\n{pm}\n"
         f"model {described}: {n_params / 1e6:.2f}M parameters, {origin}\n"
@@ -142,7 +125,7 @@ def set_up(args):
         device_name(layout.device),
     )
     evaluator = HeldOutEvaluator(heldout, args.global_batch, layout, args.eval_batches) if heldout else None
-    return layout, pm, optimizer, loader, evaluator, progress, state is not None
+    return layout, pm, optimizer, loader, evaluator, progress, resumed
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -231,22 +214,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"exported Hugging Face safetensors to {args.export_hf}", flush=True)
     torch.distributed.destroy_process_group()
     return history
-
-
-def save_checkpoint(pm, optimizer, loader, step: int, args, is_main: bool, fault: FaultInjection | None) -> None:
-    began = time.perf_counter()
-    path = mesh3d.checkpoint.save(
-        Path(args.checkpoint_dir) / f"step{step}",
-        pm,
-        optimizer,
-        step=step,
-        data_state=loader.state_dict(),
-        extra={"args": vars(args)},
-        keep_last=args.keep_last,
-        before_publish=fault.before_publish if fault else None,
-    )
-    if is_main:
-        print(f"saved checkpoint {path} in {time.perf_counter() - began:.2f} s", flush=True)
 
 
 if __name__ == "__main__":
