@@ -22,7 +22,8 @@ from mesh3d.pipeline.schedule.simulate import SimulationReport, simulate_schedul
 from mesh3d.planner.hardware import HARDWARE
 from mesh3d.planner.model_source import PRESETS
 from mesh3d.planner.predict.memory import MemoryBreakdown
-from mesh3d.planner.ranking import FIXABLE, Plan, _memory_limit, plan, resolve_hardware
+from mesh3d.planner.ranking import Plan, plan
+from mesh3d.planner.search_space import FIXABLE, memory_limit_bytes, resolve_hardware
 
 GIB = 2**30
 _INT_KEYS = ("pp", "dp", "tp", "virtual_stages", "microbatches")
@@ -307,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         fix = parse_fix(args.fix)
         model = load_model(args.model)
         hardware = resolve_hardware(args.hardware)
-        limit = _memory_limit(args.memory_limit, hardware)
+        limit = memory_limit_bytes(args.memory_limit, hardware)
         plans = plan(
             model,
             gpus=args.gpus,

@@ -4,7 +4,7 @@ A `Hardware` is one accelerator and the links it has to its peers: within a node
 between nodes (the node's network, per GPU). The presets quote NVIDIA's datasheets (SXM parts);
 what a real run reaches of these peaks is the planner's business (constants.py), not the
 hardware's. `hardware="this-machine"` measures the machine the planner runs on instead
-(measure/machine_bench.py; ranking.resolve_hardware picks one or the other).
+(measure/machine_bench.py; search_space.resolve_hardware picks one or the other).
 """
 
 from __future__ import annotations

@@ -9,45 +9,31 @@ dp_mode) the planner builds the schedule mesh3d would run, predicts the fullest 
 from __future__ import annotations
 
 import functools
-import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from mesh3d.pipeline.config import ACTIVATION_CHECKPOINT_MODES
-from mesh3d.pipeline.schedule.catalog import SCHEDULES, build_schedule, check_schedule_config
+from mesh3d.pipeline.schedule.catalog import build_schedule
 from mesh3d.pipeline.split import split_point_counts, stage_layer_ranges
 from mesh3d.pipeline.tied import find_ties
-from mesh3d.planner import constants as C
-from mesh3d.planner.hardware import HARDWARE, Hardware
+from mesh3d.planner.hardware import Hardware
 from mesh3d.planner.measure.costs import ModelCosts
 from mesh3d.planner.measure.data_parallel_timing import time_data_parallel
-from mesh3d.planner.measure.machine_bench import measure_this_machine
 from mesh3d.planner.measure.measured_stages import planner_anatomy, token_ids
 from mesh3d.planner.measure.part_timing import time_model
 from mesh3d.planner.measure.probe import measure_model_anywhere
 from mesh3d.planner.model_source import max_sequence_length, meta_model
 from mesh3d.planner.predict.memory import MemoryBreakdown, StagePlacement, rank_activations, rank_memory
 from mesh3d.planner.predict.step_time import Links, StepTime, step_time
-
-# The never-drain schedules (pipedream, pipedream_2bw) hold stashed weight versions and overlap
-# calls; the planner's memory walk and step timeline model one flushing step, so it leaves them out.
-PLANNED_SCHEDULES = [name for name, spec in SCHEDULES.items() if not spec.never_drains]
-
-FIXABLE = (
-    "pp",
-    "dp",
-    "tp",
-    "schedule",
-    "virtual_stages",
-    "microbatches",
-    "activation_checkpoint",
-    "dp_mode",
-    "param_dtype",
-    "compile",
+from mesh3d.planner.search_space import (
+    candidate_layouts,
+    check_fix,
+    check_sizes,
+    memory_limit_bytes,
+    nothing_fits,
+    resolve_hardware,
 )
 
 
@@ -146,15 +132,15 @@ def plan(
     cannot capture raises the anatomy's ValueError (torch's reason) as `parallelize` would.
     """
     hw = resolve_hardware(hardware)
-    fix = _check_fix(fix)
-    _check_sizes(gpus, gpus_per_node, seq_len, global_batch)
+    fix = check_fix(fix)
+    check_sizes(gpus, gpus_per_node, seq_len, global_batch)
     model = meta_model(model)
     longest = max_sequence_length(model)
     if longest is not None and seq_len > longest:
         raise ValueError(
             f"plan: seq_len={seq_len} is longer than the model takes ({longest}); use seq_len <= {longest}"
         )
-    limit = _memory_limit(memory_limit, hw)
+    limit = memory_limit_bytes(memory_limit, hw)
     anatomy = planner_anatomy(model, seq_len, split_points)
     n_blocks = len(anatomy.block_names(model))
     split_counts = (
@@ -195,7 +181,7 @@ def plan(
     )
     walks: dict[tuple, tuple[tuple[int, int], ...]] = {}
     plans, smallest_need = [], None
-    for cand in _candidates(
+    for cand in candidate_layouts(
         gpus, gpus_per_node, global_batch, n_blocks, anatomy.tensor_parallel_sizes, fix, tensor_parallel=bool(plan_tp)
     ):
         if split_counts is not None and cand["pp"] * cand["virtual_stages"] != len(split_counts):
@@ -273,7 +259,7 @@ def plan(
             )
         )
     if not plans:
-        raise ValueError(_nothing_fits(gpus, limit, smallest_need, fix, global_batch, split_counts))
+        raise ValueError(nothing_fits(gpus, limit, smallest_need, fix, global_batch, split_counts))
     return sorted(plans, key=lambda p: -p.tokens_per_second_per_gpu)
 
 
@@ -281,166 +267,3 @@ def _model_flops_per_token(costs: ModelCosts, n_blocks: int) -> float:
     """The whole model's FLOPs per token (forward and backward, no recomputation): MFU's numerator."""
     per_rank = n_blocks * costs.block.flops + costs.first_end.flops + costs.last_end.flops
     return per_rank * costs.tp / (costs.microbatch_size * costs.seq_len)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _candidates(gpus, gpus_per_node, global_batch, n_blocks, tp_sizes, fix, tensor_parallel=True):
-    """Every layout mesh3d accepts for these sizes, with `fix` applied; tp = 1 only, unless fixed,
-    for a model without a tensor-parallel plan."""
-
-    def allowed(name, values):
-        return [fix[name]] if name in fix else values
-
-    tp_choices = [t for t in _divisors(gpus) if t <= gpus_per_node and all(s % t == 0 for s in tp_sizes.values())]
-    tp_choices = tp_choices if tensor_parallel else [1]
-    for tp in allowed("tp", tp_choices):
-        for pp in allowed("pp", [p for p in _divisors(gpus // tp) if p <= n_blocks] if gpus % tp == 0 else []):
-            if gpus % (tp * pp):
-                continue
-            dp = gpus // (tp * pp)
-            if "dp" in fix and fix["dp"] != dp or global_batch % dp:
-                continue
-            local = global_batch // dp
-            for schedule in allowed("schedule", ["1f1b"] if pp == 1 else list(PLANNED_SCHEDULES)):
-                spec = SCHEDULES[schedule]
-                v_choices = (
-                    [spec.fixed_virtual_stages]
-                    if spec.fixed_virtual_stages
-                    else ([1, 2, 4] if spec.multi_stage else [1])
-                )
-                for v in allowed("virtual_stages", [v for v in v_choices if pp * v <= n_blocks]):
-                    for m in allowed("microbatches", [m for m in _divisors(local) if m <= 4 * pp * v or m == pp]):
-                        if local % m:
-                            continue
-                        try:  # each schedule's own minimum (dualpipev: m >= 2*pp; memory and time walk its lists)
-                            check_schedule_config(schedule, pp, m, v)
-                        except ValueError:
-                            continue
-                        for ac in allowed("activation_checkpoint", list(ACTIVATION_CHECKPOINT_MODES)):
-                            for mode in allowed("dp_mode", ["fsdp", "ddp"] if dp > 1 else ["fsdp"]):
-                                yield dict(
-                                    pp=pp,
-                                    dp=dp,
-                                    tp=tp,
-                                    schedule=schedule,
-                                    virtual_stages=v,
-                                    microbatches=m,
-                                    activation_checkpoint=ac,
-                                    dp_mode=mode,
-                                    param_dtype=fix.get("param_dtype", torch.bfloat16),
-                                    compile=fix.get("compile", False),
-                                    local_batch=local,
-                                    microbatch_size=local // m,
-                                )
-
-
-def _check_fix(fix: dict | None) -> dict:
-    fix = dict(fix or {})
-    unknown = sorted(set(fix) - set(FIXABLE))
-    if unknown:
-        raise ValueError(f"plan: fix has unknown keys {unknown}; pin any of {list(FIXABLE)}")
-    if "schedule" in fix and fix["schedule"] not in SCHEDULES:
-        raise ValueError(f"plan: fix schedule={fix['schedule']!r}; choose one of {sorted(SCHEDULES)}")
-    if "schedule" in fix and fix["schedule"] not in PLANNED_SCHEDULES:
-        raise ValueError(
-            f"plan: fix schedule={fix['schedule']!r} is not modelled by the planner yet (its weight "
-            f"versions and cross-call timeline); choose one of {sorted(PLANNED_SCHEDULES)}"
-        )
-    if "activation_checkpoint" in fix and fix["activation_checkpoint"] not in ACTIVATION_CHECKPOINT_MODES:
-        raise ValueError(
-            f"plan: fix activation_checkpoint={fix['activation_checkpoint']!r}; "
-            f"choose one of {list(ACTIVATION_CHECKPOINT_MODES)}"
-        )
-    if "dp_mode" in fix and fix["dp_mode"] not in ("fsdp", "ddp"):
-        raise ValueError(f"plan: fix dp_mode={fix['dp_mode']!r}; choose 'fsdp' or 'ddp'")
-    if "param_dtype" in fix and fix["param_dtype"] is not None and not isinstance(fix["param_dtype"], torch.dtype):
-        raise ValueError(f"plan: fix param_dtype={fix['param_dtype']!r}; give a torch dtype (torch.bfloat16) or None")
-    if "compile" in fix and not isinstance(fix["compile"], bool):
-        raise ValueError(f"plan: fix compile={fix['compile']!r}; give True or False")
-    for name in ("pp", "dp", "tp", "virtual_stages", "microbatches"):
-        if name in fix and (isinstance(fix[name], bool) or not isinstance(fix[name], int) or fix[name] < 1):
-            raise ValueError(f"plan: fix {name}={fix[name]!r}; give a positive integer")
-    return fix
-
-
-def _check_sizes(gpus, gpus_per_node, seq_len, global_batch) -> None:
-    for name, value in (
-        ("gpus", gpus),
-        ("gpus_per_node", gpus_per_node),
-        ("seq_len", seq_len),
-        ("global_batch", global_batch),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"plan: {name} must be a positive integer, got {value!r}")
-    if gpus > gpus_per_node and gpus % gpus_per_node:
-        raise ValueError(
-            f"plan: gpus={gpus} is not a whole number of nodes of {gpus_per_node}; use a multiple of "
-            f"{gpus_per_node} (e.g. {gpus // gpus_per_node * gpus_per_node} or "
-            f"{(gpus // gpus_per_node + 1) * gpus_per_node})"
-        )
-
-
-def resolve_hardware(hardware: str | Hardware) -> Hardware:
-    """A preset by name, "this-machine" (measured now), or a Hardware as given."""
-    if isinstance(hardware, Hardware):
-        return hardware
-    if hardware == "this-machine":
-        return measure_this_machine()
-    if hardware not in HARDWARE:
-        raise ValueError(
-            f"plan: unknown hardware {hardware!r}; choose one of {sorted(HARDWARE)}, "
-            "'this-machine', or pass mesh3d.planner.Hardware(...)"
-        )
-    return HARDWARE[hardware]
-
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-def _memory_limit(limit: int | str | None, hardware: Hardware) -> int:
-    if limit is None:
-        return int(hardware.memory_bytes * (1 - C.MEMORY_MARGIN_FRACTION))
-    if isinstance(limit, str):
-        match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", limit)
-        if not match or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"plan: memory_limit={limit!r}; write bytes or a size such as '80GiB' or '75GB'")
-        return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
-        raise ValueError(f"plan: memory_limit must be positive bytes or a size such as '80GiB', got {limit!r}")
-    return int(limit)
-
-
-def _nothing_fits(gpus, limit, smallest_need, fix, global_batch, split_counts=None) -> str:
-    gib = 2**30
-    if smallest_need is None:
-        stages = (
-            ""
-            if split_counts is None
-            else f", and split_points make {len(split_counts)} stages, "
-            f"so pp * virtual_stages must be {len(split_counts)}"
-        )
-        return (
-            f"plan: no layout of {gpus} GPUs matches these sizes (global_batch={global_batch}, fix={fix}); "
-            "global_batch must divide over dp, microbatches over each dp rank's batch, tp the model's head "
-            f"counts{stages}"
-        )
-    need = math.ceil(smallest_need / limit)
-    return (
-        f"plan: no layout fits in {limit / gib:.1f} GiB per GPU on {gpus} GPUs (fix={fix}); the leanest "
-        f"needs {smallest_need / gib:.1f} GiB. Try about {need}x the GPUs ({gpus * need}), a smaller "
-        f"global_batch or seq_len, or a larger memory_limit"
-    )
