@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from mesh3d.checkpoint.adapter_choice import adapter_of
 from mesh3d.checkpoint.checksums import (
@@ -38,6 +37,7 @@ from mesh3d.checkpoint.checksums import (
     write_manifest,
 )
 from mesh3d.checkpoint.hf_adapter import HFAdapter, as_config_dict
+from mesh3d.checkpoint.safetensors_stream import StreamedSafetensors
 from mesh3d.checkpoint.train_state import write_json
 from mesh3d.distributed.agree import attempt, raise_if_any
 from mesh3d.parallel_model import ParallelModel
@@ -116,7 +116,7 @@ def export_safetensors(
         max_shard_size: bytes per file; a larger model is split into numbered files and an index.
         dtype: cast the weights on export (e.g. torch.bfloat16); default: as trained.
 
-    Returns out_dir. Only global rank 0 writes; it holds one file's tensors at a time.
+    Returns out_dir. Only global rank 0 writes, one tensor at a time (it never holds a whole file).
     """
     out_dir = Path(out_dir)
     layout = pm.layout
@@ -153,12 +153,7 @@ def export_safetensors(
     raise_if_any(error)
     with _quiet_strided_gather():
         for file, names in zip(files, shards):
-            tensors = {}
-            for name, full in pm.state_map.gather(names, to=0):
-                if full is not None:
-                    tensors[hf_names[name]] = full.to(out_dtype[name]).contiguous()
-            if layout.rank == 0:
-                error = error or attempt(functools.partial(_write_file, out_dir / file, tensors))
+            error = _stream_file(pm, out_dir / file, names, hf_names, specs, out_dtype, error)
     if layout.rank == 0 and not error:
         error = attempt(lambda: _write_index_and_config(out_dir, files, shards, hf_names, sizes, config))
     raise_if_any(error)
@@ -186,10 +181,25 @@ def _prepare_out_dir(out_dir: Path) -> None:
         old.unlink(missing_ok=True)
 
 
-def _write_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(temporary), metadata={"format": "pt"})
-    os.replace(temporary, path)
+def _stream_file(pm: ParallelModel, path: Path, names, hf_names, specs, out_dtype, error: str | None) -> str | None:
+    """One file, tensor by tensor: every rank joins each gather; global rank 0 writes each tensor as
+    it arrives and drops it, so it never holds more than one (`safetensors_stream.py`). A failure
+    on rank 0 is kept (every rank raises it after the export) while the gathers go on, so no rank
+    waits alone."""
+    opened: list[StreamedSafetensors] = []  # what attempt() opened (it returns only the error)
+    if pm.layout.rank == 0 and error is None:
+        entries = {hf_names[n]: (specs[n][0], out_dtype[n]) for n in names}
+        error = attempt(lambda: opened.append(StreamedSafetensors(path, entries, {"format": "pt"})))
+    writer = opened[0] if opened else None
+    for name, full in pm.state_map.gather(names, to=0):
+        if writer is not None and error is None:
+            error = attempt(functools.partial(writer.write, hf_names[name], full.to(out_dtype[name])))
+        del full
+    if writer is not None:
+        error = error or attempt(writer.close)
+        if error is not None:
+            writer.abandon()
+    return error
 
 
 def _write_index_and_config(out_dir, files, shards, hf_names, sizes, config) -> None:

@@ -124,7 +124,9 @@ class StateMap:
                 full = torch.empty(shape, dtype=dtype, device=layout.device)
                 dist.recv(full, src=source)
             elif layout.rank == source != to:
-                dist.send(full, dst=to)
+                dist.isend(full, dst=to).wait()
+                if full.is_cuda:  # NCCL's send is only queued: wait until it is done, so no owner races ahead
+                    torch.cuda.current_stream(full.device).synchronize()  # holding tensors the writer has not taken
             yield name, full.cpu() if layout.rank == to else None
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

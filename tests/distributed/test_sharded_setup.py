@@ -106,3 +106,45 @@ def test_setup_allocates_the_share_only(dims, dp_mode):
         assert rise <= allowed, (
             f"peak rise {rise / 2**20:.0f} MiB > {allowed / 2**20:.0f} MiB (share {share / 2**20:.0f} MiB)"
         )
+
+
+def _peak_rise_during_export_and_import(directory):
+    import mesh3d
+    from examples.llama.config import ModelArgs
+    from examples.llama.model import Transformer
+
+    args = ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=8192, multiple_of=256, max_seq_len=64)
+    with torch.device("meta"):
+        model = Transformer(args)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    pm = mesh3d.parallelize(model, mesh3d.build_mesh(pp=2, dp=2, tp=1), schedule="1f1b", seed=0)
+    rises = []
+    for phase in (
+        lambda: mesh3d.checkpoint.export_safetensors(pm, directory),
+        lambda: mesh3d.checkpoint.import_safetensors(pm, directory),
+    ):
+        before = _resident_now()
+        phase()
+        rises.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
+    return rises, total, largest
+
+
+def _resident_now() -> int:
+    import os
+
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_export_and_import_hold_one_tensor_at_a_time(tmp_path):
+    """Rank 0 writes each tensor as it is gathered (never a whole file); owners gather one at a time;
+    an import reads each rank's slices only. The old export held the whole model on rank 0 (4x
+    the share here)."""
+    for (export_rise, import_rise), total, largest in run_on_ranks(
+        _peak_rise_during_export_and_import, 4, str(tmp_path / "hf"), timeout=180
+    ):
+        share = total / 4
+        allowed = share + 2 * largest + 32 * 2**20
+        assert export_rise <= allowed, f"export: {export_rise / 2**20:.0f} MiB > {allowed / 2**20:.0f} MiB"
+        assert import_rise <= allowed, f"import: {import_rise / 2**20:.0f} MiB > {allowed / 2**20:.0f} MiB"
