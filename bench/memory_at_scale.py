@@ -6,7 +6,8 @@
 The model is LLaMA-style, built on meta (default dim 1536, 16 layers, vocabulary 32000: about
 500M parameters, 1.9 GiB in fp32). Each (layout, phase) runs in processes of its own, so a peak
 belongs to one phase: `setup` is `mesh3d.parallelize`; `step` is setup and then two AdamW steps
-of 1F1B at each --microbatches count (microbatches of one sample of --seq-len tokens). Printed per
+of 1F1B at each --microbatches count (microbatches of one sample of --seq-len tokens); `io` is a
+safetensors export of the sharded model, then its import (each from the resident size before it). Printed per
 rank: the peak resident-memory rise (ru_maxrss against the resident size after `build_mesh`), as
 a multiple of the rank's share (the model's bytes / (pp·tp·dp) with FSDP, / (pp·tp) with DDP),
 and the largest rank's rise against issue 36's bound for setup, 1.25 x share + 256 MiB.
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import resource
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -47,6 +50,7 @@ def measure(
     microbatches: int,
     seq_len: int,
     reshard: bool | None = None,
+    directory: str | None = None,
 ) -> dict:
     import mesh3d
     from examples.llama.config import ModelArgs
@@ -77,13 +81,22 @@ def measure(
             optimizer.step()
             optimizer.zero_grad()
     share = total / (pp * tp * (dp if dp_mode == "fsdp" else 1))
-    return {"params": total, "share": share, "rise": _peak() - before, "setup_rise": setup_peak}
+    result = {"params": total, "share": share, "rise": _peak() - before, "setup_rise": setup_peak}
+    if phase == "io":  # export, then import, each measured from the resident size just before it
+        for name, run in (
+            ("export", lambda: mesh3d.checkpoint.export_safetensors(pm, directory)),
+            ("import", lambda: mesh3d.checkpoint.import_safetensors(pm, directory)),
+        ):
+            start = _resident()
+            run()
+            result[name] = _peak() - start
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layouts", nargs="+", default=LAYOUTS, help="pp,dp,tp,dp_mode")
-    parser.add_argument("--phases", nargs="+", default=["setup"], choices=["setup", "step"])
+    parser.add_argument("--phases", nargs="+", default=["setup"], choices=["setup", "step", "io"])
     parser.add_argument("--microbatches", nargs="+", type=int, default=[4, 16])
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--dim", type=int, default=1536)
@@ -102,7 +115,21 @@ def main() -> None:
         for phase in args.phases:
             for m in args.microbatches if phase == "step" else [max(args.microbatches[0], pp)]:
                 reshard = None if args.reshard_after_forward is None else args.reshard_after_forward == "true"
-                ranks = run_on_ranks(measure, pp * dp * tp, dims, layout, phase, m, args.seq_len, reshard, timeout=3600)
+                directory = tempfile.mkdtemp(prefix="memory_at_scale_") if phase == "io" else None
+                ranks = run_on_ranks(
+                    measure, pp * dp * tp, dims, layout, phase, m, args.seq_len, reshard, directory, timeout=3600
+                )
+                if directory:
+                    shutil.rmtree(directory, ignore_errors=True)
+                if phase == "io":
+                    for name in ("export", "import"):
+                        rises = [r[name] for r in ranks]
+                        print(
+                            f"{layout:>11} {name:>10}: peak rise per rank {', '.join(f'{r / MIB:.0f}' for r in rises)} "
+                            f"MiB = share + {(max(rises) - ranks[0]['share']) / MIB:.0f} MiB",
+                            flush=True,
+                        )
+                    continue
                 share = ranks[0]["share"]
                 rises = [r["rise"] for r in ranks]
                 label = phase if phase == "setup" else f"step m={m}"
