@@ -13,8 +13,9 @@
 - recompute: the most a recomputation adds during a backward: one block's activations where the
   runtime checkpoints block by block (schedules with one backward), the whole stage's where it
   recomputes a stage at once (a split backward's I, held until W);
-- communication: FSDP's gathered (unsharded) parameters, DDP's compute-dtype copy, and a
-  receive buffer per boundary message.
+- communication: FSDP's gathered (unsharded) parameters and, with several microbatches, the
+  unsharded gradients it accumulates until the step's one reduction; DDP's compute-dtype copy;
+  a receive buffer per boundary message.
 """
 
 from __future__ import annotations
@@ -211,4 +212,8 @@ def rank_memory(
     else:
         comm = 0
     comm += 2 * costs.message_bytes * place.microbatch_size * len(place.schedule.local_stages(rank))
+    if place.dp_mode == "fsdp" and place.dp > 1 and place.schedule.microbatches > 1:
+        # Reduced once per step (data_parallel/gradient_sync.py): until the last backward FSDP
+        # accumulates each gathered parameter's whole gradient, beside the reduced shards.
+        comm += unsharded * place.param_bytes
     return MemoryBreakdown(params, params, 2 * params, activations, recompute, comm)
