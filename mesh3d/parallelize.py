@@ -193,7 +193,7 @@ def parallelize(
     _check_same_config_everywhere(f"{pipe} {data} {tensor} compile={compile_backend}")
 
     split = split_model(model, anatomy, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank), pipe.traced)
-    stages = split.stages if split.from_meta else to_device(split.stages, layout.device, materialize=False)
+    stages = split.stages if split.from_meta else to_device(split.stages, layout.device)
     ties = find_ties(model)
     tie_holders = pipe.tie_holders(ties, split.meta_stages)
     state = StateMap.from_stages(layout, split.meta_model, split.meta_stages, pipe.schedule.stage_rank, ties, stages)

@@ -11,10 +11,11 @@ moves on to another parameter the stand-in's window (this rank's shard) is copie
 and the stand-in dropped. At most one whole parameter exists at a time (two for an operation
 that reads one parameter into another, such as copying a tied weight).
 
-An initializer that already handles sharded parameters (it passes a DTensor of its own, as the
-LLaMA example's `distribute_tensor` does) runs untouched. A parameter touched again after its
-stand-in was dropped gets it back gathered from the shards (every rank of the parameter's mesh
-runs the same initializer, so the gather is collective on all of them alike).
+An initializer that already handles sharded parameters runs untouched: one that writes the local
+shard itself (the LLaMA example fills `to_local()` windows) or passes a DTensor of its own. A
+parameter touched again after its stand-in was dropped gets it back gathered from the shards
+(every rank of the parameter's mesh runs the same initializer, so the gather is collective on all
+of them alike).
 """
 
 from __future__ import annotations

@@ -22,11 +22,9 @@ from mesh3d.mesh import Layout
 from mesh3d.model.full_view import FullView
 
 
-def to_device(stages: dict[int, nn.Module], device: torch.device, materialize: bool) -> dict[int, nn.Module]:
-    """Each stage on `device`: allocated without values (from meta) or moved with its values."""
-    return {
-        index: stage.to_empty(device=device) if materialize else stage.to(device) for index, stage in stages.items()
-    }
+def to_device(stages: dict[int, nn.Module], device: torch.device) -> dict[int, nn.Module]:
+    """Each stage of a model given with values moved to `device` (a model on meta is `allocate`d later)."""
+    return {index: stage.to(device) for index, stage in stages.items()}
 
 
 def allocate(stages: dict[int, nn.Module], device: torch.device) -> None:
