@@ -17,6 +17,8 @@ from torch.distributed.constants import default_pg_nccl_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mesh3d.distributed.agree import check_same_everywhere
+from mesh3d.distributed.host_group import use_host_group
+from mesh3d.distributed.nccl_watchdog import set_watchdog_defaults
 from mesh3d.distributed.rendezvous import attempt_store, uses_agent_store
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
@@ -179,6 +181,8 @@ def _as_timeout(timeout: float | timedelta | None) -> timedelta | None:
 
 def _init_default_group(backend: str, device: torch.device, timeout: timedelta | None) -> None:
     device_id = device if device.type == "cuda" else None
+    if "nccl" in backend:
+        set_watchdog_defaults()  # read by torch when the NCCL group starts (nccl_watchdog.py)
     if _launched_by_torchrun() and uses_agent_store():
         # torchrun's store outlives a restart: each attempt needs keys of its own (rendezvous.py).
         store = attempt_store(timeout or DEFAULT_TIMEOUT)
@@ -254,12 +258,19 @@ def build_mesh(
                 f"{backend!r} (for device {device}); pass device=/backend= that match the existing group"
             )
         backend = existing
+    _start_host_group(backend, _default_timeout(backend, timeout))
     # Ranks that asked for different layouts would build misaligned groups and hang later.
     check_same_everywhere((pp, dp, tp), _describe_layouts)
     mesh = init_device_mesh(
         device.type, (pp, dp, tp), mesh_dim_names=MESH_DIM_NAMES, backend_override=_with_timeout(device, timeout)
     )
     return Layout(mesh, device, backend, _default_timeout(backend, timeout))
+
+
+def _start_host_group(backend: str, timeout: timedelta) -> None:
+    """On NCCL, a gloo group over the world for the CPU-side checks (distributed/host_group.py);
+    every rank creates it here, in the same order."""
+    use_host_group(dist.new_group(backend="gloo", timeout=timeout) if "nccl" in backend else None)
 
 
 def _default_timeout(backend: str, timeout: timedelta | None) -> timedelta:

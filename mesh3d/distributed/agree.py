@@ -2,8 +2,9 @@
 
 A check that fails on one rank only (a different argument, a full disk, a bad file) must fail on
 all of them: a rank that raises alone leaves the others waiting in the next collective until the
-process-group timeout. Each helper here is one small all-gather over the default process group
-(a barrier too); with one process it sends nothing.
+process-group timeout. Each helper here is one small all-gather over the world (a barrier too),
+on the CPU: over the default process group, or the gloo side group when the backend is NCCL
+(host_group.py); with one process it sends nothing.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+
+from mesh3d.distributed.host_group import host_group
 
 
 class ErrorText(str):
@@ -39,7 +42,7 @@ def gather_or_raise(value: Any = None, error: str | None = None) -> list[Any]:
     everyone = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+        dist.all_gather_object(everyone, mine, group=host_group())
     here = dist.get_rank() if dist.is_initialized() else 0
     for rank, (_, message) in enumerate(everyone):
         if message:

@@ -1,12 +1,14 @@
 """A peer that stops answering becomes an error that says so, on every rank that waits for it.
 
-The process groups' timeout (`build_mesh(timeout=...)`) bounds every wait: gloo applies it to
-P2P `work.wait()` and to collectives alike, NCCL's watchdog to collectives and P2P. What comes
-out is a backend error ("Timed out waiting 10000ms for recv operation", "Connection reset by
-peer" once the peer's own process has failed) that names neither the wait nor the rank. Here
-such an error is recognized and raised again as `PeerTimeout`, with what was waiting (the P2P
-message, or the collective) and this rank's mesh coordinates, so a user reading any rank's log
-learns which rank to look at.
+The process groups' timeout (`build_mesh(timeout=...)`) bounds every wait. On gloo a P2P
+`work.wait()` and every collective raise when it runs out. On NCCL a wait is a stream wait and
+the watchdog ends the process (nccl_watchdog.py); what reaches Python is an operation on a
+communicator that was aborted, or a peer's failure NCCL reports. What comes out is a backend
+error ("Timed out waiting 10000ms for recv operation", "Connection reset by peer" once the peer's
+own process has failed, "NCCL communicator was aborted on rank 3") that names neither the wait nor
+the rank. Here such an error is recognized and raised again as `PeerTimeout`, with what was
+waiting (the P2P message, or the collective) and this rank's mesh coordinates, so a user reading
+any rank's log learns which rank to look at.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from datetime import timedelta
+
+from torch.distributed import DistNetworkError
 
 # Substrings of the errors gloo and NCCL raise when a peer stops answering or its process is gone.
 _TIMEOUT_SIGNS = (
@@ -25,6 +29,12 @@ _TIMEOUT_SIGNS = (
     "pair closure",
     "broken pipe",
     "watchdog",
+    # NCCL (ProcessGroupNCCL and NCCL's own result texts): an operation on a communicator the
+    # watchdog aborted, a peer's process gone, a network failure.
+    "nccl communicator was aborted",
+    "ncclremoteerror",
+    "remote process exited or there was a network error",
+    "some nccl operations have failed or timed out",
 )
 
 
@@ -38,7 +48,10 @@ class PeerTimeout(RuntimeError):
 
 
 def is_peer_failure(error: BaseException) -> bool:
-    """Whether `error` is a backend's report of a wait that timed out or lost its peer."""
+    """Whether `error` is a backend's report of a wait that timed out or lost its peer (not every
+    NCCL error: "invalid usage" or "unhandled cuda error" are this rank's own)."""
+    if isinstance(error, DistNetworkError):
+        return True
     text = str(error).lower()
     return isinstance(error, RuntimeError) and any(sign in text for sign in _TIMEOUT_SIGNS)
 
