@@ -11,7 +11,8 @@ the gathered (unsharded) parameters, never the live shards. Before the live shar
 FSDP unit of the stage is resharded; the next forward gathers the version it needs, and a
 backward, whose FSDP pre-backward hook gathers again, sees the same version its forward saw.
 Tensors a forward saved are either those gathered views, gathered again from the right version,
-or values computed in the forward from the version it used.
+or values computed in the forward from the version it used. On CUDA every write to the shards is
+ordered against FSDP's all-gather streams (stream_order.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from mesh3d.distributed.shards import local_tensor
 from mesh3d.pipeline.schedule.never_drain import UpdateRule
+from mesh3d.pipeline.stream_order import shard_writes
 
 
 def _set_settings(group: dict, settings: dict) -> None:
@@ -66,7 +68,8 @@ class StageWeights:
             raise RuntimeError(f"weight version {version} was not kept (live {self.live}, kept {sorted(self.kept)})")
         self._keep_live(oldest_needed)
         self._reshard()
-        torch._foreach_copy_(self._shards(), self.kept.pop(version))
+        with shard_writes(self.units):
+            torch._foreach_copy_(self._shards(), self.kept.pop(version))
         self.live = version
         self.forget_before(oldest_needed)
 
@@ -80,7 +83,8 @@ class StageWeights:
         with torch.no_grad():
             self._keep_live(oldest_needed)
         self._reshard()
-        step()
+        with shard_writes(self.units):  # the optimizer writes the shards; a backward may gather them next
+            step()
         self.latest += 1
         self.live = self.latest
         self.forget_before(oldest_needed)
