@@ -106,3 +106,59 @@ def test_gather_streams_are_each_roots_two_streams_once():
     weights, _ = _stage(log)
     names = [stream.name for stream in gather_streams(weights.units)]
     assert names == ["copy-in", "all-gather"]
+
+
+def test_a_sent_tensor_lives_until_its_send_completes_and_a_receive_is_waited_on_before_it_is_read(monkeypatch):
+    """The mailbox's hand-overs to and from NCCL's stream: what a send reads stays referenced until
+    the send's work completes (NCCL reads it on its own stream), and a received tensor is handed to
+    its consumer only after its work was waited on (which makes the current stream wait)."""
+    import gc
+    import weakref
+
+    from mesh3d.pipeline import p2p
+    from mesh3d.pipeline.schedule.catalog import build_schedule
+    from mesh3d.pipeline.schedule.ir import Action, Kind
+
+    class Work:
+        def __init__(self):
+            self.done = False
+            self.waited = False
+
+        def is_completed(self):
+            return self.done
+
+        def wait(self):
+            self.waited = True
+
+    works = []
+
+    def queue(*args, **kwargs):
+        works.append(Work())
+        return works[-1]
+
+    monkeypatch.setattr(p2p.dist, "isend", queue)
+    monkeypatch.setattr(p2p.dist, "irecv", queue)
+    schedule = build_schedule("1f1b", 2, 2, 1)
+    peers = p2p.PipelinePeers(pp_rank=0, global_ranks=[0, 1], group=None, device=torch.device("meta"))
+    spec = (torch.Size([2, 4]), torch.float32)
+    mailbox = p2p.Mailbox(peers, schedule, {(0, 1): spec}, p2p.Traffic())
+    sent = []
+    for microbatch in (0, 1):
+        tensor = torch.empty(spec[0], device="meta")
+        sent.append(weakref.ref(tensor))
+        mailbox.put(Kind.F, 0, 1, microbatch, tensor)
+        mailbox.send(Action(0, Kind.SEND_F, microbatch, 1))
+        del tensor
+    gc.collect()
+    assert sent[0]() is not None and sent[1]() is not None  # neither send completed: both kept
+    works[0].done = True
+    mailbox.put(Kind.F, 0, 1, 2, torch.empty(spec[0], device="meta"))
+    mailbox.send(Action(0, Kind.SEND_F, 2, 1))
+    gc.collect()
+    assert sent[0]() is None and sent[1]() is not None  # the completed one is let go, not the other
+
+    mailbox.post_recv(Action(0, Kind.RECV_B, 0, 1))
+    receive = works[-1]
+    assert not receive.waited
+    mailbox.take(Kind.B, 0, 1, 0)
+    assert receive.waited
