@@ -222,7 +222,9 @@ def build_mesh(
 
     Starts the default process group from the torchrun environment when none exists, or as a
     private world of one when there is no torchrun environment. Picks CUDA+NCCL when GPUs are
-    present and CPU+gloo otherwise; `device` and `backend` override that.
+    present and CPU+gloo otherwise; `device` and `backend` override that. On NCCL it sets the
+    watchdog's defaults before the group starts and adds a gloo group over the world for the
+    CPU-side checks (docs/reliability.md#on-nccl).
 
     Args:
         pp: pipeline-parallel degree (outermost dim).
