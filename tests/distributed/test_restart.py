@@ -6,6 +6,10 @@ fires in torchrun's first attempt only:
 - rank 1 killed inside step 4 (in its stage's forward), after the step-2 checkpoint;
 - rank 0 killed inside the save of the step-4 checkpoint (files written, not yet published);
 - rank 2 killed inside step 2, before any checkpoint.
+Then the way a cluster takes a lost node: two torchrun agents (2 processes each, c10d rendezvous
+on 127.0.0.1), every process of both SIGKILLed while the workers are inside step 4 (rank 0 hangs
+there through the hook), and the same command started again with fresh agents, as a requeued
+SLURM job is (examples/slurm/train.sbatch).
 Each run must end with the losses of every step (the later JSONL line for a step logged twice)
 and the final weights (exported as safetensors) of the same command run without a fault:
 relative error <= 1e-5 (fp32; the same layout sums in the same order). Every JSONL line names the
@@ -13,12 +17,16 @@ torchrun attempt that wrote it.
 """
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-from test_torchrun import ROOT, _env
+from test_torchrun import ROOT, _env, _free_port, finish_agents, start_agents, two_agent_command
 
 TRAIN = [
     "examples/llama/train.py",
@@ -135,3 +143,67 @@ def test_the_fault_hook_is_off_unless_asked_and_only_in_the_first_attempt(monkey
     monkeypatch.setenv("MESH3D_FAULT", "explode@1:step:2")
     with pytest.raises(SystemExit, match="ACTION@RANK:PHASE:STEP"):
         FaultInjection.from_env(1)
+
+
+def _all_below(pids: list[int]) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended while we looked
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], list(pids)
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def _wait_for_step(metrics: Path, step: int, agents: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        if metrics.exists() and any(json.loads(line)["step"] == step for line in metrics.read_text().splitlines()):
+            return
+        assert all(agent.poll() is None for agent in agents), [agent.communicate() for agent in agents]
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} was not logged within {TIMEOUT_S} s")
+
+
+def test_every_process_of_two_agents_killed_mid_step_then_started_again(tmp_path, fault_free):
+    want_losses, want_weights = fault_free
+    cmd_tail = [
+        *TRAIN,
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--metrics",
+        str(tmp_path / "metrics.jsonl"),
+        "--export-hf",
+        str(tmp_path / "final"),
+    ]
+    first = [*two_agent_command(_free_port(), 2), *cmd_tail]
+    agents = start_agents(first, {**_env(), "MESH3D_FAULT": "hang@0:step:4"})
+    try:
+        _wait_for_step(tmp_path / "metrics.jsonl", 3, agents)  # step 2's checkpoint is published
+        time.sleep(1.0)  # every rank is inside step 4 now: rank 0 hangs there, the others wait for it
+        everything = [agent.pid for agent in agents]
+        everything += _all_below(everything)
+        for pid in everything:  # all at once, as a node or a job ends
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        for agent in agents:
+            agent.kill()
+            agent.communicate()
+    assert not (tmp_path / "ckpt" / "step4").exists()
+
+    again = [*two_agent_command(_free_port(), 2), *cmd_tail]
+    outputs = finish_agents(start_agents(again, _env()), again)
+    assert any(f"resumed from {tmp_path / 'ckpt' / 'step2'}" in done.stdout for done in outputs)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 3, 4, 5], records  # step 3 logged before the kill and after
+
+    got = _losses_by_step(records)
+    errors = {s: abs(got[s] - want_losses[s]) / abs(want_losses[s]) for s in want_losses}
+    assert max(errors.values()) <= TOLERANCE, (got, want_losses)
+    assert_same_weights(tmp_path / "final", want_weights)

@@ -84,23 +84,53 @@ def test_8_ranks_train_like_one_process(tmp_path, single_process_losses):
     _assert_close(_losses(metrics), single_process_losses)
 
 
-def test_two_nodes_on_loopback(tmp_path, single_process_losses):
-    port = _free_port()
-    metrics, report = tmp_path / "metrics.jsonl", tmp_path / "placement.json"
-    cmd = [
+def two_agent_command(port: int, nproc_per_node: int) -> list[str]:
+    """torchrun as one of two agents ("nodes") meeting through c10d rendezvous on 127.0.0.1:`port`."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nnodes",
         "2",
         "--nproc-per-node",
-        "4",
+        str(nproc_per_node),
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
         f"127.0.0.1:{port}",
         "--rdzv-id",
         f"mesh3d-test-{port}",
+        "--local-addr",
+        "127.0.0.1",
+    ]
+
+
+def start_agents(cmd: list[str], env: dict) -> list[subprocess.Popen]:
+    return [
+        subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+
+
+def finish_agents(agents: list[subprocess.Popen], cmd: list[str]) -> list[subprocess.CompletedProcess]:
+    """Wait for both agents (killed if they outlive TIMEOUT_S); each must exit 0."""
+    outputs = []
+    try:
+        for agent in agents:
+            stdout, stderr = agent.communicate(timeout=TIMEOUT_S)
+            outputs.append(subprocess.CompletedProcess(cmd, agent.returncode, stdout, stderr))
+    finally:
+        for agent in agents:
+            agent.kill()
+    for done in outputs:
+        _check(done)
+    return outputs
+
+
+def test_two_nodes_on_loopback(tmp_path, single_process_losses):
+    metrics, report = tmp_path / "metrics.jsonl", tmp_path / "placement.json"
+    cmd = [
+        *two_agent_command(_free_port(), 4),
         *TRAIN,
         "--pp",
         "2",
@@ -115,20 +145,7 @@ def test_two_nodes_on_loopback(tmp_path, single_process_losses):
         "--placement-report",
         str(report),
     ]
-    agents = [
-        subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(2)
-    ]
-    outputs = []
-    try:
-        for agent in agents:
-            stdout, stderr = agent.communicate(timeout=TIMEOUT_S)
-            outputs.append(subprocess.CompletedProcess(cmd, agent.returncode, stdout, stderr))
-    finally:
-        for agent in agents:
-            agent.kill()
-    for done in outputs:
-        _check(done)
+    finish_agents(start_agents(cmd, _env()), cmd)
     placement = json.loads(report.read_text())
     nodes = sorted(r["node"] for r in placement["ranks"])
     assert nodes == [0] * 4 + [1] * 4, placement
