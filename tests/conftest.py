@@ -3,7 +3,9 @@
 `unit/` holds what runs inside the pytest process (a worker pool of the code under test included);
 `distributed/` holds what starts other processes: ranks through `multiprocess.run_on_ranks`, torchrun,
 or train.py and probes in a fresh interpreter. Every test under `distributed/` carries the
-`distributed` marker, so `pytest -m "not distributed"` runs the unit tests alone. The shared
+`distributed` marker, so `pytest -m "not distributed"` runs the unit tests alone. `gpu/` holds
+what needs a CUDA GPU: its tests launch ranks too (`distributed`), and each file marks itself
+`cuda` and skips without a GPU (`gpu_cases.needs_gpu`). The shared
 harnesses (`multiprocess.py`, `rank_errors.py`, `pipeline_cases.py`, `checkpoint_cases.py`,
 `text_corpus.py`) live beside this file and are importable from both folders; test file names are
 unique across the two folders (pytest imports them by basename).
@@ -21,7 +23,7 @@ sys.path.insert(0, str(TESTS))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    distributed = TESTS / "distributed"
+    launching = (TESTS / "distributed", TESTS / "gpu")  # both start rank processes
     for item in items:
-        if distributed in Path(item.path).parents:
+        if any(folder in Path(item.path).parents for folder in launching):
             item.add_marker(pytest.mark.distributed)

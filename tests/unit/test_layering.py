@@ -145,6 +145,6 @@ def test_test_file_names_are_unique_across_folders():
     """pytest imports test files by their basename (docs/testing.md): a name in both folders stops
     the whole collection."""
     tests = Path(__file__).resolve().parents[1]
-    unit = {p.name for p in (tests / "unit").glob("test_*.py")}
-    distributed = {p.name for p in (tests / "distributed").glob("test_*.py")}
-    assert not unit & distributed, f"rename one of each: {sorted(unit & distributed)}"
+    names = [p.name for folder in ("unit", "distributed", "gpu") for p in (tests / folder).glob("test_*.py")]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    assert not twice, f"rename all but one of each: {twice}"
