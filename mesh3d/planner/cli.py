@@ -37,7 +37,7 @@ _STEP_TERMS = {
     "exposed_dp_seconds": "data-parallel traffic the compute does not hide",
     "optimizer_seconds": "the optimizer's update",
 }
-_MEMORY_TERMS = ("parameters", "gradients", "optimizer", "activations", "recompute", "communication")
+_MEMORY_TERMS = ("parameters", "gradients", "optimizer", "activations", "recompute", "communication", "optimizer_step")
 
 
 class _UsageError(ValueError):

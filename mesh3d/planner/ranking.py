@@ -64,6 +64,7 @@ class Plan:
     # a traced model: the tokens of one microbatch it is captured with (meta, microbatch_size x seq_len)
     example_inputs: tuple | None = field(default=None, repr=False, compare=False)  # tensors: not compared
     split_points: tuple[str, ...] | None = None  # as given to `plan`
+    reshard_after_forward: bool | None = None  # FSDP over dp > 1; None under DDP or dp = 1
 
     def parallelize_kwargs(self) -> dict:
         """What to hand `mesh3d.parallelize(model, **kwargs)` to run exactly this plan (a traced
@@ -84,13 +85,16 @@ class Plan:
             kwargs["example_inputs"] = self.example_inputs
         if self.split_points is not None:
             kwargs["split_points"] = list(self.split_points)
+        if self.reshard_after_forward is not None:
+            kwargs["reshard_after_forward"] = self.reshard_after_forward
         return kwargs
 
     def row(self) -> str:
         dtype = "fp32" if self.param_dtype is None else str(self.param_dtype).removeprefix("torch.")
         return (
             f"pp={self.pp} dp={self.dp} tp={self.tp} {self.schedule} v={self.virtual_stages} "
-            f"m={self.microbatches} ac={self.activation_checkpoint} {self.dp_mode} {dtype}"
+            f"m={self.microbatches} ac={self.activation_checkpoint} {self.dp_mode}"
+            f"{' reshard' if self.reshard_after_forward and self.pp > 1 else ''} {dtype}"
             f"{' compile' if self.compile else ''}"
         )
 
@@ -203,6 +207,7 @@ def plan(
             compute_bytes,
             wraps=cand["dp"] > 1 or cand["param_dtype"] is not None,
             tied_end=tied,
+            reshard_after_forward=cand["reshard_after_forward"],
         )
         walk = (
             cand["tp"],
@@ -256,6 +261,7 @@ def plan(
                 by_rank,
                 (token_ids(cand["microbatch_size"], seq_len),) if anatomy.traced is not None else None,
                 None if split_points is None else tuple(split_points),
+                cand["reshard_after_forward"],
             )
         )
     if not plans:

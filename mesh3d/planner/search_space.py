@@ -29,6 +29,7 @@ FIXABLE = (
     "microbatches",
     "activation_checkpoint",
     "dp_mode",
+    "reshard_after_forward",
     "param_dtype",
     "compile",
 )
@@ -71,7 +72,7 @@ def candidate_layouts(gpus, gpus_per_node, global_batch, n_blocks, tp_sizes, fix
                         except ValueError:
                             continue
                         for ac in allowed("activation_checkpoint", list(ACTIVATION_CHECKPOINT_MODES)):
-                            for mode in allowed("dp_mode", ["fsdp", "ddp"] if dp > 1 else ["fsdp"]):
+                            for mode, reshard in _data_parallel_choices(allowed, dp, pp):
                                 yield dict(
                                     pp=pp,
                                     dp=dp,
@@ -81,11 +82,24 @@ def candidate_layouts(gpus, gpus_per_node, global_batch, n_blocks, tp_sizes, fix
                                     microbatches=m,
                                     activation_checkpoint=ac,
                                     dp_mode=mode,
+                                    reshard_after_forward=reshard,
                                     param_dtype=fix.get("param_dtype", torch.bfloat16),
                                     compile=fix.get("compile", False),
                                     local_batch=local,
                                     microbatch_size=local // m,
                                 )
+
+
+def _data_parallel_choices(allowed, dp: int, pp: int):
+    """(dp_mode, reshard_after_forward) pairs: FSDP over dp > 1 reshards after each forward or
+    keeps the stage gathered (parallelize's default: reshard at pp = 1, keep at pp > 1, where the
+    other choice trades memory for a gather per microbatch and is searched too); None where there
+    is nothing to reshard (DDP, dp = 1)."""
+    for mode in allowed("dp_mode", ["fsdp", "ddp"] if dp > 1 else ["fsdp"]):
+        if mode == "fsdp" and dp > 1:
+            yield from ((mode, r) for r in allowed("reshard_after_forward", [True] if pp == 1 else [False, True]))
+        elif allowed("reshard_after_forward", [None]) == [None]:
+            yield mode, None
 
 
 def check_fix(fix: dict | None) -> dict:
@@ -109,6 +123,10 @@ def check_fix(fix: dict | None) -> dict:
         raise ValueError(f"plan: fix dp_mode={fix['dp_mode']!r}; choose 'fsdp' or 'ddp'")
     if "param_dtype" in fix and fix["param_dtype"] is not None and not isinstance(fix["param_dtype"], torch.dtype):
         raise ValueError(f"plan: fix param_dtype={fix['param_dtype']!r}; give a torch dtype (torch.bfloat16) or None")
+    if "reshard_after_forward" in fix and not isinstance(fix["reshard_after_forward"], bool):
+        raise ValueError(
+            f"plan: fix reshard_after_forward={fix['reshard_after_forward']!r}; give True or False (FSDP over dp > 1)"
+        )
     if "compile" in fix and not isinstance(fix["compile"], bool):
         raise ValueError(f"plan: fix compile={fix['compile']!r}; give True or False")
     for name in ("pp", "dp", "tp", "virtual_stages", "microbatches"):

@@ -46,7 +46,9 @@ def test_memory_breakdown_adds_up_and_fits(plans):
     limit = 80 * 2**30 * 0.9
     for p in plans:
         m = p.memory_per_rank
-        assert m.total == m.parameters + m.gradients + m.optimizer + m.activations + m.recompute + m.communication
+        held = m.parameters + m.gradients + m.optimizer
+        assert m.total == held + m.activations + m.recompute + m.communication + m.optimizer_step
+        assert m.optimizer_step == max(0, m.parameters - m.activations - m.recompute - m.communication)
         assert m.gradients == m.parameters and m.optimizer == 2 * m.parameters  # fp32 grads, AdamW's two moments
         assert 0 < m.total <= limit
 
@@ -123,6 +125,23 @@ def test_checkpointing_keeps_less():
     assert kept("always") < kept("except_last") < kept("never")
 
 
+def test_resharding_after_forward_at_pp_above_one_trades_memory_for_gathers():
+    """FSDP at pp > 1 keeps each stage gathered all step by default; resharding after each forward
+    holds two blocks and the stage's own parameters instead, and gathers again per microbatch."""
+    fix = {"pp": 2, "dp": 2, "tp": 1, "schedule": "1f1b", "microbatches": 4, "dp_mode": "fsdp"}
+    fix.update(activation_checkpoint="never", param_dtype=None, compile=False)
+    kept, resharded = (
+        mesh3d.plan(debug_model(), fix={**fix, "reshard_after_forward": r}, **SIZES)[0] for r in (False, True)
+    )
+    assert resharded.memory_per_rank.communication < kept.memory_per_rank.communication
+    assert resharded.time.exposed_dp_seconds > kept.time.exposed_dp_seconds
+    assert resharded.parallelize_kwargs()["reshard_after_forward"] is True
+    assert {p.reshard_after_forward for p in mesh3d.plan(debug_model(), fix=fix, **SIZES)} == {False, True}
+    ddp = mesh3d.plan(debug_model(), fix={**fix, "dp_mode": "ddp"}, **SIZES)
+    assert {p.reshard_after_forward for p in ddp} == {None}
+    assert "reshard_after_forward" not in ddp[0].parallelize_kwargs()
+
+
 def test_a_custom_hardware_and_a_memory_limit_as_text():
     slow = mesh3d.Hardware(
         "slow",
@@ -144,6 +163,7 @@ def test_a_custom_hardware_and_a_memory_limit_as_text():
         ({"fix": {"pipeline": 2}}, "fix has unknown keys ['pipeline']"),
         ({"fix": {"schedule": "pipedream"}}, "choose one of"),
         ({"fix": {"activation_checkpoint": "sometimes"}}, "activation_checkpoint='sometimes'"),
+        ({"fix": {"reshard_after_forward": "yes"}}, "reshard_after_forward='yes'; give True or False"),
         ({"gpus": 12, "gpus_per_node": 8}, "not a whole number of nodes of 8; use a multiple of 8 (e.g. 8 or 16)"),
         ({"seq_len": 128}, "seq_len=128 is longer than the model takes (64)"),
         ({"memory_limit": "1MiB"}, "the leanest needs"),

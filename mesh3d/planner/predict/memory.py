@@ -13,9 +13,14 @@
 - recompute: the most a recomputation adds during a backward: one block's activations where the
   runtime checkpoints block by block (schedules with one backward), the whole stage's where it
   recomputes a stage at once (a split backward's I, held until W);
-- communication: FSDP's gathered (unsharded) parameters and, with several microbatches, the
-  unsharded gradients it accumulates until the step's one reduction; DDP's compute-dtype copy;
-  a receive buffer per boundary message.
+- communication: FSDP's gathered (unsharded) parameters (resharded after each forward: two blocks, the stage's own
+  parameters outside its blocks, which FSDP's root keeps gathered from forward to backward, and
+  the flat buffer they were gathered into) and, with several microbatches, the unsharded
+  gradients it accumulates until the step's one reduction; DDP's compute-dtype copy; a receive
+  buffer per boundary message;
+- optimizer_step: what AdamW's step adds beyond the backward's peak. Its foreach kernels (torch's
+  default on CUDA) hold one temporary the size of the rank's parameters while every gradient is
+  there, so a rank without data parallelism peaks in the step, not in the backward.
 """
 
 from __future__ import annotations
@@ -37,12 +42,12 @@ class MemoryBreakdown:
     activations: int
     recompute: int
     communication: int
+    optimizer_step: int = 0
 
     @property
     def total(self) -> int:
-        return (
-            self.parameters + self.gradients + self.optimizer + self.activations + self.recompute + self.communication
-        )
+        held = self.parameters + self.gradients + self.optimizer
+        return held + self.activations + self.recompute + self.communication + self.optimizer_step
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,12 @@ class StagePlacement:
     compute_bytes: int  # element size of the compute dtype
     wraps: bool  # data parallelism (or mixed precision) wraps each stage as its own root
     tied_end: bool  # the first and last ends share a weight
+    # FSDP frees a block's gathered parameters after its forward; None: parallelize's default (pp = 1)
+    reshard_after_forward: bool | None = None
+
+    @property
+    def reshards(self) -> bool:
+        return self.schedule.pp == 1 if self.reshard_after_forward is None else self.reshard_after_forward
 
 
 def _shard_rows(shape: tuple[int, ...], dp: int, mode: str) -> int:
@@ -201,11 +212,13 @@ def rank_memory(
     unsharded = rank_parameter_elements(costs, rank, place, sharded=False)
     if place.dp_mode == "fsdp" and place.dp > 1:
         stages = place.schedule.local_stages(rank)
-        if place.schedule.pp > 1:  # parameters stay gathered from the first forward to the last backward
+        if not place.reshards:  # gathered from the first forward to the last backward
             gathered = unsharded * place.compute_bytes
-        else:  # gathered a block at a time, the next one prefetched
+        else:  # a block at a time, the next one prefetched; the root's own parameters kept, and their flat buffer
             block = sum(math.prod(s) for s in costs.block.param_shapes)
-            gathered = 2 * block * place.compute_bytes * min(1, len(stages))
+            blocks = sum(len(place.stage_layers[s]) for s in stages)
+            own = unsharded - blocks * block
+            gathered = (min(2, blocks) * block + 2 * own) * place.compute_bytes
         comm = gathered
     elif place.wraps and place.compute_bytes != place.param_bytes:
         comm = unsharded * place.compute_bytes  # the compute-dtype copy of every parameter
@@ -216,4 +229,6 @@ def rank_memory(
         # Reduced once per step (data_parallel/gradient_sync.py): until the last backward FSDP
         # accumulates each gathered parameter's whole gradient, beside the reduced shards.
         comm += unsharded * place.param_bytes
-    return MemoryBreakdown(params, params, 2 * params, activations, recompute, comm)
+    during_backward = activations + recompute + comm
+    optimizer_step = max(0, params - during_backward)  # foreach AdamW's one parameter-sized temporary
+    return MemoryBreakdown(params, params, 2 * params, activations, recompute, comm, optimizer_step)

@@ -176,25 +176,26 @@ def _dp_seconds(
 ) -> float:
     """FSDP: gather the parameters and reduce-scatter the gradients; DDP: all-reduce the gradients.
     One collective per wrapped module (each block, and each stage's root for the ends) and pass.
-    With pp > 1 FSDP gathers once per step (the parameters stay gathered until the last backward);
-    with pp = 1 it reshards after each forward, so every microbatch's forward and backward gathers
-    again (data_parallel/wrap.py). A machine with measured collectives (`Hardware.collective_times`)
+    Kept gathered (reshard_after_forward False, parallelize's default at pp > 1) FSDP gathers once
+    per step; resharding after each forward (the default at pp = 1), every microbatch's forward
+    and backward gather again (data_parallel/wrap.py). A machine with measured collectives (`Hardware.collective_times`)
     gives each its measured time at its size; otherwise ring traffic per rank over the link, plus
     the latency per collective."""
     dp = place.dp
     if dp == 1:
         return 0.0
     pp = place.schedule.pp
-    gathers = 1 if pp > 1 else 2 * place.schedule.microbatches
+    regathers = place.reshards
+    gathers = 2 * place.schedule.microbatches if regathers else 1
     grad_bytes = 4  # reduce_dtype fp32
     share = (dp - 1) / dp
     wrapped = 0.0
     unsharded = max(rank_parameter_elements(costs, r, place, sharded=False) for r in range(pp))
     if overhead is not None:  # timed: hooks, copies and accumulation, per microbatch, scaled by the rank's parameters
         m, scale = place.schedule.microbatches, unsharded / overhead.elements
-        if place.dp_mode == "fsdp" and pp == 1:
+        if place.dp_mode == "fsdp" and regathers:
             wrapped = m * overhead.regathered
-        else:  # kept gathered (pp > 1: reshard_after_forward False) or replicated; the first gather once
+        else:  # kept gathered (reshard_after_forward False) or replicated; the first gather once
             wrapped = m * overhead.gathered + (overhead.regathered - overhead.gathered) / 2
         wrapped = scale * (wrapped + overhead.reduced)
     if hardware.collective_times is not None:
