@@ -46,11 +46,7 @@ class TokenCrossEntropy:
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits, flat_target = output.flatten(0, -2), target.flatten()
-        if isinstance(logits, DTensor):  # loss parallel: torch's loss_parallel() takes the vocab-sharded logits
-            loss_sum = F.cross_entropy(logits.float(), flat_target, ignore_index=self.ignore_index, reduction="sum")
-        else:
-            loss_sum = _ChunkedCrossEntropy.apply(logits, flat_target, self.ignore_index)
-        return loss_sum, self.count(target)
+        return _ChunkedCrossEntropy.apply(logits, flat_target, self.ignore_index), self.count(target)
 
     def count(self, target: torch.Tensor) -> torch.Tensor:
         return (target != self.ignore_index).sum()
@@ -73,33 +69,43 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     backward anyway); the backward runs cross-entropy's own backward on each chunk again and writes
     it into one gradient of the logits' dtype. Rows are independent, so every gradient is exactly
     the unchunked one; only the order of the loss's fp32 sum over chunks differs.
+
+    Under loss parallel the logits are a DTensor sharded over the vocabulary: each chunk is
+    computed by torch's `loss_parallel()`, which the runtime holds around the loss and its
+    backward alike, and each chunk's gradient, sharded like the logits, is written into the
+    local shard of the gradient.
     """
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
         ctx.ignore_index = ignore_index
         ctx.save_for_backward(logits, target)
-        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        total = None
         for rows in _row_chunks(logits):
-            total += F.cross_entropy(logits[rows].float(), target[rows], ignore_index=ignore_index, reduction="sum")
+            chunk = F.cross_entropy(logits[rows].float(), target[rows], ignore_index=ignore_index, reduction="sum")
+            total = chunk if total is None else total + chunk
         return total
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         logits, target = ctx.saved_tensors
         grad = torch.empty_like(logits)
+        sharded = isinstance(logits, DTensor)
+        local_grad = grad.to_local() if sharded else grad
         for rows in _row_chunks(logits):
             with torch.enable_grad():
                 chunk = logits[rows].detach().float().requires_grad_()
                 loss = F.cross_entropy(chunk, target[rows], ignore_index=ctx.ignore_index, reduction="sum")
                 (chunk_grad,) = torch.autograd.grad(loss, chunk, grad_output)
-            grad[rows] = chunk_grad
+            if sharded:
+                chunk_grad = chunk_grad.redistribute(logits.device_mesh, logits.placements).to_local()
+            local_grad[rows] = chunk_grad
         return grad, None, None
 
 
 def _row_chunks(logits: torch.Tensor):
     rows = max(1, LOSS_CHUNK_ELEMENTS // max(logits.shape[-1], 1))
-    return [slice(start, start + rows) for start in range(0, logits.shape[0], rows)]
+    return [slice(start, start + rows) for start in range(0, logits.shape[0], rows)] or [slice(0, 0)]
 
 
 def loss_kind(result: object) -> str:
