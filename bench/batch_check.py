@@ -29,7 +29,7 @@ import mesh3d  # noqa: E402
 import mesh3d.parallel_model  # noqa: E402
 from examples.llama.config import get_config  # noqa: E402
 from examples.llama.model import Transformer, loss_fn  # noqa: E402
-from mesh3d.step.batch_check import agree_on_batch, batch_problem  # noqa: E402
+from mesh3d.step.batch_check import agree_on_batch, batch_problem, batch_verdict  # noqa: E402
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -64,7 +64,7 @@ def step_with_and_without(args) -> None:
         for name in timings:
             checking = name == "with the check"
             mesh3d.parallel_model.agree_on_batch = agree_on_batch if checking else (lambda *a: None)
-            mesh3d.parallel_model.batch_problem = batch_problem if checking else (lambda *a: None)
+            mesh3d.parallel_model.batch_verdict = batch_verdict if checking else (lambda *a: None)
             dist.barrier()
             began = time.perf_counter()
             pm.step(inputs, targets)

@@ -18,7 +18,7 @@ from mesh3d.pipeline.runtime import PipelineRuntime, RuntimeCounters
 from mesh3d.pipeline.schedule.ir import Schedule
 from mesh3d.pipeline.split import named_stage_parameters
 from mesh3d.pipeline.tied import TiedWeights
-from mesh3d.step.batch_check import agree_on_batch, batch_problem
+from mesh3d.step.batch_check import agree_on_batch, batch_problem, batch_verdict
 from mesh3d.step.global_loss import GlobalLoss
 from mesh3d.step.grad_norm import clip_grad_norm_
 from mesh3d.tensor.apply import check_loss_parallel_output
@@ -84,8 +84,9 @@ class ParallelModel:
     def _check(self, inputs: torch.Tensor, targets: torch.Tensor, during: str) -> tuple[Boundaries, str]:
         """Every check of a step or evaluation, on every rank, before any message; the boundary
         shapes and the loss's kind (MEAN or PAIR)."""
-        problem = batch_problem(inputs, targets, self._vocab_size, self._global_loss.ignore_index)
-        agree_on_batch(problem, self.layout.device, during)
+        vocab, ignore = self._vocab_size, self._global_loss.ignore_index
+        verdict = batch_verdict(inputs, targets, vocab, ignore)  # on the host copy, before any transfer
+        agree_on_batch(verdict, self.layout.device, during, lambda: batch_problem(inputs, targets, vocab, ignore))
         m = self.schedule.microbatches
         if inputs.dim() == 0 or inputs.shape[0] % m != 0:
             raise ValueError(

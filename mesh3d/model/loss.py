@@ -232,10 +232,12 @@ class LossScale:
     """
 
     kind: str  # MEAN or PAIR
-    divisor: float  # MEAN: the microbatch count; PAIR: global count / dp (0 when nothing counts)
-    expected_count: int = 0  # PAIR: what this rank's microbatches count together, found before the step
+    # MEAN: the microbatch count; PAIR: global count / dp (0 when nothing counts), a float32 tensor
+    # on the device, so that no host read waits for the count
+    divisor: float | torch.Tensor
+    expected_count: int | torch.Tensor = 0  # PAIR: what this rank's microbatches count together, before the step
     # PAIR, when each microbatch is a minibatch of its own: its global count / dp, per microbatch
-    divisors: tuple[float, ...] | None = None
+    divisors: tuple[float, ...] | torch.Tensor | None = None
 
     def apply(self, result: object, microbatch: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss value to report, the count it stands for, the tensor to backpropagate) of the
@@ -250,7 +252,11 @@ class LossScale:
             return _value(result), torch.ones((), device=result.device), result / self.divisor
         loss_sum, count = result
         divisor = self.divisor if self.divisors is None else self.divisors[microbatch]
-        scaled = loss_sum / divisor if divisor else loss_sum * 0.0
+        if isinstance(divisor, torch.Tensor):  # on the device: a 0 count scales by 0, tested there
+            counted = divisor > 0
+            scaled = loss_sum / torch.where(counted, divisor, 1.0) * counted
+        else:
+            scaled = loss_sum / divisor if divisor else loss_sum * 0.0
         return _value(loss_sum), torch.as_tensor(count, device=_value(loss_sum).device), scaled
 
 

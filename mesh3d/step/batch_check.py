@@ -12,10 +12,15 @@ attribute, see docs/model_protocol.md):
 Data-parallel ranks hold different samples, so one rank may find a problem the others do not:
 one all-reduce of a single flag settles whether any did (cheap: a few bytes, see
 docs/performance.md), and only then are the messages gathered and the first raised on all ranks.
+A batch still on the host (as a loader gives it) is checked there, through numpy, before its
+transfer: the flag's read is the check's one device-to-host synchronization.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -36,7 +41,21 @@ def declared_vocab_size(vocab_size: object) -> int | None:
 def batch_problem(
     inputs: torch.Tensor, targets: torch.Tensor | None, vocab_size: int | None, ignore_index: int = IGNORE_INDEX
 ) -> str | None:
-    """What is wrong with this rank's batch, or None. Local: no communication."""
+    """What is wrong with this rank's batch, or None. Local: no communication (ids on a device are
+    read back to the host: use `batch_verdict` on the hot path)."""
+    verdict = batch_verdict(inputs, targets, vocab_size, ignore_index)
+    if isinstance(verdict, torch.Tensor):
+        return _explain_on_device(inputs, targets, vocab_size, ignore_index) if bool(verdict) else None
+    return verdict
+
+
+def batch_verdict(
+    inputs: torch.Tensor, targets: torch.Tensor | None, vocab_size: int | None, ignore_index: int = IGNORE_INDEX
+) -> str | torch.Tensor | None:
+    """This rank's verdict on its batch, with no device-to-host read: None (fine), what is wrong
+    (found from shapes and dtypes, or from ids on the host), or, for ids already on a device, a
+    0-dim bool tensor there saying whether one is out of range (`agree_on_batch` reads it with
+    its peers' flags)."""
     if targets is not None and inputs.dim() >= 1 and targets.dim() >= 1:
         sizes = min(inputs.dim(), targets.dim(), 2)  # batch, and sequence when both have one
         if tuple(inputs.shape[:sizes]) != tuple(targets.shape[:sizes]):
@@ -52,39 +71,76 @@ def batch_problem(
             f"inputs are {inputs.dtype}, but the model takes token ids (vocab_size={vocab_size}): "
             "pass an integer tensor (torch.long)"
         )
-    problem = _outside(inputs, vocab_size, "input token id")
-    if problem is None and targets is not None:
-        if targets.is_floating_point():
-            return (
-                f"targets are {targets.dtype}, but the model's targets are token ids (vocab_size={vocab_size}): "
-                "pass an integer tensor (torch.long)"
-            )
-        problem = _outside(targets, vocab_size, "target", ignore_index)
-    return problem
-
-
-def _outside(ids: torch.Tensor, vocab_size: int, what: str, ignore_index: int | None = None) -> str | None:
-    if ids.numel() == 0:
+    if targets is not None and targets.is_floating_point():
+        return (
+            f"targets are {targets.dtype}, but the model's targets are token ids (vocab_size={vocab_size}): "
+            "pass an integer tensor (torch.long)"
+        )
+    checks = [(inputs, "input token id", None)] + ([(targets, "target", ignore_index)] if targets is not None else [])
+    on_device = [(ids, ignore) for ids, _, ignore in checks if ids.device.type != "cpu" and ids.numel()]
+    for ids, what, ignore in checks:
+        if ids.device.type == "cpu":  # the host copy, before its transfer: read through numpy, no device waits
+            problem = _outside_on_host(ids.numpy(), vocab_size, what, ignore)
+            if problem is not None:
+                return problem
+    if not on_device:
         return None
+    return torch.stack([_out_of_range(ids, vocab_size, ignore).any() for ids, ignore in on_device]).any()
+
+
+def _out_of_range(ids, vocab_size: int, ignore_index: int | None):
     bad = (ids < 0) | (ids >= vocab_size)
     if ignore_index is not None:
         bad &= ids != ignore_index
-    if not bool(bad.any()):  # the one host sync of the check
-        return None
-    where = tuple(int(i) for i in bad.nonzero()[0])
+    return bad
+
+
+def _message(what: str, value: int, where: tuple[int, ...], vocab_size: int, ignore_index: int | None) -> str:
     allowed = f"[0, {vocab_size})" + (f" or {ignore_index} (ignored)" if ignore_index is not None else "")
     return (
-        f"{what} {int(ids[where])} at position {where} is outside {allowed}: the model's vocab_size is "
+        f"{what} {value} at position {where} is outside {allowed}: the model's vocab_size is "
         f"{vocab_size}; check the tokenizer and the model config agree"
     )
 
 
-def agree_on_batch(problem: str | None, device: torch.device, during: str) -> None:
-    """Raise ValueError(f"{during}: {problem}") on every rank if any rank found a problem, else return.
-    One all-reduce of one flag over the world; the messages travel only when there is one."""
+def _outside_on_host(ids: np.ndarray, vocab_size: int, what: str, ignore_index: int | None) -> str | None:
+    bad = _out_of_range(ids, vocab_size, ignore_index)
+    if not bad.any():
+        return None
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    return _message(what, int(ids[where]), where, vocab_size, ignore_index)
+
+
+def _explain_on_device(
+    inputs: torch.Tensor, targets: torch.Tensor | None, vocab_size: int, ignore_index: int
+) -> str | None:
+    """The message for ids on a device found out of range (reads them back: only on the way to an error)."""
+    checks = [(inputs, "input token id", None)] + ([(targets, "target", ignore_index)] if targets is not None else [])
+    for ids, what, ignore in checks:
+        bad = _out_of_range(ids, vocab_size, ignore)
+        if ids.numel() and bool(bad.any()):
+            where = tuple(int(i) for i in bad.nonzero()[0])
+            return _message(what, int(ids[where]), where, vocab_size, ignore)
+    return None
+
+
+def agree_on_batch(
+    verdict: str | torch.Tensor | None,
+    device: torch.device,
+    during: str,
+    explain: Callable[[], str | None] = lambda: None,
+) -> None:
+    """Raise ValueError(f"{during}: ...") on every rank if any rank found a problem, else return.
+
+    `verdict` is `batch_verdict`'s; `explain()` gives the message of a device flag that is set.
+    One all-reduce of one flag over the world and one read of it (the batch's one host sync); the
+    messages travel only when there is one."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        flag = torch.tensor([problem is not None], dtype=torch.int32, device=device)
+        local = verdict if isinstance(verdict, torch.Tensor) else torch.tensor(verdict is not None)
+        flag = local.to(device=device, dtype=torch.int32).reshape(1)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not flag.item():
             return
-    raise_if_any(f"{during}: bad batch: {problem}" if problem else None)
+    if isinstance(verdict, torch.Tensor):
+        verdict = explain() if bool(verdict) else None
+    raise_if_any(f"{during}: bad batch: {verdict}" if verdict else None)

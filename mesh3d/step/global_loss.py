@@ -13,7 +13,8 @@ one step at a time, wrapped with that step's scale (`ScaledLoss`). Per step:
    their targets (the loss's `count(target)`, or the loss called on a zero output) and add the
    counts over dp with one small all-reduce among themselves;
 3. after the schedule, one world all-reduce of (sum of loss values, sum of counts) gives every
-   rank the global loss.
+   rank the global loss, read once: with the batch check's flag, the step's only device-to-host
+   synchronizations (the count of step 2 stays on the device, and so do the divisors made of it).
 """
 
 from __future__ import annotations
@@ -131,18 +132,20 @@ class GlobalLoss:
         if not self.has_last_stage:
             return LossScale(PAIR, 0.0)  # never applied here
         chunks = targets.to(self.layout.device).chunk(m)
-        local = torch.stack(probe_counts(self.loss_fn, boundaries.output, chunks, self.loss_context))
-        # [this rank's count, the global count, the global count of each microbatch index]
-        counts = torch.cat([local.sum().reshape(1), local.sum().reshape(1), local]).long()
+        local = torch.stack(probe_counts(self.loss_fn, boundaries.output, chunks, self.loss_context)).long()
+        # The counts stay on the device: the divisors are tensors there, so no host read waits for them.
+        each = local.clone()  # the global count of each microbatch index, once reduced over dp
         if self.layout.dp > 1:
-            dist.all_reduce(counts[1:], group=self.layout.group("dp"))
-        mine, total, *each = counts.tolist()  # the step's one host sync for the count
+            dist.all_reduce(each, group=self.layout.group("dp"))
+        dp = self.layout.dp
+        divisor = (each.sum().double() / dp).float()
         if self.per_microbatch:
-            return LossScale(PAIR, total / self.layout.dp, mine, tuple(c / self.layout.dp for c in each))
-        return LossScale(PAIR, total / self.layout.dp, mine)
+            return LossScale(PAIR, divisor, local.sum(), (each.double() / dp).float())
+        return LossScale(PAIR, divisor, local.sum())
 
     def total(self, totals: torch.Tensor, loss: ScaledLoss | None = None) -> torch.Tensor:
-        """Every rank's [loss values, counts] summed over the world: the global loss, on every rank.
+        """Every rank's [loss values, counts] summed over the world: the global loss, on every rank
+        (a 0-dim float32 tensor on the host).
 
         Only last-stage ranks at tp rank 0 contribute (the other tp ranks hold the same values).
         Given the step's `loss`, a pair loss whose counts during the step differ from those found
@@ -151,14 +154,18 @@ class GlobalLoss:
         """
         mine = totals.detach() if self.layout.tp_rank == 0 else torch.zeros_like(totals)
         scale = loss.scale if loss is not None else None
-        recount = scale is not None and scale.kind == PAIR and bool(totals[1] != scale.expected_count)
-        everything = torch.cat([mine, torch.tensor([float(recount)], dtype=mine.dtype, device=mine.device)])
+        if scale is not None and scale.kind == PAIR:
+            recount = (totals[1] != scale.expected_count).to(mine.dtype).reshape(1)  # read with the loss below
+        else:
+            recount = torch.zeros(1, dtype=mine.dtype, device=mine.device)
+        everything = torch.cat([mine, recount])
         if self.layout.world_size > 1:
             dist.all_reduce(everything)
-        value, count, mismatches = everything.tolist()
+        value, count, mismatches = everything.tolist()  # the step's one read of the loss
         if mismatches:
             raise ValueError(
                 "loss_fn returned counts during the step that differ from those it gave before the step on the "
                 "same targets; a (loss_sum, count) loss's count must depend on the target only"
             )
-        return torch.tensor(value / count if count else 0.0, dtype=torch.float32, device=self.layout.device)
+        # On the host: its value is here already, so reading it (`.item()`) waits for nothing.
+        return torch.tensor(value / count if count else 0.0, dtype=torch.float32)

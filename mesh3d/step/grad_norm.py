@@ -1,8 +1,13 @@
-"""The whole model's gradient norm over pp, dp and tp, each value counted once, and clipping by it."""
+"""The whole model's gradient norm over pp, dp and tp, each value counted once, and clipping by it.
+
+Foreach kernels (one per group of gradients of the same device, dtype and replica count, as
+torch.nn.utils.clip_grad_norm_ groups them), one all-reduce, and no device-to-host read: the norm
+and the clipping scale stay on the device."""
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 
 import torch
@@ -30,24 +35,36 @@ def clip_grad_norm_(
     norm_type = float(norm_type)
     with_grad = [p for p in params if p.grad is not None]
     grads = [local_tensor(p.grad) for p in with_grad]
-    norms = [(local_tensor(p.grad), _replicas(p.grad, layout)) for p in with_grad if counted(p)]
-    device = layout.device
-    if math.isinf(norm_type):
-        local = max((g.abs().max().float() for g, _ in norms if g.numel()), default=torch.zeros((), device=device))
-        op = dist.ReduceOp.MAX
-    else:
-        # A value held by r ranks enters the world-wide sum r times: each adds 1/r of it.
-        local = sum((g.float().norm(norm_type) ** norm_type / r for g, r in norms), torch.zeros((), device=device))
-        op = dist.ReduceOp.SUM
+    # Grouped by replica count, device and dtype, so that each group is one foreach kernel.
+    groups: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for param in with_grad:
+        grad = local_tensor(param.grad)
+        if counted(param) and grad.numel():
+            groups[(_replicas(param.grad, layout), grad.device, grad.dtype)].append(grad)
+    local = torch.zeros((), device=layout.device)
+    for (replicas, _, _), tensors in groups.items():
+        norms = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=torch.float32)).to(local.device)
+        if math.isinf(norm_type):
+            local = torch.maximum(local, norms.max())
+        else:  # a value held by r ranks enters the world-wide sum r times: each adds 1/r of it
+            local = local + (norms**norm_type).sum() / replicas
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
     total = local.clone()
     if layout.world_size > 1:
         dist.all_reduce(total, op=op)
     if not math.isinf(norm_type):
         total = total ** (1.0 / norm_type)
-    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(scale.to(g.dtype))
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # on the device: no host read
+    for (_, dtype), tensors in _by_device_and_dtype(grads).items():
+        torch._foreach_mul_(tensors, scale.to(device=tensors[0].device, dtype=dtype))
     return total
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    groups = defaultdict(list)
+    for tensor in tensors:
+        groups[(tensor.device, tensor.dtype)].append(tensor)
+    return groups
 
 
 def _replicas(tensor: torch.Tensor, layout: Layout) -> int:

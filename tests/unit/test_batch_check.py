@@ -18,3 +18,19 @@ def test_batch_problem_in_one_process():
     assert "differ in batch or sequence size" in batch_problem(ids, ids[:, :1], None)
     assert "differ in batch size" in batch_problem(ids, torch.tensor([1, 2, 3]), None)
     assert batch_problem(ids, torch.tensor([5, 6]), None) is None  # one label per sample
+
+
+def test_the_verdict_reads_host_ids_through_numpy_and_leaves_device_ids_unread():
+    """A batch on the host is judged there with no torch read (no device would wait); ids already on a
+    device (meta stands in for one) give a flag tensor there, read later with the other ranks' flags."""
+    from host_syncs import HostSyncCounter
+
+    from mesh3d.step.batch_check import batch_verdict
+
+    ids = torch.tensor([[1, 2], [3, 64]])
+    with HostSyncCounter() as syncs:
+        assert "input token id 64 at position (1, 1)" in batch_verdict(ids, ids - 1, VOCAB)
+        assert batch_verdict(ids - 1, ids - 1, VOCAB) is None
+        flag = batch_verdict(ids.to("meta"), ids.to("meta"), VOCAB)
+    assert syncs.count == 0, syncs.ops
+    assert isinstance(flag, torch.Tensor) and flag.device.type == "meta" and flag.dtype == torch.bool
