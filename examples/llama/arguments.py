@@ -66,9 +66,17 @@ def build_parser(description: str | None = None) -> Parser:
     p.add_argument("--loss-parallel", action="store_true", help="keep logits vocab-sharded over tp for the loss")
     p.add_argument(
         "--param-dtype",
-        default="fp32",
+        default=None,
         choices=sorted(PARAM_DTYPES),
-        help="compute dtype; bf16 keeps fp32 master weights, reduces gradients in fp32",
+        help="compute dtype (default: bf16 on CUDA, fp32 on CPU); bf16 keeps fp32 master weights, reduces "
+        "gradients in fp32",
+    )
+    p.add_argument(
+        "--tf32",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on CUDA, fp32 matmuls run on TF32 tensor cores (torch.backends.cuda.matmul.fp32_precision); "
+        "--no-tf32 keeps them full fp32",
     )
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (inductor)")
     p.add_argument(
@@ -207,6 +215,16 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     if args.tensorboard and not tensorboard_available():
         p.error("--tensorboard needs the tensorboard package: pip install tensorboard")
     return args
+
+
+def settle_cuda_defaults(args: argparse.Namespace, device: torch.device) -> None:
+    """The defaults that depend on the device, once it is known: the compute dtype (bf16 on CUDA,
+    fp32 elsewhere) and, on CUDA, TF32 for fp32 matmuls unless --no-tf32."""
+    on_cuda = torch.device(device).type == "cuda"
+    if args.param_dtype is None:
+        args.param_dtype = "bf16" if on_cuda else "fp32"
+    if on_cuda:
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if args.tf32 else "ieee"
 
 
 def never_drains(schedule: str) -> bool:

@@ -77,6 +77,7 @@ def set_up(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     layout = mesh3d.build_mesh(pp=args.pp, dp=args.dp, tp=args.tp, timeout=args.timeout)
+    arguments.settle_cuda_defaults(args, layout.device)  # bf16 and TF32 on CUDA unless asked otherwise
     if args.placement_report:
         report = placement_report(layout)
         if layout.rank == 0:
@@ -154,6 +155,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for group in optimizer.param_groups:
             group["lr"] = lr
         inputs, targets = next(loader)
+        # pm.step's loss comes back on the host (reading it waits for nothing): a step stops the host
+        # for its batch check's flag and its loss, and this loop once more for the gradient norm,
+        # the non-finite guard's verdict (the same on every rank).
         if pm.never_drains:  # the updates run inside pm.step, each with the lr set above for this batch
             loss, grad_norm, stepped = pm.step(inputs, targets).item(), None, True
             guard.observe(loss)
