@@ -150,25 +150,44 @@ def _world_size_before_init() -> int:
     return int(os.environ["WORLD_SIZE"]) if _launched_by_torchrun() else 1
 
 
-def _pick_device(device: str | torch.device | None) -> torch.device:
+def _pick_device(device: str | torch.device | None, backend: str | None = None) -> torch.device:
     if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = _default_device(backend)
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("build_mesh: device='cuda' was asked for, but CUDA is not available here")
         if device.index is None:
-            local_rank = int(os.environ.get("LOCAL_RANK") or 0)
-            if local_rank >= torch.cuda.device_count():
-                raise ValueError(
-                    f"build_mesh: LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} GPUs; "
-                    f"start at most one process per GPU (torchrun --nproc-per-node)"
-                )
-            device = torch.device("cuda", local_rank)
+            device = torch.device("cuda", _local_device_index())
         torch.cuda.set_device(device)
     elif device.type != "cpu":
         raise ValueError(f"build_mesh: device must be 'cpu' or 'cuda', got {device}")
     return device
+
+
+def _default_device(backend: str | None) -> str:
+    """CPU where the process group is (or is asked to be) gloo alone, so a CPU test suite runs
+    unchanged on a machine with GPUs; else CUDA when it is there."""
+    if backend is None and dist.is_initialized():
+        backend = dist.get_backend()  # "gloo", "nccl", or a per-device list such as "cpu:gloo,cuda:nccl"
+    if backend is not None and "nccl" not in backend:
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _local_device_index() -> int:
+    """This process's GPU: cuda:LOCAL_RANK, or cuda:0 when the launcher shows each process only
+    its own GPU (CUDA_VISIBLE_DEVICES of one device, whatever LOCAL_RANK says)."""
+    local_rank, visible = int(os.environ.get("LOCAL_RANK") or 0), torch.cuda.device_count()
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        raise ValueError(
+            f"build_mesh: LOCAL_RANK={local_rank} but this process sees {visible} GPUs; start at most one "
+            f"process per GPU (torchrun --nproc-per-node), or show each process its own GPU alone "
+            f"(CUDA_VISIBLE_DEVICES)"
+        )
+    return local_rank
 
 
 def _as_timeout(timeout: float | timedelta | None) -> timedelta | None:
@@ -222,15 +241,17 @@ def build_mesh(
 
     Starts the default process group from the torchrun environment when none exists, or as a
     private world of one when there is no torchrun environment. Picks CUDA+NCCL when GPUs are
-    present and CPU+gloo otherwise; `device` and `backend` override that. On NCCL it sets the
-    watchdog's defaults before the group starts and adds a gloo group over the world for the
-    CPU-side checks (docs/reliability.md#on-nccl).
+    present and CPU+gloo otherwise, and CPU whenever the process group is (or `backend` asks for)
+    gloo alone; `device` and `backend` override that. On NCCL it sets the watchdog's defaults
+    before the group starts and adds a gloo group over the world for the CPU-side checks
+    (docs/reliability.md#on-nccl).
 
     Args:
         pp: pipeline-parallel degree (outermost dim).
         dp: data-parallel degree; -1 takes the rest of the world.
         tp: tensor-parallel degree (innermost dim: a tp group is consecutive global ranks).
-        device: "cpu", "cuda" (cuda:LOCAL_RANK) or "cuda:N"; default: CUDA when available.
+        device: "cpu", "cuda" (cuda:LOCAL_RANK, or cuda:0 when the process sees one GPU only) or
+            "cuda:N"; default: CUDA when available, unless the process group is gloo.
         backend: process-group backend; default: "nccl" for CUDA, "gloo" for CPU.
         timeout: seconds (or a timedelta) any collective or P2P wait may last before it raises,
             for the default process group when this call starts it (and the groups the mesh
@@ -247,7 +268,7 @@ def build_mesh(
     """
     pp, dp, tp = resolve_sizes(pp, dp, tp, _world_size_before_init())
     timeout = _as_timeout(timeout)
-    device = _pick_device(device)
+    device = _pick_device(device, backend)
     if backend is None:
         backend = _BACKEND_FOR_DEVICE[device.type]
     if not dist.is_initialized():
