@@ -17,19 +17,32 @@ and no MFU is reported rather than a made-up one.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-# Dense bf16 FLOP/s per device, from NVIDIA's datasheets (the SXM parts; PCIe ones run lower).
-# Looked up by substring of torch.cuda.get_device_name(), first match wins.
+# Dense bf16 FLOP/s per device (without 2:4 sparsity, which datasheets often quote doubled), from
+# NVIDIA's datasheets: the SXM parts unless a PCIe or NVL part is named. A key matches a whole
+# word of torch.cuda.get_device_name() ("B200" is not "GB200", "H20" not "H200"); first match wins.
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("GB300", 2.5e15),  # GB300 NVL72: 360 PFLOPS sparse over 72 GPUs
+    ("GB200", 2.5e15),  # GB200 NVL72: 360 PFLOPS sparse over 72 GPUs
+    ("B300", 2.25e15),  # HGX B300: 36 PFLOPS sparse over 8 GPUs
     ("B200", 2.25e15),
+    ("H200 NVL", 835e12),
     ("H200", 989e12),
+    ("GH200", 989e12),
     ("H100 PCIe", 756e12),
     ("H100 NVL", 835e12),
     ("H100", 989e12),
+    ("H800 PCIe", 756e12),
+    ("H800", 989e12),
+    ("H20", 148e12),
+    ("L40S", 362e12),
     ("A100", 312e12),
+    ("A800", 312e12),
 )
 
 
@@ -50,7 +63,7 @@ def peak_flops(device: torch.device) -> float | None:
 
 def peak_flops_of(gpu_name: str) -> float | None:
     """The dense bf16 peak FLOP/s of the GPU of this name ("NVIDIA H100 80GB HBM3"), or None."""
-    return next((peak for key, peak in PEAK_BF16_FLOPS if key in gpu_name), None)
+    return next((peak for key, peak in PEAK_BF16_FLOPS if re.search(rf"\b{re.escape(key)}\b", gpu_name)), None)
 
 
 def flops_per_token(model: nn.Module, seq_len: int, batch: int = 1) -> float:

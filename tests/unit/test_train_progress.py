@@ -91,6 +91,28 @@ def test_peak_flops_table_and_unknown_devices():
     assert mfu(1e9, 1000.0, 1e12, 8) == pytest.approx(1e12 / 8e12)
 
 
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA GB200", 2.5e15),  # not B200's, though its name holds "B200"
+        ("NVIDIA B200", 2.25e15),
+        ("NVIDIA B300 SXM6 AC", 2.25e15),
+        ("NVIDIA GB300", 2.5e15),
+        ("NVIDIA H800", 989e12),  # not H100's row, and no longer unknown
+        ("NVIDIA H800 PCIe", 756e12),
+        ("NVIDIA H20", 148e12),  # not H200's, though "H200" starts with "H20"
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA H200 NVL", 835e12),
+        ("NVIDIA GH200 480GB", 989e12),
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA L40", None),  # not L40S's: an unknown device has no peak
+        ("NVIDIA A100 80GB PCIe", 312e12),
+    ],
+)
+def test_peak_flops_names_match_whole_words(name, peak):
+    assert peak_flops_of(name) == peak
+
+
 def test_the_progress_line():
     progress = Progress(
         total_steps=100,
