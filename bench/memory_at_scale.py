@@ -119,7 +119,7 @@ def measure(
         model, layout_, schedule="1f1b", microbatches=microbatches, dp_mode=dp_mode, seed=0, **extra
     )
     setup_peak = _peak() - before
-    if phase == "step":
+    if phase in ("step", "checkpoint"):
         # foreach: torch's default on CUDA, what the planner counts (CPU's default is one tensor at a time)
         optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=True)
         generator = torch.Generator().manual_seed(0)
