@@ -8,9 +8,10 @@
   the stages between (torchgpipe's portals): the consumer's forward already waits for the
   producer's through the chain, and the producer's backward for the consumer's, so they add
   messages but no ordering.
-- `check_lowered()` replays the lowered lists with only their order (no costs), with each
-  rank's communication completing in issue order (NCCL, one stream), and requires every rank to
-  reach its end. A lowered schedule that passes runs under any real timing.
+- `check_lowered()` replays the lowered lists with only their order (no costs), under NCCL's
+  rule: each communicator's operations complete in issue order (one stream), a collective behind
+  every earlier one (schedule/communicators.py says which communicator each uses). It requires
+  every rank to reach its end: a lowered schedule that passes runs under any real timing.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from mesh3d.pipeline.schedule.communicators import RUNTIME, Communicators
 from mesh3d.pipeline.schedule.ir import BACKWARD_INPUT, COMMUNICATION, COMPUTE, Action, Kind, Schedule, ScheduleError
 from mesh3d.pipeline.schedule.timeline import dependencies, replay, timeline
 
@@ -76,8 +78,9 @@ def producers(stage: int, skips: tuple[tuple[int, int], ...]) -> list[int]:
     return ([stage - 1] if stage > 0 else []) + [p for p, c in skips if c == stage]
 
 
-def lower(schedule: Schedule, skips=()) -> LoweredSchedule:
-    """Add SEND after each compute whose result another rank needs, RECV before its use; then check.
+def lower(schedule: Schedule, skips=(), communicators: Communicators = RUNTIME) -> LoweredSchedule:
+    """Add SEND after each compute whose result another rank needs, RECV before its use; then check
+    the lists finish with `communicators` (schedule/communicators.py).
 
     `skips`: (producer, consumer) stage pairs of skip connections, consumer past producer + 1."""
     timed = timeline(schedule)
@@ -107,20 +110,20 @@ def lower(schedule: Schedule, skips=()) -> LoweredSchedule:
             keyed[peer].append((item.end, 0, tie_break, recv))
     actions = tuple(tuple(entry[-1] for entry in sorted(entries, key=lambda e: e[:3])) for entries in keyed)
     lowered = LoweredSchedule(schedule, actions, skips)
-    check_lowered(lowered)
+    check_lowered(lowered, communicators)
     return lowered
 
 
-def check_lowered(lowered: LoweredSchedule) -> None:
+def check_lowered(lowered: LoweredSchedule, communicators: Communicators = RUNTIME) -> None:
     """Replay the lowered lists by order alone and raise ScheduleError if any rank cannot finish.
 
-    The model is the strictest a real backend imposes (NCCL with one communicator for the whole
-    pp group): each rank runs its list in order; SEND and RECV are issued without blocking the
-    rank, but the operations a rank issued complete one after the other, in issue order, each
-    only when the other end has issued its half; a compute waits for the messages it consumes.
-    Lists that finish here also finish with per-pair streams and with gloo, whatever the timing.
+    The model is NCCL's (schedule/communicators.py): each rank runs its list in order; SEND and
+    RECV are issued without blocking the rank, but the operations a rank issued on one
+    communicator complete one after the other, in issue order, each only when the other end has
+    issued its half; a compute waits for the messages it consumes. Lists that finish here also
+    finish with gloo and under any finer assignment of communicators, whatever the timing.
     """
-    check_lists(lowered.schedule, lowered.actions, lowered.skips)
+    check_lists(lowered.schedule, lowered.actions, lowered.skips, communicators=communicators)
 
 
 def check_lists(
@@ -129,48 +132,61 @@ def check_lists(
     skips: tuple[tuple[int, int], ...] = (),
     done: set[Action] | None = None,
     completed: set[Message] | None = None,
+    communicators: Communicators = RUNTIME,
 ) -> None:
     """check_lowered's replay over any per-rank lists of `schedule`'s actions (a never-drain
     schedule's one call among several: `done` and `completed` carry the compute actions and
     messages earlier calls finished, and gain this one's). An update (U) runs whenever reached; a
-    tied weight's update (TIE) is a collective: it completes once every rank listing a TIE of the
-    same microbatch has reached it."""
+    tied weight's update (TIE) is a collective on its communicator: the rank waits in it until
+    every rank listing a TIE of the same microbatch has it at the head of that communicator's
+    queue, behind every operation the rank issued there before."""
     n_stages = schedule.n_stages
-    pair_order: dict[tuple[int, int], list[list[Message]]] = defaultdict(lambda: [[], []])
-    for rank, actions in enumerate(actions_per_rank):
-        for action in actions:
-            if action.kind in COMMUNICATION:
-                pair = (min(rank, action.peer), max(rank, action.peer))
-                pair_order[pair][0 if rank == pair[0] else 1].append(_message_of(action))
-    for (low, high), (seen_low, seen_high) in pair_order.items():
-        if seen_low != seen_high:
-            raise ScheduleError(f"ranks {low} and {high} list their messages in different orders")
-
+    _check_same_order(actions_per_rank, communicators)
     collective: dict[int, set[int]] = defaultdict(set)  # TIE microbatch -> the ranks that list it
     for rank, actions in enumerate(actions_per_rank):
         for action in actions:
             if action.kind == Kind.TIE:
                 collective[action.microbatch].add(rank)
-    arrived: dict[int, set[int]] = defaultdict(set)
-    issued: list[list[Action]] = [[] for _ in range(schedule.pp)]
-    head = [0] * schedule.pp  # per rank: the first issued operation not yet completed
+    tie_channel = {j: communicators.of_tie(frozenset(ranks), schedule.pp) for j, ranks in collective.items()}
+    queues: dict[tuple[int, tuple], list[Action]] = defaultdict(list)  # (rank, communicator) -> issued
+    head: dict[tuple[int, tuple], int] = defaultdict(int)  # per queue: the first not yet completed
+    ties_done: set[tuple[int, int]] = set()  # (rank, microbatch) of each TIE completed
     completed = set() if completed is None else completed
     done = set() if done is None else done
 
+    def channel(rank: int, action: Action) -> tuple:
+        if action.kind == Kind.TIE:
+            return tie_channel[action.microbatch]
+        return communicators.of_message(rank, action)
+
+    def at_head(rank: int, key: tuple) -> Action | None:
+        queue = queues.get((rank, key), ())
+        return queue[head[(rank, key)]] if head[(rank, key)] < len(queue) else None
+
+    def advance(rank: int, key: tuple) -> None:
+        head[(rank, key)] += 1
+        moved.add((rank, key))
+
+    moved: set[tuple[int, tuple]] = set()  # queues issued to or advanced since the last settle
+
     def settle() -> None:
-        matched = True
-        while matched:
-            matched = False
-            for rank in range(schedule.pp):
-                if head[rank] == len(issued[rank]):
-                    continue
-                action = issued[rank][head[rank]]
-                peer = action.peer
-                if head[peer] < len(issued[peer]) and _message_of(issued[peer][head[peer]]) == _message_of(action):
-                    completed.add(_message_of(action))
-                    head[rank] += 1
-                    head[peer] += 1
-                    matched = True
+        while moved:
+            rank, key = moved.pop()
+            action = at_head(rank, key)
+            if action is None:
+                continue
+            if action.kind == Kind.TIE:
+                members = collective[action.microbatch]
+                if all(at_head(r, key) == action for r in members):
+                    for r in members:
+                        advance(r, key)
+                        ties_done.add((r, action.microbatch))
+                continue
+            other = at_head(action.peer, key)
+            if other is not None and other.kind != Kind.TIE and _message_of(other) == _message_of(action):
+                completed.add(_message_of(action))
+                advance(rank, key)
+                advance(action.peer, key)
 
     def run(rank: int, action: Action) -> bool:
         if action.kind in COMPUTE:
@@ -181,19 +197,48 @@ def check_lists(
                 return False
             done.add(action)
         elif action.kind in COMMUNICATION:
-            issued[rank].append(action)
+            key = channel(rank, action)
+            queues[(rank, key)].append(action)
+            moved.add((rank, key))
         elif action.kind == Kind.TIE:
-            arrived[action.microbatch].add(rank)  # waiting in the collective
-            return arrived[action.microbatch] == collective[action.microbatch]
+            if (rank, action.microbatch) in ties_done:
+                return True
+            key = channel(rank, action)
+            issued = Action(-1, Kind.TIE, action.microbatch)  # every holder's TIE is one collective
+            if issued not in queues[(rank, key)][head[(rank, key)] :]:
+                queues[(rank, key)].append(issued)
+                moved.add((rank, key))
+                settle()  # the last holder to arrive completes it at once
+            return (rank, action.microbatch) in ties_done
         return True
 
-    # Matching after every rank's turn lets the next rank see the messages this one just issued.
+    # Matching after every rank's turn lets the next rank see the operations this one just issued.
     stuck = replay(actions_per_rank, run, after_each_rank=settle)
-    pending = [issued[r][head[r]] for r in range(schedule.pp) if head[r] < len(issued[r])]
+    pending = [(r, a) for (r, key) in queues if (a := at_head(r, key)) is not None]
     if stuck or pending:
         where = "; ".join(f"rank {r} stuck at {a}" for r, a in stuck)
-        where = where or "operations never matched: " + ", ".join(map(str, pending))
-        raise ScheduleError(f"lowered schedule {schedule.name!r} cannot finish: {where}")
+        unmatched = ", ".join(f"{a} on rank {r}" for r, a in pending)
+        if where and unmatched:
+            where += f" (at the head of their communicators: {unmatched})"
+        where = where or "operations never matched: " + unmatched
+        raise ScheduleError(
+            f"lowered schedule {schedule.name!r} cannot finish with {communicators} (NCCL's order): {where}"
+        )
+
+
+def _check_same_order(actions_per_rank, communicators: Communicators) -> None:
+    """The two ends of each pair list their shared messages on each communicator in one order
+    (NCCL pairs them by that order)."""
+    pair_order: dict[tuple, list[list[Message]]] = defaultdict(lambda: [[], []])
+    for rank, actions in enumerate(actions_per_rank):
+        for action in actions:
+            if action.kind in COMMUNICATION:
+                pair = (min(rank, action.peer), max(rank, action.peer))
+                key = (communicators.of_message(rank, action), *pair)
+                pair_order[key][0 if rank == pair[0] else 1].append(_message_of(action))
+    for (_, low, high), (seen_low, seen_high) in pair_order.items():
+        if seen_low != seen_high:
+            raise ScheduleError(f"ranks {low} and {high} list their messages in different orders")
 
 
 def _messages_needed(

@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
+from mesh3d.pipeline.schedule.communicators import RUNTIME, Communicators
 from mesh3d.pipeline.schedule.generators import one_f_one_b
 from mesh3d.pipeline.schedule.ir import COMPUTE, Action, Kind, Schedule, ScheduleError
 from mesh3d.pipeline.schedule.lower import Message, _message_of, check_lists, lower
@@ -115,13 +116,19 @@ class StreamLowering:
     segments: tuple[tuple[tuple[Action, ...], ...], ...]
 
 
-def lower_stream(rule: UpdateRule, calls: int, ties: tuple[tuple[int, ...], ...] = ()) -> StreamLowering:
+def lower_stream(
+    rule: UpdateRule,
+    calls: int,
+    ties: tuple[tuple[int, ...], ...] = (),
+    communicators: Communicators = RUNTIME,
+) -> StreamLowering:
     """Lower `calls` calls in a row, add the updates, cut per call, and check the cut lists finish
-    call by call (each call's messages complete within it; compute may use what earlier calls did).
+    call by call with `communicators` (each call's messages complete within it; compute may use
+    what earlier calls did).
 
     `ties`: the stages holding a copy of each tied weight (see `_add_tie_updates`)."""
     schedule = continuous_schedule(rule.schedule, rule.pp, rule.microbatches, calls)
-    lowered = lower(schedule)
+    lowered = lower(schedule, communicators=communicators)
     # Which call each message belongs to: its sender's.
     message_call: dict[Message, int] = {}
     for rank, actions in enumerate(lowered.actions):
@@ -160,7 +167,7 @@ def lower_stream(rule: UpdateRule, calls: int, ties: tuple[tuple[int, ...], ...]
         for holders in ties:
             _add_tie_updates(segments, sorted(holders), starts, ends)
     stream = StreamLowering(rule, calls, tuple(tuple(tuple(part) for part in parts) for parts in segments))
-    _check_call_by_call(schedule, stream)
+    _check_call_by_call(schedule, stream, communicators)
     return stream
 
 
@@ -208,13 +215,13 @@ def _updates_after_sends(actions: list[Action]) -> list[Action]:
     return out + pending
 
 
-def _check_call_by_call(schedule: Schedule, stream: StreamLowering) -> None:
+def _check_call_by_call(schedule: Schedule, stream: StreamLowering, communicators: Communicators) -> None:
     done: set[Action] = set()
     completed: set[Message] = set()
     for c in range(stream.calls + 1):
         lists = [segments[c] for segments in stream.segments]
         try:
-            check_lists(schedule, lists, (), done, completed)
+            check_lists(schedule, lists, (), done, completed, communicators)
         except ScheduleError as error:
             raise ScheduleError(f"{schedule.name}, call {c} of {stream.calls}: {error}") from None
     expected = {Action(a.stage, a.kind, a.microbatch) for acts in schedule.actions for a in acts}
