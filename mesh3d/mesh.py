@@ -58,6 +58,7 @@ class Layout:
             for ranks in self.axis_groups(dim):
                 mine = mesh.get_group(dim) if self.rank in ranks else None
                 self._subgroups.setdefault(tuple(sorted(ranks)), mine)
+        self._own_groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup | None] = {}
 
     @property
     def coordinate(self) -> tuple[int, int, int]:
@@ -97,6 +98,18 @@ class Layout:
         if key not in self._subgroups:
             self._subgroups[key] = dist.new_group(list(key), timeout=self.timeout)
         return self._subgroups[key] if self.rank in key else None  # new_group gives non-members a marker
+
+    def own_group(self, purpose: str, members: list[int]) -> dist.ProcessGroup | None:
+        """A process group over `members` (global ranks) that no other traffic shares, created once
+        per (purpose, members) and then reused: on NCCL its own communicator and stream, so its
+        operations never wait behind another group's in issue order (docs/design.md,
+        "Communicators"). A collective over the whole world, like `subgroup`: every rank asks for
+        the same purposes and member lists in the same order. Returns None on ranks outside `members`.
+        """
+        key = (purpose, tuple(sorted(members)))
+        if key not in self._own_groups:
+            self._own_groups[key] = dist.new_group(list(key[1]), timeout=self.timeout)
+        return self._own_groups[key] if self.rank in key[1] else None
 
     def __repr__(self) -> str:
         return (

@@ -41,8 +41,8 @@ from mesh3d.model.intake import anatomy_of
 from mesh3d.model.loss import LossFn, cross_entropy_loss
 from mesh3d.model.state_map import StateMap
 from mesh3d.parallel_model import ParallelModel
+from mesh3d.pipeline.communicators import pipeline_peers
 from mesh3d.pipeline.config import PipelineConfig
-from mesh3d.pipeline.p2p import PipelinePeers
 from mesh3d.pipeline.runtime import PipelineRuntime
 from mesh3d.pipeline.split import Split, named_stage_parameters, split_model
 from mesh3d.pipeline.tied import TiedWeights, find_ties, tied_copies
@@ -220,9 +220,10 @@ def parallelize(
     if stream is not None:
         versions = WeightVersions(stages, stream.rule, built_optimizer, tied_copies(tied, stages, tie_holders))
 
-    peers = PipelinePeers(
-        layout.pp_rank, layout.group_ranks("pp"), layout.group("pp") if layout.pp > 1 else None, layout.device
-    )
+    lists = [pipe.training.actions, pipe.evaluation.actions]  # every message's channel, each one made here
+    if stream is not None:
+        lists += [[sum(calls, ()) for calls in lowering.segments] for lowering in (stream.alone, stream.pair)]
+    peers = pipeline_peers(layout, *lists)
     runtime = PipelineRuntime(
         stages,
         precision.computed(split.meta_stages),

@@ -1,4 +1,5 @@
-"""Point-to-point traffic between pipeline stages: the only place that talks to peers.
+"""Point-to-point traffic between pipeline stages: the only place that talks to peers (over the
+groups pipeline/communicators.py creates: one per direction per pair of pp ranks).
 
 A `Mailbox` lives for one step (under a never-drain schedule, for every call until the flush: each
 call receives everything sent to it, and what a later call consumes waits in the inbox). A stage's
@@ -15,8 +16,8 @@ path (posting an `irecv` for a message the peer already sent took 2-6 ms of the 
 time per 512 KB message, 3 % of a pp=2 ZBV step) and a fresh buffer costs page faults:
 
 - every receive of the step is posted at its start: gloo matches by tag, so the order of
-  posting does not matter there (NCCL keeps the lowered order: its receives run in issue order
-  on one stream, and one posted early would hold up the sends behind it);
+  posting does not matter there (NCCL keeps the lowered order: a channel's operations run in
+  issue order on its stream, and a receive posted early would hold up the sends behind it);
 - receive buffers are kept between steps (`ReceiveBuffers`, one per message slot, as torch's
   PipelineStage keeps its own): a step hands them back only once it finished, so a step that
   failed half-way leaves its buffers to the messages that may still land in them.
@@ -24,12 +25,14 @@ time per 512 KB message, 3 % of a pp=2 ZBV step) and a fresh buffer costs page f
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from mesh3d.distributed.peer_timeout import waiting_for
+from mesh3d.pipeline.schedule.communicators import RUNTIME
 from mesh3d.pipeline.schedule.ir import Action, Kind, Schedule
 
 Spec = tuple[torch.Size, torch.dtype]
@@ -37,12 +40,39 @@ Spec = tuple[torch.Size, torch.dtype]
 
 @dataclass(frozen=True)
 class PipelinePeers:
-    """This rank's pp group: its position, every member's global rank, the group itself."""
+    """This rank's pp group: its position, every member's global rank, the group itself, and the
+    groups its messages travel on."""
 
     pp_rank: int
     global_ranks: list[int]
     group: dist.ProcessGroup | None  # None when pp == 1 (nothing is ever sent)
     device: torch.device
+    # (direction, low pp rank, high pp rank) -> that channel's group (schedule/communicators.py);
+    # a message with no channel here (peers built by hand, in tests) goes on `group`
+    channels: dict[tuple[str, int, int], dist.ProcessGroup] = field(default_factory=dict)
+
+    def group_of(self, action: Action) -> dist.ProcessGroup | None:
+        """The group a SEND / RECV action travels on: the channel the lowering proved it on."""
+        return self.channels.get(RUNTIME.of_message(self.pp_rank, action), self.group)
+
+
+def warm_up(peers: PipelinePeers) -> None:
+    """One tiny message each way on every channel of this rank, at setup: NCCL connects two ranks
+    at their first message, and connections made lazily inside a step have hung multi-node runs
+    (torch's pipelining warms up the same way). On each channel the lower pp rank sends first and
+    the higher receives first, so neither waits behind its own send in the channel's order."""
+    pending = []
+    for (_, low, high), group in sorted(peers.channels.items()):
+        other = high if peers.pp_rank == low else low
+        peer = peers.global_ranks[other]
+        outgoing, incoming = torch.zeros(1, device=peers.device), torch.empty(1, device=peers.device)
+        send = functools.partial(dist.isend, outgoing, dst=peer, group=group)
+        receive = functools.partial(dist.irecv, incoming, src=peer, group=group)
+        for post in (send, receive) if peers.pp_rank == low else (receive, send):
+            pending.append((post(), outgoing, incoming, peer))
+    for work, _, _, peer in pending:
+        with waiting_for(f"the pipeline's warm-up exchange with global rank {peer}"):
+            work.wait()
 
 
 @dataclass
@@ -171,7 +201,7 @@ class Mailbox:
         work = dist.irecv(
             buffer,
             src=self.peers.global_ranks[action.peer],
-            group=self.peers.group,
+            group=self.peers.group_of(action),
             tag=message_tag(self.schedule, action.kind, producer, action.stage, action.microbatch, self.window),
         )
         self.traffic.bytes_received += buffer.numel() * buffer.element_size()
@@ -199,7 +229,7 @@ class Mailbox:
         work = dist.isend(
             tensor,
             dst=self.peers.global_ranks[action.peer],
-            group=self.peers.group,
+            group=self.peers.group_of(action),
             tag=message_tag(self.schedule, action.kind, stage, other, microbatch, self.window),
         )
         what = (

@@ -98,8 +98,11 @@ class TiedWeights:
     ):
         """
         ties: groups of tied names; meta_stages: every stage (on meta); stage_rank: stage -> pp
-        rank; stages: this rank's stage modules. Tie groups come from layout.subgroup: created
-        once, by every rank for every pp group of the mesh in the same order, and reused by later calls.
+        rank; stages: this rank's stage modules. Each tie's groups are groups of their own
+        (layout.own_group), never the pp group the pipeline's messages use: a never-drain
+        schedule's TIE runs between those messages, and on NCCL a collective on a communicator
+        waits for every operation issued there before it. Created once, by every rank for every pp
+        group of the mesh in the same order, and reused by later calls.
         """
         self.pp_rank = layout.pp_rank
         self.ties: list[TiedWeight] = []
@@ -112,7 +115,7 @@ class TiedWeights:
             if len(ranks) > 1:
                 for pp_group in layout.axis_groups("pp"):
                     members = [pp_group[r] for r in ranks]
-                    group = layout.subgroup(members)
+                    group = layout.own_group("tie", members)
                     if group is not None:
                         tie.group, tie.group_ranks = group, members
             self.ties.append(tie)

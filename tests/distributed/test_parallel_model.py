@@ -13,6 +13,8 @@ from torch import nn
 
 import mesh3d
 from examples.llama.model import Transformer, loss_fn
+from mesh3d.pipeline.schedule.communicators import direction
+from mesh3d.pipeline.schedule.ir import Kind
 
 
 def _state_and_names(tied):
@@ -131,14 +133,23 @@ def _edge_cases(reference_grads):
 
     # Two steps without zero_grad accumulate like plain PyTorch, tied copies included.
     pm = mesh3d.parallelize(meta_model(tied=True), layout, schedule="1f1b", microbatches=2, loss_fn=loss_fn)
-    groups_after_first = len(layout._subgroups)
+    groups_after_first = len(layout._subgroups) + len(layout._own_groups)
     for inputs, targets in data[:2]:
         pm.step(inputs, targets)
     out["accumulated"] = max(relative(p.grad, torch.from_numpy(reference_grads[n])) for n, p in pm.named_parameters())
-    out["groups reused"] = len(layout._subgroups) == groups_after_first
+    out["groups reused"] = len(layout._subgroups) + len(layout._own_groups) == groups_after_first
+    # Each kind of traffic on a group of its own: activations, gradients, the tie (not the pp group).
+    channels, pp_group = pm._runtime.peers.channels, layout.group("pp")
+    sending = next(a for a in pm._runtime.train_actions if a.kind in (Kind.SEND_F, Kind.SEND_B))
+    out["own communicators"] = (
+        sorted(channels) == [("backward", 0, 1), ("forward", 0, 1)]
+        and len({id(g) for g in (*channels.values(), pp_group, pm._tied.ties[0].group)}) == 4
+        and pm._runtime.peers.group_of(sending) is channels[(direction(sending.kind), 0, 1)]
+    )
     pm2 = mesh3d.parallelize(meta_model(tied=True), layout, schedule="gpipe", microbatches=2, loss_fn=loss_fn)
     out["groups reused"] &= (
-        len(layout._subgroups) == groups_after_first and pm2._tied.ties[0].group is pm._tied.ties[0].group
+        len(layout._subgroups) + len(layout._own_groups) == groups_after_first
+        and pm2._tied.ties[0].group is pm._tied.ties[0].group
     )
 
     # evaluate leaves the training counters and the modules' modes alone.
@@ -231,6 +242,7 @@ def test_edge_cases_on_two_ranks():
     for rank, out in enumerate(per_rank):
         assert out["accumulated"] <= TOLERANCE, (rank, out["accumulated"])
         assert out["groups reused"], rank
+        assert out["own communicators"], rank
         assert out["evaluate keeps state"], rank
         for name, no_grad in out["frozen"]:
             frozen = name.startswith(("tok_embeddings", "output", "layers.0.", "layers.1.", "layers.2.", "layers.3."))

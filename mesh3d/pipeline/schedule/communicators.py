@@ -10,8 +10,8 @@ a collective, which also waits for every member to reach it. Two assignments:
   never-drain schedules with a tie stop there (tests/unit/test_nccl_rule.py).
 - `SEPARATE`, what the runtime creates (pipeline/communicators.py): pipeline messages on one
   communicator per direction (activations forward, gradients backward) per pair of pp ranks, and
-  every tie's collective on a group of its own. Per pair, the messages of one direction go one
-  way on every schedule but the two-stage-per-rank ones, and none waits behind another direction's.
+  every tie's collective on a group of its own: activations never queue behind gradients, nor a
+  message to one neighbour behind one to the other.
 
 A finer assignment only removes waits: lists that finish under one finish under any split of its
 communicators, gloo (matched by tag, no stream order) included.
