@@ -139,8 +139,8 @@ def measure(
             ("import", lambda: mesh3d.checkpoint.import_safetensors(pm, directory)),
         ),
         "checkpoint": (  # after one step: AdamW's moments are saved and loaded too
-            ("save", lambda: mesh3d.checkpoint.save(directory, pm, optimizer)),
-            ("load", lambda: mesh3d.checkpoint.load(directory, pm, optimizer)),
+            ("save", lambda: mesh3d.checkpoint.save(f"{directory}/step1", pm, optimizer)),
+            ("load", lambda: mesh3d.checkpoint.load(f"{directory}/step1", pm, optimizer)),
         ),
     }
     if phase in runs:
