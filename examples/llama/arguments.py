@@ -16,6 +16,7 @@ import torch
 
 import mesh3d
 from examples.llama import hf_model
+from examples.llama.batch_sizes import batch_split_problem, resolved_dp
 from examples.llama.config import CONFIGS
 from examples.llama.run_config import config_file_argv
 from examples.llama.tensorboard_log import tensorboard_available
@@ -91,6 +92,14 @@ def build_parser(description: str | None = None) -> Parser:
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of the peak")
     p.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
+    p.add_argument(
+        "--lr-schedule-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the step at which the cosine decay ends (default: --steps; on --resume, the checkpoint's, so "
+        "raising --steps extends a run at the final lr unless this is given)",
+    )
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument(
         "--grad-clip",
@@ -214,6 +223,9 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         p.error("--token-file is already tokenized: drop --tokenizer/--data")
     if args.tensorboard and not tensorboard_available():
         p.error("--tensorboard needs the tensorboard package: pip install tensorboard")
+    if args.lr_schedule_steps is not None and args.lr_schedule_steps < 1:
+        p.error(f"--lr-schedule-steps must be >= 1, got {args.lr_schedule_steps}")
+    _check_batch_split(p, args)
     return args
 
 
@@ -225,6 +237,17 @@ def settle_cuda_defaults(args: argparse.Namespace, device: torch.device) -> None
         args.param_dtype = "bf16" if on_cuda else "fp32"
     if on_cuda:
         torch.backends.cuda.matmul.fp32_precision = "tf32" if args.tf32 else "ieee"
+
+
+def _check_batch_split(p: Parser, args: argparse.Namespace) -> None:
+    """--global-batch over --dp, then into --microbatches (parallelize's default: one per pp rank)."""
+    dp = resolved_dp(args.pp, args.dp, args.tp)
+    if dp is None or (args.microbatches is not None and args.microbatches < 1):
+        return  # sizes that do not fit the world: build_mesh says so, naming them
+    microbatches = args.microbatches if args.microbatches is not None else args.pp
+    problem = batch_split_problem(args.global_batch, dp, microbatches, defaulted=args.microbatches is None)
+    if problem:
+        p.error(problem)
 
 
 def never_drains(schedule: str) -> bool:

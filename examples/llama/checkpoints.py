@@ -1,8 +1,9 @@
 """Where train.py's weights come from (a checkpoint to resume, Hugging Face weights, or the seed),
-and its checkpoint saves."""
+its checkpoint saves, and its Hugging Face export."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -10,6 +11,8 @@ from pathlib import Path
 import mesh3d
 from examples.llama import hf_model
 from examples.llama.fault_injection import FaultInjection
+from examples.llama.optimization import schedule_length
+from examples.llama.text_data import tokenizer_file
 from mesh3d.data import DistributedLoader
 from mesh3d.train import resume_from, resume_latest
 
@@ -22,10 +25,16 @@ def restore(args, pm, optimizer, loader: DistributedLoader, say: Callable[[str],
         resumed, state = args.resume_from, resume_from(args.resume_from, pm, optimizer)
     elif args.resume:
         resumed, state = resume_latest(args.checkpoint_dir, pm, optimizer, say=say)
+    if args.resume and state is None:  # as torchtitan does: the same command starts a job and resumes it
+        say(f"--resume: no checkpoint that loads in {args.checkpoint_dir}; training from scratch")
     if state is not None:
         loader.load_state_dict(state["data_state"])
         start_step, origin = state["step"], f"resumed from {resumed} (step {state['step']})"
-    elif args.init_from_hf or hf_model.weights_dir(args):
+    # Saved with the checkpoint (extra.args), so a later resume keeps it.
+    args.lr_schedule_steps, note = schedule_length(args, _saved_args(state), start_step)
+    if note:
+        say(note)
+    if state is None and (args.init_from_hf or hf_model.weights_dir(args)):
         weights = args.init_from_hf or hf_model.weights_dir(args)
         try:
             mesh3d.checkpoint.import_safetensors(pm, weights)
@@ -35,6 +44,27 @@ def restore(args, pm, optimizer, loader: DistributedLoader, say: Callable[[str],
             raise
         origin = f"weights from {weights}"
     return start_step, origin, state is not None
+
+
+def nothing_to_train(at_step: int, args) -> str:
+    """What a resumed run at or past --steps says: nothing trains, and how to go on."""
+    where = (
+        f"already at step {at_step} of --steps {args.steps}"
+        if at_step == args.steps
+        else (f"the checkpoint is at step {at_step}, past --steps {args.steps}")
+    )
+    return (
+        f"{where}: nothing to train. To go on, pass --steps M > {at_step} (the LR schedule keeps its "
+        f"{args.lr_schedule_steps} steps, the lr staying at its final value past them, unless --lr-schedule-steps M)"
+    )
+
+
+def _saved_args(state: dict | None) -> dict | None:
+    """The training arguments a resumed checkpoint keeps ({} for one saved without them); None: not resumed."""
+    if state is None:
+        return None
+    saved = (state.get("extra") or {}).get("args")
+    return saved if isinstance(saved, dict) else {}
 
 
 def save_checkpoint(pm, optimizer, loader, step: int, args, is_main: bool, fault: FaultInjection | None) -> None:
@@ -52,3 +82,16 @@ def save_checkpoint(pm, optimizer, loader, step: int, args, is_main: bool, fault
     )
     if is_main:
         print(f"saved checkpoint {path} in {time.perf_counter() - began:.2f} s", flush=True)
+
+
+def export_hf(pm, args, is_main: bool) -> None:
+    """--export-hf: the model as Hugging Face safetensors and config.json (its eos_token_id the token
+    that ended each training document), with the run's tokenizer.json beside them, so that
+    generate.py and transformers read the directory alone."""
+    out = Path(args.export_hf)
+    mesh3d.checkpoint.export_safetensors(pm, out)
+    tokenizer = None if args.token_file else tokenizer_file(args)
+    if is_main:
+        if tokenizer is not None and not (out / "tokenizer.json").resolve() == tokenizer.resolve():
+            shutil.copyfile(tokenizer, out / "tokenizer.json")
+        print(f"exported Hugging Face safetensors to {out}", flush=True)

@@ -40,6 +40,8 @@ class ModelArgs:
     # The ids the tokenizer makes, when fewer than vocab_size: rows from here on are padding, never
     # an input or a target; the model declares this many to mesh3d's batch check. None: all rows.
     tokenizer_vocab_size: int | None = None
+    # The tokenizer's document separator, for an export's config.json (generation stops there). None: unknown.
+    eos_token_id: int | None = None
 
     def __post_init__(self):
         kv_heads = self.kv_heads
@@ -111,6 +113,7 @@ class ModelArgs:
             "mlp_bias": False,
             "attention_dropout": 0.0,
             "initializer_range": 0.02,
+            **({"eos_token_id": self.eos_token_id} if self.eos_token_id is not None else {}),
         }
 
     @classmethod
@@ -162,6 +165,7 @@ class ModelArgs:
             max_seq_len=config.get("max_position_embeddings", 2048),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             ffn_hidden_dim_override=config["intermediate_size"],
+            eos_token_id=config["eos_token_id"] if isinstance(config.get("eos_token_id"), int) else None,
         )
 
 

@@ -22,7 +22,9 @@ From Python:
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,7 +41,7 @@ from mesh3d.data import ByteTokenizer, HFTokenizer  # noqa: E402
 
 @torch.inference_mode()
 def generate(
-    model: Transformer,
+    model: torch.nn.Module,
     prompt: torch.Tensor | list[int],
     max_new_tokens: int,
     sampling: Sampling = Sampling(),
@@ -49,6 +51,8 @@ def generate(
     vocab_size: int | None = None,
 ) -> torch.Tensor:
     """New token ids after `prompt` (ids, (seq,) or (batch, seq)): shape (batch, n), n <= max_new_tokens.
+
+    `model`: the LLaMA example's Transformer, or a transformers causal LM (TrainedSource.load gives either).
 
     The prompt is run once into a KV cache, then each new token at one position. `stop_id`: a row
     that produced it produces only it from then on, and generation ends once every row has.
@@ -65,7 +69,7 @@ def generate(
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
     length = prompt.shape[1] + max_new_tokens
-    if length > model.args.max_seq_len:
+    if isinstance(model, Transformer) and length > model.args.max_seq_len:
         raise ValueError(
             f"generate: the prompt ({prompt.shape[1]} tokens) and max_new_tokens={max_new_tokens} need {length} "
             f"positions, more than the model's max_seq_len={model.args.max_seq_len}; "
@@ -73,10 +77,10 @@ def generate(
             "(TrainedSource.load(max_seq_len=...)) or ask for fewer tokens"
         )
     model.eval()
-    cache = KVCache(model.args, prompt.shape[0], length, device=device, dtype=next(model.parameters()).dtype)
+    next_logits = _cached_forward(model, prompt.shape[0], length)
     generator = torch.Generator(device=device).manual_seed(seed)
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=device)
-    logits = model(prompt, cache=cache)[:, -1]
+    logits = next_logits(prompt)
     new = []
     for _ in range(max_new_tokens):
         if vocab_size is not None:
@@ -88,8 +92,23 @@ def generate(
         new.append(token)
         if len(new) == max_new_tokens or bool(done.all()):
             break
-        logits = model(token[:, None], cache=cache)[:, -1]
+        logits = next_logits(token[:, None])
     return torch.stack(new, dim=1)
+
+
+def _cached_forward(model: torch.nn.Module, batch: int, length: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """ids (batch, n) -> the last position's logits, each call after the ones before it (a KV cache):
+    the example's own cache for its Transformer, transformers' DynamicCache for a transformers model."""
+    if not isinstance(model, Transformer):
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        # transformers renames past_key_values to cache (5.x deprecates the old name): whichever forward takes
+        name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        return lambda ids: model(input_ids=ids, use_cache=True, **{name: cache}).logits[:, -1].float()
+    parameter = next(model.parameters())
+    cache = KVCache(model.args, batch, length, device=parameter.device, dtype=parameter.dtype)
+    return lambda ids: model(ids, cache=cache)[:, -1]
 
 
 def pick_tokenizer(path: str | None, source: TrainedSource, eos_token: str | None = None):
@@ -153,12 +172,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> list[str]:
     """Print (and return) each prompt's continuations."""
     args = parse_args(argv)
-    source = TrainedSource.open(args.checkpoint)
+    try:
+        source = TrainedSource.open(args.checkpoint)
+    except (ValueError, FileNotFoundError) as error:  # what the directory is not, said without a traceback
+        raise SystemExit(f"error: {error}") from None
     tokenizer = pick_tokenizer(args.tokenizer, source, args.eos_token)
-    if tokenizer.vocab_size > source.config.vocab_size:
+    if tokenizer.vocab_size > source.vocab_size:
         raise SystemExit(
             f"the tokenizer {tokenizer!r} has {tokenizer.vocab_size} tokens, more than the model's vocabulary "
-            f"({source.config.vocab_size}); pass the --tokenizer it was trained with"
+            f"({source.vocab_size}); pass the --tokenizer it was trained with"
         )
     start = [] if args.raw_prompt else [tokenizer.separator_id]
     prompts = args.prompt or [""]
@@ -168,8 +190,8 @@ def main(argv=None) -> list[str]:
     needed = max(len(ids) for ids in encoded) + args.max_new_tokens
     model = source.load(args.device, max_seq_len=needed)
     print(f"{source.description}, tokenizer {tokenizer!r}", flush=True)
-    if needed > source.config.max_seq_len:
-        print(f"note: {needed} positions, beyond the {source.config.max_seq_len} it was trained on", flush=True)
+    if needed > source.max_seq_len:
+        print(f"note: {needed} positions, beyond the {source.max_seq_len} it was trained on", flush=True)
     texts = []
     for text, ids in zip(prompts, encoded):
         rows = torch.tensor([ids] * args.num_samples)

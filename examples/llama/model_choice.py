@@ -35,10 +35,19 @@ def build_model(args, tokenizer) -> tuple[torch.nn.Module, str]:
     if args.hf_model and hf_model.is_directory(args.hf_model):
         config = hf_model.hf_config(args, None)
         check_fits(config.vocab_size, args.hf_model, tokenizer, args)
+        _declare_eos(config, tokenizer, args)
         return hf_model.build(config), f"{args.hf_model}: {hf_model.describe(config)}"
     sizes = fit_vocab(model_config(args), tokenizer, args)  # the tokenizer's vocabulary unless --vocab-size
     if args.hf_model:
         config = hf_model.hf_config(args, sizes)
+        _declare_eos(config, tokenizer, args)
         return hf_model.build(config), f"{hf_model.describe(config)} at --config {args.config}'s sizes"
     with torch.device("meta"):
         return Transformer(sizes), args.init_from_hf or args.config
+
+
+def _declare_eos(config, tokenizer, args) -> None:
+    """The transformers config's eos_token_id (what its export's config.json says, where generation
+    stops): the token that ends each training document, where the config has none or --eos-token chose it."""
+    if not args.token_file and (config.eos_token_id is None or args.eos_token is not None):
+        config.eos_token_id = tokenizer.separator_id

@@ -25,3 +25,34 @@ def build_optimizer(params: list[torch.nn.Parameter], args) -> torch.optim.AdamW
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+
+
+def schedule_length(args, saved_args: dict | None, start_step: int) -> tuple[int, str | None]:
+    """(the step at which the LR schedule ends, a note to print or None).
+
+    A fresh run: --lr-schedule-steps, else --steps. A resumed one keeps the length its checkpoint
+    was trained under (saved_args: the arguments train.py kept in it; older checkpoints name only
+    `steps`), so changing --steps on resume never moves the LR mid-run; --lr-schedule-steps
+    changes it on purpose. Either way a note says what the lr does where the two differ.
+    """
+    if saved_args is None:
+        return (args.lr_schedule_steps or args.steps), None
+    saved = saved_args.get("lr_schedule_steps") or saved_args.get("steps") or args.steps
+    length = args.lr_schedule_steps or saved
+
+    def lr(step: int, total: int) -> str:
+        return f"{lr_at(step, peak=args.lr, warmup=args.warmup, total=total, min_ratio=args.min_lr_ratio):.2e}"
+
+    if length != saved:
+        return length, (
+            f"note: --lr-schedule-steps {length}: the LR schedule now ends at step {length}, not {saved} as saved; "
+            f"the lr goes from {lr(max(start_step - 1, 0), saved)} at step {start_step} to {lr(start_step, length)} at "
+            f"step {start_step + 1}"
+        )
+    if args.steps != saved and args.steps > start_step:
+        past = f" (past step {saved} it stays at its final {lr(saved, saved)})" if args.steps > saved else ""
+        return length, (
+            f"note: the checkpoint's LR schedule ends at step {saved}, and it is kept with --steps {args.steps}"
+            f"{past}; pass --lr-schedule-steps {args.steps} to stretch the cosine to step {args.steps} instead"
+        )
+    return length, None

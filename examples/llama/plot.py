@@ -4,8 +4,9 @@
 
 Four panels: training loss (line) and held-out eval loss (markers) against the step and against
 the tokens seen, the gradient norm, and the throughput. Each run is one colour, labelled by its
-file name (or --labels). A log that a resumed run appended to keeps, for each step, the line
-written last: the steps the resumed run did again replace those of the run that crashed.
+file name (or --labels): "a" and "a (eval)" in the loss legends; a single run's name is the
+title. A log that a resumed run appended to keeps, for each step, the line written last: the
+steps the resumed run did again replace those of the run that crashed.
 """
 
 from __future__ import annotations
@@ -50,13 +51,17 @@ def plot_runs(runs: dict[str, list[dict]]):
 
     figure, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
     (by_step, by_tokens), (grad_norm, throughput) = axes
+    alone = len(runs) == 1  # one run: its name is the figure's title, the legend says what each curve is
+    if alone:
+        figure.suptitle(next(iter(runs)))
     for index, (label, records) in enumerate(runs.items()):
         color = f"C{index % 10}"
+        trained, held_out = ("training", "held-out eval") if alone else (label, f"{label} (eval)")
         for ax, x in ((by_step, "step"), (by_tokens, "tokens")):
-            ax.plot(*_series(records, x, "loss"), color=color, linewidth=1, label=f"{label} train")
+            ax.plot(*_series(records, x, "loss"), color=color, linewidth=1, label=trained)
             evaluated = _series(records, x, "eval_loss")
             if evaluated[0]:  # a run that evaluated nothing gets no empty "eval" legend entry
-                ax.plot(*evaluated, color=color, linestyle="--", marker="o", markersize=4, label=f"{label} eval")
+                ax.plot(*evaluated, color=color, linestyle="--", marker="o", markersize=4, label=held_out)
         grad_norm.plot(*_series(records, "step", "grad_norm"), color=color, linewidth=1, label=label)
         throughput.plot(*_series(records, "step", "tokens_per_s"), color=color, linewidth=1, label=label)
     for ax, title, xlabel, ylabel in (

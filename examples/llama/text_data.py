@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from examples.llama.batch_sizes import corpus_problem
 from examples.llama.config import ModelArgs, padded_vocab_size
 from examples.llama.hf_model import hf_model_dir
 from mesh3d.data import ByteTokenizer, HFTokenizer, SampleSubset, TokenDataset, split_heldout, stdlib_sources
@@ -25,14 +26,20 @@ from mesh3d.data.hf_tokenizer import NoEOSTokenError
 _FLAGS = "train.py sets the data's `paths` with --data and `text_field` with --text-field"
 
 
-def build_tokenizer(args: argparse.Namespace):
-    """The run's tokenizer: --tokenizer, else the --init-from-hf directory's tokenizer.json, else bytes."""
-    path = None
+def tokenizer_file(args: argparse.Namespace) -> Path | None:
+    """The run's tokenizer.json: --tokenizer, else the --init-from-hf (--hf-model) directory's; None: bytes."""
     model_dir = args.init_from_hf or hf_model_dir(args)
     if args.tokenizer:
-        path = args.tokenizer
-    elif model_dir and (Path(model_dir) / "tokenizer.json").is_file():
-        path = Path(model_dir) / "tokenizer.json"
+        given = Path(args.tokenizer)
+        return given / "tokenizer.json" if given.is_dir() else given
+    if model_dir and (Path(model_dir) / "tokenizer.json").is_file():
+        return Path(model_dir) / "tokenizer.json"
+    return None
+
+
+def build_tokenizer(args: argparse.Namespace):
+    """The run's tokenizer: --tokenizer, else the --init-from-hf directory's tokenizer.json, else bytes."""
+    path = tokenizer_file(args)
     if path is None:
         if args.eos_token is not None:
             raise SystemExit(
@@ -69,7 +76,7 @@ def fit_vocab(config: ModelArgs, tokenizer, args: argparse.Namespace) -> ModelAr
             )
     else:
         config = config.with_(vocab_size=padded_vocab_size(tokens, args.tp))
-    return config.with_(tokenizer_vocab_size=tokens)
+    return config.with_(tokenizer_vocab_size=tokens, eos_token_id=tokenizer.separator_id)
 
 
 def check_fits(vocab_size: int, model_dir: str, tokenizer, args: argparse.Namespace) -> None:
@@ -99,6 +106,10 @@ def build_datasets(args: argparse.Namespace, tokenizer) -> tuple[TokenDataset | 
         except (ValueError, FileNotFoundError) as e:
             e.add_note(_FLAGS)  # the library's errors name its parameters
             raise
+    held_out = args.eval_batches if args.eval_every else 0
+    problem = corpus_problem(len(dataset), len(dataset.tokens), args.seq_len, args.global_batch, held_out)
+    if problem:
+        raise SystemExit(problem)
     if not args.eval_every:
         return dataset, None
     return split_heldout(dataset, args.eval_batches * args.global_batch, args.seed)

@@ -46,9 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mesh3d  # noqa: E402
 from examples.llama import arguments  # noqa: E402
-from examples.llama.checkpoints import restore, save_checkpoint  # noqa: E402
+from examples.llama.checkpoints import export_hf, nothing_to_train, restore, save_checkpoint  # noqa: E402
 from examples.llama.config_errors import flags_of, reported_once  # noqa: E402
 from examples.llama.fault_injection import FaultInjection  # noqa: E402
+from examples.llama.metrics_log import open_metrics  # noqa: E402
 from examples.llama.model import count_parameters, llama_tp_plan  # noqa: E402
 from examples.llama.model_choice import build_model  # noqa: E402
 from examples.llama.optimization import build_optimizer, lr_at  # noqa: E402
@@ -137,11 +138,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     fault = FaultInjection.from_env(layout.rank)  # a test hook, off unless MESH3D_FAULT is set
     if fault:
         fault.arm(pm)
+    if resumed and progress.start_step >= args.steps and is_main:
+        print(nothing_to_train(progress.start_step, args), flush=True)
     metrics_file = None
-    if args.metrics and is_main:
-        Path(args.metrics).parent.mkdir(parents=True, exist_ok=True)
-        # With --resume the log goes on, also when no checkpoint was there yet (a restart before the first save).
-        metrics_file = open(args.metrics, "a" if args.resume or args.resume_from else "w")
+    if args.metrics and is_main:  # --resume appends, a fresh run starts anew (metrics_log.py)
+        metrics_file = open_metrics(args.metrics, bool(args.resume or args.resume_from), print)
     tensorboard = TensorBoardLog(args.tensorboard) if args.tensorboard and is_main else None
     # A never-drain step's updates have happened when its loss is known: count bad losses, skip nothing.
     guard = BadLossGuard(args.max_bad_steps) if pm.never_drains else BadStepGuard(args.max_bad_steps)
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         step_start = time.perf_counter()
         if fault:
             fault.at_step(step + 1)
-        lr = lr_at(step, peak=args.lr, warmup=args.warmup, total=args.steps, min_ratio=args.min_lr_ratio)
+        lr = lr_at(step, peak=args.lr, warmup=args.warmup, total=args.lr_schedule_steps, min_ratio=args.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
         inputs, targets = next(loader)
@@ -213,9 +214,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if log:
             log.close()
     if args.export_hf:
-        mesh3d.checkpoint.export_safetensors(pm, args.export_hf)
-        if is_main:
-            print(f"exported Hugging Face safetensors to {args.export_hf}", flush=True)
+        export_hf(pm, args, is_main)
     torch.distributed.destroy_process_group()
     return history
 

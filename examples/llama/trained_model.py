@@ -3,14 +3,17 @@
     source = TrainedSource.open("ckpt/step100")   # or "ckpt" (its newest checkpoint), or an --export-hf directory
     model = source.load(device="cpu")             # a plain Transformer with the trained weights
 
-Two kinds of directory:
+Three kinds of directory:
 
 - a mesh3d checkpoint (`train.py --checkpoint-dir`), saved at any (pp, dp, tp): mesh3d's own
   `checkpoint.load` reads it into a one-process ParallelModel (pp = dp = tp = 1), which DCP
   reshards from the saving layout. The model's shape comes from the training arguments that
   train.py keeps in the checkpoint, its vocabulary, layer count and tying from the saved tensors.
-- a Hugging Face directory (`train.py --export-hf`, or any LlamaForCausalLM checkpoint in
-  safetensors): the shape from its config.json, the weights through `checkpoint.import_safetensors`.
+- a Hugging Face Llama directory (`train.py --export-hf`, or any LlamaForCausalLM checkpoint in
+  safetensors that the example's model implements): the shape from its config.json, the weights
+  through `checkpoint.import_safetensors`.
+- any other Hugging Face directory (`train.py --hf-model ... --export-hf`: Qwen2, Mistral, ...):
+  transformers' own `AutoModelForCausalLM.from_pretrained` builds it (needs transformers).
 
 Either way the whole model ends up as an ordinary module, so generation needs no process group.
 """
@@ -42,8 +45,8 @@ class TrainedSource:
     """What a directory holds, read without loading any weight: enough to pick a tokenizer and size the model."""
 
     path: Path
-    kind: str  # "checkpoint" or "huggingface"
-    config: ModelArgs  # max_seq_len: the sequence length the model was trained on, where known
+    kind: str  # "checkpoint", "huggingface" (the example's Llama) or "transformers" (built by transformers)
+    config: ModelArgs | None  # max_seq_len: the trained sequence length, where known; None for "transformers"
     tokenizer_path: Path | None  # the tokenizer.json it was trained with, when known (else: bytes)
     description: str
     eos_token: str | None = None  # the --eos-token the model was trained with, when it was given
@@ -64,13 +67,31 @@ class TrainedSource:
             "train.py wrote with --checkpoint-dir or --export-hf"
         )
 
-    def load(self, device: torch.device | str = "cpu", max_seq_len: int | None = None) -> Transformer:
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary (embedding rows)."""
+        return self.config.vocab_size if self.config else self._hf_config()["vocab_size"]
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence the model is known to have been trained (or configured) for."""
+        return self.config.max_seq_len if self.config else self._hf_config().get("max_position_embeddings") or 0
+
+    def _hf_config(self) -> dict:
+        return json.loads((self.path / _HF_CONFIG).read_text())
+
+    def load(self, device: torch.device | str = "cpu", max_seq_len: int | None = None) -> torch.nn.Module:
         """The whole model with the trained weights, in eval mode, on `device`.
 
         max_seq_len: the longest sequence it will see (prompt and new tokens); default the trained
         length. Rotary positions are computed for any length, but past the trained one the model
-        meets positions it never saw.
+        meets positions it never saw. A "transformers" directory gives transformers' model.
         """
+        if self.kind == "transformers":
+            import transformers
+
+            model = transformers.AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
+            return model.to(device).eval()
         if self.kind == "checkpoint":
             state = _state_through_mesh3d(self.config, lambda pm: mesh3d.checkpoint.load(self.path, pm))
         else:
@@ -93,10 +114,11 @@ def _checkpoint_source(path: Path) -> TrainedSource:
             "with mesh3d.checkpoint.export_safetensors and load that directory"
         )
     if saved.get("hf_model"):
+        step = train_state.get("step")
         raise ValueError(
-            f"{path} holds a Hugging Face model (train.py --hf-model {saved['hf_model']}), which this loader, made for "
-            "the LLaMA example's model, does not build; export it with train.py --export-hf (or --resume-from it with "
-            "--steps at its step and --export-hf) and load the export with transformers"
+            f"{path} is a checkpoint of train.py --hf-model {saved['hf_model']}; generate.py reads such a model from "
+            f"its Hugging Face export. Export it (this trains nothing): train.py with the run's flags and "
+            f"--resume-from {path} --steps {step} --export-hf DIR, then pass --checkpoint DIR"
         )
     if saved.get("init_from_hf"):
         base = ModelArgs.from_hf_config(
@@ -134,11 +156,24 @@ def _checkpoint_source(path: Path) -> TrainedSource:
 
 
 def _huggingface_source(path: Path) -> TrainedSource:
-    config = ModelArgs.from_hf_config(json.loads((path / _HF_CONFIG).read_text()))
+    """The example's own model for a Llama it implements; transformers' for any other architecture."""
+    hf_config = json.loads((path / _HF_CONFIG).read_text())
     tokenizer = path / "tokenizer.json"
-    return TrainedSource(
-        path, "huggingface", config, tokenizer if tokenizer.is_file() else None, f"Hugging Face directory {path}"
-    )
+    tokenizer = tokenizer if tokenizer.is_file() else None
+    try:
+        config = ModelArgs.from_hf_config(hf_config) if hf_config.get("model_type", "llama") == "llama" else None
+    except ValueError:  # a Llama variant the example's model does not implement (biases, another rope)
+        config = None
+    if config is not None:
+        return TrainedSource(path, "huggingface", config, tokenizer, f"Hugging Face directory {path}")
+    try:
+        import transformers  # noqa: F401 - only to say clearly what is missing
+    except ImportError:
+        raise ValueError(
+            f"{path} holds a {hf_config.get('model_type')} model, which transformers builds: pip install 'mesh3d[hf]'"
+        ) from None
+    described = f"Hugging Face directory {path} ({hf_config.get('model_type')}, built by transformers)"
+    return TrainedSource(path, "transformers", None, tokenizer, described)
 
 
 def _required(file: Path, checkpoint: Path) -> Path:

@@ -1,7 +1,8 @@
 """A bad configuration at 8 ranks under torchrun: its message printed once, by rank 0, in flags; every rank exits 2.
 
 Both kinds: ones argparse finds (`--resume` without `--checkpoint-dir`; `--grad-clip` given with a
-never-drain schedule, which has no whole gradient to clip) and one mesh3d.parallelize
+never-drain schedule, which has no whole gradient to clip; a `--global-batch` whose share per dp
+rank `--microbatches` does not divide) and one mesh3d.parallelize
 raises on every rank before any collective (a 1F1B schedule with fewer microbatches than pp
 stages), whose `schedule=`/`microbatches=`/`pp=` the trainer writes as the flags the user typed.
 """
@@ -41,6 +42,12 @@ TRAIN = [
             ["--schedule", "1f1b", "--microbatches", "1"],
             "got --microbatches 1 with --pp 2; use at least 2 microbatches (or --schedule gpipe)",
             "microbatches=1",
+        ),
+        (  # found with the flags, not by pm.step on every rank
+            ["--global-batch", "10"],
+            "train.py: error: --global-batch 10 over --dp 2 gives 5 samples per rank, which --microbatches 2 (the "
+            "default: --pp) does not divide; use --global-batch 8 or 12",
+            "microbatches=2",
         ),
         (
             ["--schedule", "pipedream_2bw", "--grad-clip", "1.0"],

@@ -19,7 +19,10 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from test_torchrun import ROOT, TIMEOUT_S, _assert_close, _check, _env, _losses
+
+from examples.llama.optimization import lr_at
 
 TRAIN = ["examples/llama/train.py", "--seq-len", "32", "--global-batch", "8", "--log-every", "1", "--warmup", "10"]
 
@@ -84,6 +87,27 @@ def test_checkpoint_resume_export_and_init_from_hf(tmp_path):
     done = _run("--steps", "2", "--init-from-hf", str(initial), "--dp", "2", "--metrics", str(from_hf), torchrun=2)
     assert f"weights from {initial}" in done.stdout
     _assert_close(_losses(from_hf), straight[:2])
+
+
+def test_resume_says_what_it_does_and_extends_a_run_on_its_schedule(tmp_path):
+    """--resume with no checkpoint says it trains from scratch; raising --steps keeps the saved LR schedule
+    (the lr goes on at its final value, no jump) and says so, appending to the metrics; resuming a finished run
+    says there is nothing to train, and still exports, its config.json naming the tokenizer's end token."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    common = ["--n-layers", "2", "--warmup", "1", "--checkpoint-dir", str(ckpt), "--resume", "--metrics", str(metrics)]
+    done = _run("--steps", "2", *common)
+    assert f"--resume: no checkpoint that loads in {ckpt}; training from scratch" in done.stdout
+    done = _run("--steps", "3", *common)
+    assert "note: the checkpoint's LR schedule ends at step 2, and it is kept with --steps 3" in done.stdout
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[2]["lr"] == lr_at(2, peak=3e-3, warmup=1, total=2, min_ratio=0.1) == pytest.approx(3e-4)
+    export = tmp_path / "hf"
+    done = _run("--steps", "3", *common, "--export-hf", str(export))
+    assert "already at step 3 of --steps 3: nothing to train. To go on, pass --steps M > 3" in done.stdout
+    assert "  loss " not in done.stdout and "saved checkpoint" not in done.stdout  # no step trained, none saved
+    assert len(metrics.read_text().splitlines()) == 3
+    assert json.loads((export / "config.json").read_text())["eos_token_id"] == 0  # the byte tokenizer's
 
 
 def test_resume_from_a_chosen_checkpoint(tmp_path):

@@ -117,3 +117,40 @@ def test_the_command_line_names_a_bad_sampling_flag(tmp_path, capsys, flags, nam
     with pytest.raises(SystemExit):
         main(["--checkpoint", str(tmp_path), *flags])
     assert named in capsys.readouterr().err
+
+
+def test_another_architecture_is_built_by_transformers_and_generates_what_its_generate_does(tmp_path, capsys):
+    """A `train.py --hf-model qwen2 --export-hf` directory: transformers builds it (not the LLaMA example), and
+    greedy tokens equal transformers' own generate(do_sample=False); the command line writes them."""
+    config = transformers.Qwen2Config(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    source = TrainedSource.open(tmp_path)
+    assert source.kind == "transformers" and source.vocab_size == 320 and source.max_seq_len == 64
+    model = source.load()
+    reference = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    reference.generation_config.eos_token_id, reference.generation_config.pad_token_id = None, 0
+    for prompt in PROMPTS:
+        ours = generate(model, prompt, NEW_TOKENS, Sampling(temperature=0))[0].tolist()
+        theirs = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert ours == theirs[0, len(prompt) :].tolist(), prompt
+    (text,) = main(["--checkpoint", str(tmp_path), "--prompt", "ab", "--greedy", "--max-new-tokens", "4"])
+    assert text.startswith("ab") and "built by transformers" in capsys.readouterr().out
+
+
+def test_a_checkpoint_of_an_hf_model_run_says_how_to_export_it(tmp_path):
+    """generate.py reads a --hf-model run through its export; the message says the command, not a traceback."""
+    step = tmp_path / "ckpt" / "step30"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"")
+    (step / "train_state.json").write_text('{"step": 30, "extra": {"args": {"hf_model": "qwen2"}}}')
+    with pytest.raises(SystemExit) as exit_:
+        main(["--checkpoint", str(step)])
+    assert str(exit_.value) == (
+        f"error: {step} is a checkpoint of train.py --hf-model qwen2; generate.py reads such a model from its "
+        f"Hugging Face export. Export it (this trains nothing): train.py with the run's flags and --resume-from "
+        f"{step} --steps 30 --export-hf DIR, then pass --checkpoint DIR"
+    )

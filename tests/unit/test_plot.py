@@ -45,7 +45,7 @@ def test_two_runs_side_by_side(tmp_path):
     assert list(by_tokens.lines[0].get_xdata()) == [512 * s for s in range(1, 7)]
     assert list(grad_norm.lines[1].get_ydata()) == pytest.approx([1 / s for s in range(1, 5)])
     assert list(throughput.lines[0].get_ydata()) == [1001.0 + s for s in range(6)]
-    assert [t.get_text() for t in by_step.get_legend().get_texts()] == ["a train", "a eval", "b train", "b eval"]
+    assert [t.get_text() for t in by_step.get_legend().get_texts()] == ["a", "a (eval)", "b", "b (eval)"]
 
 
 def test_no_eval_legend_without_evaluations(tmp_path):
@@ -58,7 +58,7 @@ def test_no_eval_legend_without_evaluations(tmp_path):
     )
     by_step, by_tokens = figure.axes[:2]
     for ax in (by_step, by_tokens):
-        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a train", "b train", "b eval"]
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a", "b", "b (eval)"]
 
 
 def test_a_hint_when_matplotlib_is_missing(tmp_path, monkeypatch):
@@ -73,3 +73,12 @@ def test_not_a_metrics_file(tmp_path):
     (tmp_path / "x.jsonl").write_text('{"step": 1, "loss": 1}\nnot json\n')
     with pytest.raises(SystemExit, match=r"x.jsonl:2: not a JSON line"):
         plot.read_run(tmp_path / "x.jsonl")
+
+
+def test_one_run_is_the_title_and_the_legend_says_training_and_eval(tmp_path):
+    """The default metrics file is runs/train.jsonl: its legend must not read "train train"."""
+    pytest.importorskip("matplotlib")
+    figure = plot.plot_runs({"train": plot.read_run(_write_run(tmp_path / "train.jsonl", 4, 1.0))})
+    assert figure._suptitle.get_text() == "train"
+    for ax in figure.axes[:2]:
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["training", "held-out eval"]
