@@ -54,10 +54,26 @@ REFUSED = {
 }
 
 
+# Multi-head latent attention, dense (every block's MLP plain, no experts): heads and kv heads equal,
+# as the architecture needs; rotary, plain and value parts of a head all of different sizes.
+_LATENT = dict(
+    num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_rope_head_dim=8, qk_nope_head_dim=4, v_head_dim=12
+)
+LATENT_ATTENTION = {
+    "minicpm3": _LATENT,
+    "deepseek_v3": dict(_LATENT, first_k_dense_replace=4, n_routed_experts=4, num_experts_per_tok=2),
+    "sarvam_mla": dict(_LATENT, q_lora_rank=None, first_k_dense_replace=4, n_routed_experts=4, num_experts_per_tok=2),
+}
+# xIELU activations: a parameter (act_fn.alpha_p) that the tp plan leaves replicated but that sees
+# this rank's slice of the FFN (tensor/partial_gradients.py).
+REPLICATED_ON_SHARDS = {"apertus": dict(tie_word_embeddings=False)}
+
+
 def hf_config(arch: str, **overrides):
     import transformers
 
-    return transformers.AutoConfig.for_model(arch, **{**COMMON, **{**ARCHITECTURES, **REFUSED}[arch], **overrides})
+    cases = {**ARCHITECTURES, **REFUSED, **LATENT_ATTENTION, **REPLICATED_ON_SHARDS}
+    return transformers.AutoConfig.for_model(arch, **{**COMMON, **cases[arch], **overrides})
 
 
 def meta_hf_model(arch: str, **overrides):

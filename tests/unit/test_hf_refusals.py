@@ -66,3 +66,15 @@ def test_tp_must_divide_the_heads_the_config_declares():
     anatomy = anatomy_of(model)
     with pytest.raises(ValueError, match="tp=4 does not divide num_key_value_heads=2"):
         TensorParallelConfig.resolve(model, 4, anatomy.tp_plan, False, anatomy.tensor_parallel_sizes)
+
+
+@pytest.mark.parametrize("arch", list(hf_cases.LATENT_ATTENTION))
+def test_latent_attention_passes_the_exactness_probe(arch):
+    # The probe shrinks the latent ranks and the rotary part of a head together (config.head_dim is it).
+    assert anatomy_of(hf_cases.meta_hf_model(arch)).layers == "model.layers"
+
+
+def test_a_configuration_transformers_cannot_run_is_refused_by_name():
+    # Latent attention expands its keys to every query head: fewer kv heads than heads fails in transformers.
+    with pytest.raises(ValueError, match=r"MiniCPM3ForCausalLM \(minicpm3\): a small instance .* fails to run"):
+        anatomy_of(hf_cases.meta_hf_model("minicpm3", num_key_value_heads=2))

@@ -56,11 +56,18 @@ def _stage_problem(model_class: type, config_json: str) -> str | None:
     n_blocks = len(anatomy.blocks(small))
     bounds = sorted({0, min(1, n_blocks - 1), max(n_blocks - 1, 0), n_blocks})
     ranges = [range(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-    with torch.no_grad():
-        want = small(input_ids=ids, use_cache=False).logits
-        got = ids
-        for index, layer_range in enumerate(ranges):
-            got = cut_stage(small, anatomy, index, len(ranges), layer_range)(got)
+    try:
+        with torch.no_grad():
+            want = small(input_ids=ids, use_cache=False).logits
+            got = ids
+            for index, layer_range in enumerate(ranges):
+                got = cut_stage(small, anatomy, index, len(ranges), layer_range)(got)
+    except Exception as error:  # noqa: BLE001 - a forward that fails here would fail in the pipeline
+        return (
+            f"a small instance of this configuration fails to run, whole or cut into pipeline stages "
+            f"({type(error).__name__}: {error}); check that transformers runs the configuration itself (e.g. "
+            "latent attention needs num_key_value_heads == num_attention_heads)"
+        )
     if got.shape != want.shape:
         return f"its stages, composed, give logits of shape {tuple(got.shape)}, its forward {tuple(want.shape)}"
     difference = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
@@ -99,6 +106,7 @@ def shrunk(config):
         sizes["num_key_value_heads"] = new_kv
     if explicit_head_dim is not None:
         sizes["head_dim"] = PROBE_HEAD_DIM
+    sizes.update(_latent_attention_sizes(config))
     for name in ("num_experts", "num_local_experts"):
         if getattr(config, name, None):
             sizes[name] = min(getattr(config, name), 4)
@@ -116,3 +124,24 @@ def shrunk(config):
         if hasattr(config, name) or name in ("num_attention_heads", "hidden_size", "num_hidden_layers", "vocab_size"):
             setattr(small, name, value)
     return small
+
+
+def _latent_attention_sizes(config) -> dict:
+    """Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, ...) sized as one: its config's
+    `head_dim` is the rotary part of a query head (`qk_rope_head_dim`), and a query head is the
+    rotary and the plain parts together (`qk_head_dim`), so they shrink together; the ranks of the
+    latent projections shrink too, and a query without one (`q_lora_rank` None) stays without."""
+    if getattr(config, "kv_lora_rank", None) is None or getattr(config, "qk_rope_head_dim", None) is None:
+        return {}
+    sizes = {
+        "qk_rope_head_dim": PROBE_HEAD_DIM,
+        "qk_nope_head_dim": PROBE_HEAD_DIM,
+        "qk_head_dim": 2 * PROBE_HEAD_DIM,
+        "v_head_dim": PROBE_HEAD_DIM // 2,  # unlike a query head, as in every such architecture
+        "kv_lora_rank": 2 * PROBE_HEAD_DIM,
+    }
+    if getattr(config, "q_lora_rank", None) is not None:
+        sizes["q_lora_rank"] = 3 * PROBE_HEAD_DIM
+    if getattr(config, "head_dim", None) == config.qk_rope_head_dim:
+        sizes["head_dim"] = PROBE_HEAD_DIM
+    return sizes
