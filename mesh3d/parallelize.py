@@ -24,6 +24,7 @@ its axis (torchtitan's parallelize_llama has the same shape):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -41,6 +42,7 @@ from mesh3d.model.intake import anatomy_of
 from mesh3d.model.loss import LossFn, cross_entropy_loss
 from mesh3d.model.state_map import StateMap
 from mesh3d.parallel_model import ParallelModel
+from mesh3d.pipeline.boundary import BoundaryShapes
 from mesh3d.pipeline.communicators import pipeline_peers
 from mesh3d.pipeline.config import PipelineConfig
 from mesh3d.pipeline.runtime import PipelineRuntime
@@ -50,6 +52,7 @@ from mesh3d.pipeline.weight_versions import WeightVersions
 from mesh3d.step.batch_check import declared_vocab_size
 from mesh3d.step.global_loss import GlobalLoss
 from mesh3d.tensor.apply import apply_tensor_parallel, loss_context
+from mesh3d.tensor.partial_gradients import modules_seeing_shards, replicate_on_shards
 from mesh3d.tensor.plan import TensorParallelConfig
 
 __all__ = ["parallelize"]
@@ -202,7 +205,12 @@ def parallelize(
     if not split.from_meta:
         make_replicas_identical(stages, layout)  # values given: sharding starts from the first rank's
     if tensor.plan:
-        _apply_tensor_parallel(split, stages, tied, tensor, layout)
+        # a microbatch: the traced model's own, token ids for a model that declares a vocabulary
+        ids = torch.zeros(1, 8 * layout.tp, dtype=torch.long) if anatomy.vocab_size is not None else None
+        sample = example_inputs[0] if pipe.traced else ids
+        fresh = functools.partial(BoundaryShapes, split.meta_stages, anatomy.fake_shape_run, pipe.routes)  # uncached
+        run = None if sample is None else lambda: fresh().of(sample)  # noqa: E731
+        _apply_tensor_parallel(split, stages, tied, tensor, layout, run)
     if compile_backend is not None:
         compile_blocks(stages.values(), anatomy, compile_backend, split_backward=pipe.schedule.splits_backward)
     grad_sync = None
@@ -323,9 +331,15 @@ def _initialize_shards(stages: dict[int, nn.Module], layout: Layout, seed: int |
 
 
 def _apply_tensor_parallel(
-    split: Split, stages: dict[int, nn.Module], tied: TiedWeights, tensor: TensorParallelConfig, layout: Layout
+    split: Split, stages: dict[int, nn.Module], tied: TiedWeights, tensor: TensorParallelConfig, layout: Layout, run
 ) -> None:
-    """The same plan on the meta stages (boundary shapes become local shapes) and on this rank's."""
-    apply_tensor_parallel(split.meta_stages, tensor.plan, layout.mesh["tp"])
+    """The same plan on the meta stages (boundary shapes become local shapes) and on this rank's;
+    then the modules the plan leaves replicated but feeds a slice (tensor/partial_gradients.py),
+    found by `run` (the meta stages on a microbatch; None when its shape is unknown) before and after."""
+    tp_mesh = layout.mesh["tp"]
+    shard = functools.partial(apply_tensor_parallel, split.meta_stages, tensor.plan, tp_mesh)
+    seeing = modules_seeing_shards(split.meta_stages, shard, run) if run is not None else shard() or []
+    replicate_on_shards(split.meta_stages, seeing, tp_mesh)
     tied.check_sharded_alike(split.meta_stages)
-    apply_tensor_parallel(stages.values(), tensor.plan, layout.mesh["tp"])
+    apply_tensor_parallel(stages.values(), tensor.plan, tp_mesh)
+    replicate_on_shards(stages.values(), seeing, tp_mesh)

@@ -23,7 +23,9 @@ the same thing:
   SequenceParallel over dim 0 with a local output: the weight a replicated DTensor, the input
   this rank's part along a dim the norm does not reduce, so the weight's gradient comes out
   Partial and is summed over tp once per step (tensor/gradients.py), never per microbatch;
-- "replicate": nothing (the module stays a plain replicated module, as every unplanned one).
+- "replicate": nothing (the module stays a plain replicated module, as every unplanned one;
+  one fed a slice, such as Apertus' xIELU `act_fn`, has its gradient summed over tp:
+  tensor/partial_gradients.py).
 
 Every style leaves a plain tensor, so a stage's last module hands the next stage a plain local
 tensor (pipeline/boundary.py). Any other style string (packed/fused experts, expert parallel, MLA
