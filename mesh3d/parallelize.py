@@ -205,8 +205,9 @@ def parallelize(
     if not split.from_meta:
         make_replicas_identical(stages, layout)  # values given: sharding starts from the first rank's
     if tensor.plan:
-        # a microbatch: the traced model's own, token ids for a model that declares a vocabulary
-        ids = torch.zeros(1, 8 * layout.tp, dtype=torch.long) if anatomy.vocab_size is not None else None
+        # a microbatch: the traced model's own, token ids for a model that declares a vocabulary (tp of
+        # them: sequence parallelism splits the sequence over tp, and a model's max length is at least that)
+        ids = torch.zeros(1, layout.tp, dtype=torch.long) if anatomy.vocab_size is not None else None
         sample = example_inputs[0] if pipe.traced else ids
         fresh = functools.partial(BoundaryShapes, split.meta_stages, anatomy.fake_shape_run, pipe.routes)  # uncached
         run = None if sample is None else lambda: fresh().of(sample)  # noqa: E731
