@@ -18,9 +18,9 @@ from mesh3d.pipeline.runtime import PipelineRuntime, RuntimeCounters
 from mesh3d.pipeline.schedule.ir import Schedule
 from mesh3d.pipeline.split import named_stage_parameters
 from mesh3d.pipeline.tied import TiedWeights
-from mesh3d.step.batch_check import agree_on_batch, batch_problem, batch_verdict
 from mesh3d.step.global_loss import GlobalLoss
 from mesh3d.step.grad_norm import clip_grad_norm_
+from mesh3d.step.per_sample_check import check_batch
 from mesh3d.tensor.apply import check_loss_parallel_output
 from mesh3d.tensor.gradients import settle_gradients
 from mesh3d.tensor.plan import TensorParallelConfig
@@ -51,6 +51,7 @@ class ParallelModel:
             (dp == 1 without mixed precision or a never-drain schedule).
         vocab_size: the vocabulary the model declared; token ids and targets are checked against it.
         optimizer: the optimizer parallelize built from its `optimizer=` factory, or None.
+        index_bounds: the per-sample inputs the model declares indices, {name: n}: each in [0, n).
 
     Its public names are listed in docs/parallelize.md (tests/unit/test_public_names.py holds them).
     """
@@ -67,7 +68,9 @@ class ParallelModel:
         grad_sync: GradientSync | None = None,
         vocab_size: int | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        index_bounds: dict[str, int] | None = None,
     ):
+        self._index_bounds = index_bounds or {}
         self._optimizer = optimizer
         self._layout = layout
         self._runtime = runtime
@@ -81,12 +84,14 @@ class ParallelModel:
 
     # -- running ------------------------------------------------------------------------------
 
-    def _check(self, inputs: torch.Tensor, targets: torch.Tensor, during: str) -> tuple[Boundaries, str]:
+    def _check(
+        self, inputs: torch.Tensor, targets: torch.Tensor, per_sample: dict[str, torch.Tensor], during: str
+    ) -> tuple[Boundaries, str]:
         """Every check of a step or evaluation, on every rank, before any message; the boundary
         shapes and the loss's kind (MEAN or PAIR)."""
+        self._runtime.check_names(per_sample)  # the same on every rank: no message needed
         vocab, ignore = self._vocab_size, self._global_loss.ignore_index
-        verdict = batch_verdict(inputs, targets, vocab, ignore)  # on the host copy, before any transfer
-        agree_on_batch(verdict, self.layout.device, during, lambda: batch_problem(inputs, targets, vocab, ignore))
+        check_batch(inputs, targets, per_sample, vocab, ignore, self._index_bounds, self.layout.device, during)
         m = self.schedule.microbatches
         if inputs.dim() == 0 or inputs.shape[0] % m != 0:
             raise ValueError(
@@ -99,7 +104,7 @@ class ParallelModel:
                 f"sequence length {inputs.shape[1] if inputs.dim() >= 2 else None} is not divisible by tp={tp}; the tp "
                 f"plan uses sequence parallel, which splits dim 1 over the tp ranks: use a multiple of {tp}"
             )
-        boundaries = self._runtime.check(inputs)
+        boundaries = self._runtime.check(inputs, per_sample)
         if self._tensor_parallel.loss_parallel:
             output = boundaries.output  # the model's output on meta, as tensor parallelism leaves it
             check_loss_parallel_output(tuple(output.placements) if isinstance(output, DTensor) else None, output.ndim)
@@ -147,8 +152,13 @@ class ParallelModel:
         with self._peer_failures("pm.flush"), torch.enable_grad():  # backwards, even if called under no_grad
             self._runtime.flush()
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, **per_sample: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every microbatch; gradients accumulate into `.grad`.
+
+        `per_sample`: other inputs whose first dimension is the batch (position ids, document ids,
+        a mask), split into microbatches with the tokens and handed by keyword to every stage whose
+        forward takes them (docs/model_protocol.md); never sent between stages. Checked with the
+        tokens on every rank: the batch size, and an index's dtype and range.
 
         Given `optimizer=` at parallelize, the step also updates the weights and zeroes the
         gradients. Under a never-drain schedule ("pipedream", "pipedream_2bw") the updates happen
@@ -165,17 +175,21 @@ class ParallelModel:
         tensor with the same value on every rank (0 when nothing is counted).
         """
         with self._peer_failures("pm.step"):
-            boundaries, kind = self._check(inputs, targets, "pm.step")  # fail before tied gradients are set aside
-            return self._step(inputs, targets, boundaries, kind)
+            # fail before tied gradients are set aside
+            boundaries, kind = self._check(inputs, targets, per_sample, "pm.step")
+            return self._step(inputs, targets, per_sample, boundaries, kind)
 
-    def _step(self, inputs: torch.Tensor, targets: torch.Tensor, boundaries: Boundaries, kind: str) -> torch.Tensor:
+    def _step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, per_sample: dict, boundaries: Boundaries, kind: str
+    ) -> torch.Tensor:
         loss = self._global_loss.for_step(boundaries, kind, targets)
+        run = lambda: self._runtime.run(inputs, targets, boundaries, loss, train=True, per_sample=per_sample)  # noqa: E731
         if self.never_drains:  # updates inside the pipeline; after a failure, refused until a checkpoint is loaded
             with self._runtime.never_drain.failure_marked(self._drop_partial_state):
-                return self._global_loss.total(self._runtime.run(inputs, targets, boundaries, loss, train=True), loss)
+                return self._global_loss.total(run(), loss)
         self._tied.set_aside_grads()
         try:
-            totals = self._runtime.run(inputs, targets, boundaries, loss, train=True)
+            totals = run()
         except BaseException:
             # The step is lost. Drop what data parallelism holds unreduced (zero_grad cannot reach
             # it) and give tied copies back their earlier gradients; .grad may still hold parts of
@@ -193,19 +207,21 @@ class ParallelModel:
         return value
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, **per_sample: torch.Tensor) -> torch.Tensor:
         """The loss of a forward pass only (no gradients, modules in eval mode), the same on every
         rank: the global token mean for a (loss_sum, count) loss, else the mean of microbatch means.
+        `per_sample` as for `step`.
         Under a never-drain schedule it flushes first (`flush`), so it sees every update in flight."""
         self.flush()
         with self._peer_failures("pm.evaluate"):
-            boundaries, kind = self._check(inputs, targets, "pm.evaluate")
+            boundaries, kind = self._check(inputs, targets, per_sample, "pm.evaluate")
         loss = self._global_loss.for_evaluation(kind)
         modes = {m: m.training for stage in self.stages.values() for m in stage.modules()}
         self.eval()
         try:
             with self._peer_failures("pm.evaluate"):
-                return self._global_loss.total(self._runtime.run(inputs, targets, boundaries, loss, train=False))
+                totals = self._runtime.run(inputs, targets, boundaries, loss, train=False, per_sample=per_sample)
+                return self._global_loss.total(totals)
         finally:
             for module, training in modes.items():
                 module.training = training

@@ -268,6 +268,7 @@ def parallelize(
         grad_sync,
         declared_vocab_size(anatomy.vocab_size),
         built_optimizer,
+        anatomy.input_index_bounds,
     )
 
 

@@ -6,6 +6,8 @@
   class runs the whole model or one pipeline stage.
 - Head counts come from tensor shapes at run time, so one code path runs full or TP-local heads.
 - Rotary embeddings use the rotate-half convention of Hugging Face's Llama (no complex numbers).
+- Packed documents: `document_ids` (a per-sample input, keyword-only, so every pipeline stage is
+  handed it) makes attention block-causal, and positions restart with each document.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch.distributed.tensor.parallel import (
 from examples.llama.config import ModelArgs
 from examples.llama.hf_adapter import LlamaHFAdapter
 from examples.llama.kv_cache import KVCache, LayerCache
+from mesh3d.data.documents import positions_in_documents
 from mesh3d.distributed.shards import local_tensor, local_window
 
 INIT_STD = 0.02
@@ -75,10 +78,25 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        cache: LayerCache | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x (batch, seq, dim) -> (batch, seq, dim). With a cache (generation), x holds the positions
-        after the cached ones: they are rotated for where they sit and attend to every earlier one."""
+        after the cached ones: they are rotated for where they sit and attend to every earlier one.
+        `rope` is the table (max_seq_len, 2, head_dim), or each token's row of it (batch, seq, 2,
+        head_dim) where positions are given; `mask` (batch, 1, seq, seq) bool: which keys each query
+        sees (default: causal)."""
         q, k, v = (rearrange(w(x), "b s (h d) -> b h s d", d=self.head_dim) for w in (self.wq, self.wk, self.wv))
+        gqa = q.shape[1] != k.shape[1]
+        if rope.dim() == 4:  # per-token rows: positions were given
+            cos, sin = rope.unsqueeze(1).unbind(3)  # (batch, 1 for the heads, seq, head_dim)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+            return self.wo(rearrange(out, "b h s d -> b s (h d)"))
         start = cache.start if cache is not None else 0
         seq_len = start + q.shape[-2]
         if seq_len > rope.shape[0]:
@@ -89,7 +107,7 @@ class Attention(nn.Module):
         cos, sin = rope[start:seq_len].unbind(1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             out = _cached_attention(q, *cache.extend(k, v), start)
         return self.wo(rearrange(out, "b h s d -> b s (h d)"))
@@ -103,6 +121,16 @@ def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
     # is_causal would align the mask to the top-left corner; ours ends at the bottom-right.
     mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(diagonal=start)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) document ids -> (batch, 1, seq, seq) bool: query i sees key j <= i of its own
+    document. Dense, for SDPA: exact on every backend, and every query sees itself, so no row is
+    empty (an empty row would give NaN)."""
+    seq = document_ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    same = document_ids.unsqueeze(-1) == document_ids.unsqueeze(-2)
+    return (same & causal).unsqueeze(1)
 
 
 class FeedForward(nn.Module):
@@ -126,9 +154,11 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        # Training calls stay (x, rope): the tensor-parallel plan prepares those positional inputs.
-        extra = {} if cache is None else {"cache": cache}
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # Training calls stay (x, rope) positionally: the tensor-parallel plan prepares those; the rest by keyword.
+        extra = ({} if cache is None else {"cache": cache}) | ({} if mask is None else {"mask": mask})
         h = x + self.attention(self.attention_norm(x), rope, **extra)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -150,15 +180,45 @@ class Transformer(nn.Module):
         # Derived from the config, never saved: rebuilt whenever the model gets real memory.
         self.register_buffer("rope", rope_cache(args), persistent=False)
         self.tp_plan = llama_tp_plan()
+        # Per-sample inputs that index (mesh3d checks them): position ids index the rotary table,
+        # and a row of max_seq_len tokens holds at most that many documents.
+        self.input_index_bounds = {"position_ids": args.max_seq_len, "document_ids": args.max_seq_len}
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        *,
+        document_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Token ids (batch, seq) -> logits (batch, seq, vocab); a middle stage maps hidden -> hidden.
 
         `cache` (generation, whole model only): `tokens` are the positions after the cached ones;
         their keys and values are added to it (examples/llama/kv_cache.py).
+        `document_ids` (batch, seq): packed documents (mesh3d.data.documents): a token attends only
+        to earlier tokens of its own document, and positions restart with each document.
+        `position_ids` (batch, seq): each token's rotary position (default: 0.. per row, or per
+        document where `document_ids` are given).
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        if cache is None:
+        if document_ids is not None or position_ids is not None:
+            if cache is not None:
+                raise ValueError(
+                    "document_ids and position_ids are for training: generation with a cache takes neither"
+                )
+            mask = block_causal_mask(document_ids) if document_ids is not None else None
+            if position_ids is None:
+                if tokens.shape[1] > self.args.max_seq_len:
+                    raise ValueError(
+                        f"sequence length {tokens.shape[1]} exceeds the model's max_seq_len={self.args.max_seq_len}; "
+                        f"build the model with max_seq_len >= {tokens.shape[1]}"
+                    )
+                position_ids = positions_in_documents(document_ids)
+            rope = self.rope[position_ids]  # (batch, seq, 2, head_dim): each token's row
+            for layer in self.layers.values():
+                h = layer(h, rope, mask=mask)
+        elif cache is None:
             for layer in self.layers.values():
                 h = layer(h, self.rope)
         else:

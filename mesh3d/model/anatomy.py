@@ -37,6 +37,8 @@ class Anatomy:
     tp_plan_refusal: str | None = None  # why the model's own declaration gives no plan (raised when tp > 1)
     tensor_parallel_sizes: dict[str, int] = field(default_factory=dict)  # sizes tp must divide, by name
     vocab_size: int | None = None  # the declared vocabulary (ids the data may hold), when known
+    # per-sample inputs that index something: {name: n}, each an integer tensor in [0, n) (model/stage_inputs.py)
+    input_index_bounds: dict[str, int] = field(default_factory=dict)
     # (stage from meta, seed) -> fresh values, the same for a module whichever stage holds it; None: the
     # model's own init_weights() (model/initialize.py)
     init_stage: Callable[[nn.Module, int], None] | None = None

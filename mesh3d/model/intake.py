@@ -19,6 +19,7 @@ from torch import nn
 from mesh3d.model.anatomy import Anatomy
 from mesh3d.model.hugging_face.causal_lm import hugging_face_anatomy
 from mesh3d.model.hugging_face.exactness import check_stages_exact
+from mesh3d.model.stage_inputs import declared_index_bounds
 from mesh3d.model.traced.anatomy import traced_anatomy
 
 
@@ -73,6 +74,7 @@ def protocol_anatomy(model: nn.Module, attr: str = "layers") -> Anatomy:
         if callable(getattr(model, "tensor_parallel_sizes", None))
         else {},
         vocab_size=getattr(model, "vocab_size", None),
+        input_index_bounds=declared_index_bounds(model),
     )
 
 
@@ -84,6 +86,7 @@ def sequential_anatomy(model: nn.Sequential) -> Anatomy:
         layers="",
         tp_plan=getattr(model, "tp_plan", None),
         vocab_size=getattr(model, "vocab_size", None),
+        input_index_bounds=declared_index_bounds(model),
     )
 
 

@@ -33,37 +33,50 @@ class BoundaryShapes:
     fake tensor skips, as under tracing); the output is handed on as a plain meta tensor.
     """
 
-    def __init__(self, meta_stages: list[nn.Module], fake: bool = False, routes: StageRoutes | None = None):
+    def __init__(
+        self,
+        meta_stages: list[nn.Module],
+        fake: bool = False,
+        routes: StageRoutes | None = None,
+        takes: list[frozenset[str]] | None = None,
+    ):
         self.meta_stages = meta_stages
         self.routes = routes if routes is not None else StageRoutes.chain(len(meta_stages))
         self.fake = fake
+        self.takes = takes if takes is not None else [frozenset()] * len(meta_stages)  # per-sample inputs by stage
         self._cache: dict[tuple, Boundaries] = {}
 
-    def of(self, microbatch: torch.Tensor) -> Boundaries:
-        key = (tuple(microbatch.shape), microbatch.dtype)
+    def of(self, microbatch: torch.Tensor, per_sample: dict[str, torch.Tensor] | None = None) -> Boundaries:
+        """The boundaries of one microbatch of tokens and its per-sample inputs (as `of` slices them)."""
+        per_sample = per_sample or {}
+        key = (tuple(microbatch.shape), microbatch.dtype) + tuple(
+            (name, tuple(t.shape), t.dtype) for name, t in sorted(per_sample.items())
+        )
         if key not in self._cache:
-            self._cache[key] = self._run(microbatch)
+            self._cache[key] = self._run(microbatch, per_sample)
         return self._cache[key]
 
-    def _run(self, microbatch: torch.Tensor) -> Boundaries:
+    def _run(self, microbatch: torch.Tensor, per_sample: dict[str, torch.Tensor]) -> Boundaries:
         if not self.fake:
-            return self._run_stages(microbatch)
+            return self._run_stages(microbatch, per_sample)
         with FakeTensorMode(allow_non_fake_inputs=True):
-            boundaries = self._run_stages(microbatch)
+            boundaries = self._run_stages(microbatch, per_sample)
         return Boundaries(boundaries.specs, _as_meta(boundaries.output))
 
     @torch.no_grad()
-    def _run_stages(self, microbatch: torch.Tensor) -> Boundaries:
+    def _run_stages(self, microbatch: torch.Tensor, per_sample: dict[str, torch.Tensor]) -> Boundaries:
         routes, last = self.routes, len(self.meta_stages) - 1
         in_flight: dict[tuple[int, int], list[torch.Tensor]] = {}  # messages not yet consumed, as components
         specs: dict[tuple[int, int], MessageSpec] = {}
         out = torch.empty(microbatch.shape, dtype=microbatch.dtype, device="meta")
+        on_meta = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in per_sample.items()}
         for index, stage in enumerate(self.meta_stages):
+            extra = {name: t for name, t in on_meta.items() if name in self.takes[index]}
             if index == 0:
-                out = stage(out)
+                out = stage(out, **extra)
             else:
                 _check_joinable(index, [specs[(p, index)] for p in routes.producers(index)])
-                out = stage(*[t for p in routes.producers(index) for t in in_flight.pop((p, index))])
+                out = stage(*[t for p in routes.producers(index) for t in in_flight.pop((p, index))], **extra)
             if index == last:
                 if not isinstance(out, torch.Tensor):
                     raise TypeError(

@@ -61,6 +61,7 @@ class NeverDrainCalls:
         loss: MicrobatchLoss,
         counters: RuntimeCounters,
         start: Callable[[], StageCompute],
+        per_sample: Sequence[dict[str, torch.Tensor]] = (),
     ) -> torch.Tensor:
         """One call on this batch's microbatches (`start` builds the step when nothing is in
         flight); returns [sum of the loss values, sum of their counts] computed here."""
@@ -76,6 +77,9 @@ class NeverDrainCalls:
         first = self.calls * m
         # What the previous call left in flight stays; this call's batch, loss and counters join it.
         step.inputs, step.targets, step.loss = dict(enumerate(inputs, first)), dict(enumerate(targets, first)), loss
+        # the previous call's stay for the backwards (and their recomputes) it left in flight
+        kept = {mb: inputs for mb, inputs in dict(step.per_sample).items() if mb >= first - m}
+        step.per_sample = kept | dict(enumerate(per_sample, first))
         step.counters = step.mailbox.traffic = counters
         counters.live_activations = counters.peak_live_activations = len(step.saved)
         self.versions.begin_call(self.calls)

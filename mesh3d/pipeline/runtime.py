@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from mesh3d.model.stage_inputs import stage_input_names
 from mesh3d.pipeline.activation_checkpoint import ActivationCheckpointing
 from mesh3d.pipeline.boundary import Boundaries, BoundaryShapes
 from mesh3d.pipeline.never_drain_calls import NeverDrainCalls
@@ -84,7 +85,9 @@ class PipelineRuntime:
             raise ValueError(
                 f"the schedules were lowered with skips {training.skips}, the routes have {self.routes.skips}"
             )
-        self.boundaries = BoundaryShapes(meta_stages, fake=fake_shape_run, routes=self.routes)
+        # the per-sample inputs each stage takes (model/stage_inputs.py), read from the unwrapped meta stages
+        self.takes = [stage_input_names(stage) for stage in meta_stages]
+        self.boundaries = BoundaryShapes(meta_stages, fake=fake_shape_run, routes=self.routes, takes=self.takes)
         self.peers = peers
         self.device = peers.device
         self.schedule = training.schedule
@@ -109,16 +112,20 @@ class PipelineRuntime:
             self.routes,
             self.device,
             self.checkpointing,
+            self.takes,
             before_backward,
             after_weight_backward,
         )
         self.never_drain = NeverDrainCalls(stream, versions, peers.pp_rank, stages) if stream is not None else None
 
-    def check(self, inputs: torch.Tensor) -> Boundaries:
+    def check(self, inputs: torch.Tensor, per_sample: dict[str, torch.Tensor] | None = None) -> Boundaries:
         """Everything about the stages that can fail before the first message, on every rank;
         returns the boundary shapes, the model's output on meta among them, for the step to hand
         on. Call once per step, before `run`: it runs the stages on meta tensors (once per input
-        shape)."""
+        shape). `per_sample`: the step's other inputs by name (checked by the step), each handed
+        to the stages that take it; one that no stage takes is refused."""
+        per_sample = per_sample or {}
+        self.check_names(per_sample)
         if torch.is_autocast_enabled(self.device.type):
             raise ValueError(
                 "pm.step/evaluate ran under torch.autocast, which mesh3d does not support yet: stage-boundary "
@@ -126,8 +133,19 @@ class PipelineRuntime:
                 "mesh3d.parallelize(..., param_dtype=torch.bfloat16) for mixed precision instead"
             )
         m = self.microbatches
-        microbatch = inputs[: len(inputs) // m]
-        return self.boundaries.of(microbatch)
+        rows = len(inputs) // m
+        return self.boundaries.of(inputs[:rows], {name: t[:rows] for name, t in per_sample.items()})
+
+    def check_names(self, per_sample: dict[str, object]) -> None:
+        """Refuse a per-sample input no stage takes (the same on every rank: every rank knows every stage)."""
+        taken = set().union(*self.takes)
+        unknown = sorted(set(per_sample) - taken)
+        if unknown:
+            raise ValueError(
+                f"per-sample input(s) {unknown} were given, but no pipeline stage takes them (the stages take "
+                f"{sorted(taken) or 'none'}); a stage takes an input through a keyword-only parameter of its "
+                "forward or its per_sample_inputs (docs/model_protocol.md): leave them out, or add them to the model"
+            )
 
     def run(
         self,
@@ -137,14 +155,17 @@ class PipelineRuntime:
         loss: MicrobatchLoss,
         *,
         train: bool,
+        per_sample: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Run every microbatch through this rank's actions (after `check`, which gave `boundaries`).
+        """Run every microbatch through this rank's actions (after `check`, which gave `boundaries`);
+        each stage is handed the microbatch's slice of the `per_sample` inputs it takes.
 
         Returns [sum of the loss values, sum of their counts] computed here (a mean loss counts 1
         per microbatch; zeros on ranks without the last stage)."""
         m = self.microbatches
         input_chunks = inputs.to(self.device).chunk(m)
         target_chunks = targets.to(self.device).chunk(m) if targets is not None else None
+        extra_chunks = _per_microbatch(per_sample or {}, m, self.device)
         never_drain = self.never_drain
         if never_drain is not None and train:
             counters = self.counters = RuntimeCounters()
@@ -159,13 +180,14 @@ class PipelineRuntime:
                 window=2 * m,
                 versions=never_drain.versions,
             )
-            return never_drain.call(input_chunks, target_chunks, boundaries.specs, loss, counters, start)
+            return never_drain.call(input_chunks, target_chunks, boundaries.specs, loss, counters, start, extra_chunks)
         if never_drain is not None and never_drain.in_flight is not None:
             raise RuntimeError("a never-drain schedule still has backwards in flight: flush() before an evaluation")
         counters = RuntimeCounters()
         if train:
             self.counters = counters  # an evaluation does not replace the last step's figures
         step = self._start(boundaries.specs, input_chunks, target_chunks, loss, train, counters)
+        step.per_sample = extra_chunks
         actions = self.train_actions if train else self.eval_actions
         step.mailbox.post_receives_ahead(actions)
         for index, action in enumerate(actions):
@@ -193,3 +215,9 @@ class PipelineRuntime:
         stage's newest weights in its parameters. Nothing to do for the other schedules."""
         if self.never_drain is not None:
             self.never_drain.flush()
+
+
+def _per_microbatch(per_sample: dict[str, torch.Tensor], m: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """{name: tensor} split along dim 0 into m microbatches, as the tokens are: [{name: chunk}, ...]."""
+    chunks = {name: t.to(device).chunk(m) for name, t in per_sample.items()}
+    return [{name: parts[mb] for name, parts in chunks.items()} for mb in range(m)]

@@ -69,6 +69,7 @@ class LocalStages:
     routes: StageRoutes
     device: torch.device
     checkpointing: ActivationCheckpointing
+    takes: list[frozenset[str]]  # by stage index: the per-sample inputs its forward takes
     before_backward: Callable[[int, bool], None] | None
     after_weight_backward: Callable[[int], None] | None
 
@@ -99,6 +100,8 @@ class StageCompute:
         self.counters = counters
         self.inputs = input_chunks
         self.targets = target_chunks
+        # by microbatch: {name: its slice} of the step's per-sample inputs (the runtime sets them)
+        self.per_sample: dict[int, dict[str, torch.Tensor]] | list[dict[str, torch.Tensor]] = {}
         self.mailbox = mailbox
         self.loss = loss
         self.train = train
@@ -143,14 +146,17 @@ class StageCompute:
             return self.inputs[mb]
         return join([self.mailbox.take(Kind.F, stage, p, mb) for p in self.routes.producers(stage)])
 
-    def _call(self, stage: int, x: torch.Tensor):
-        """The stage on its inputs: the components of the joined messages, in the routes' order."""
+    def _call(self, stage: int, mb: int, x: torch.Tensor):
+        """The stage on its inputs: the components of the joined messages, in the routes' order, and
+        by keyword the microbatch's per-sample inputs it takes."""
+        takes = self.stages.takes[stage]
+        extra = {name: t for name, t in self.per_sample[mb].items() if name in takes} if self.per_sample else {}
         if stage == 0:
-            return self.stages.modules[0](x)
+            return self.stages.modules[0](x, **extra)
         producers = self.routes.producers(stage)
         messages = divide(x, [self.specs[(p, stage)] for p in producers])
         inputs = [t for p, message in zip(producers, messages) for t in unpack(message, self.specs[(p, stage)])]
-        return self.stages.modules[stage](*inputs)
+        return self.stages.modules[stage](*inputs, **extra)
 
     def _messages(self, stage: int, out) -> list[torch.Tensor]:
         """A stage's outputs packed into one message per consumer, in the routes' order."""
@@ -181,7 +187,7 @@ class StageCompute:
             self.rng_states[(stage, mb)] = rng_state(local.device)
         messages = []
         with torch.set_grad_enabled(choice.grad):
-            out, cached, blocks = local.checkpointing.forward(choice, self._call, stage, x)
+            out, cached, blocks = local.checkpointing.forward(choice, self._call, stage, mb, x)
             self.counters.checkpointed_blocks += blocks
             if cached is not None:
                 self.selective_caches[(stage, mb)] = cached
@@ -207,7 +213,7 @@ class StageCompute:
         cached = self.selective_caches.pop((stage, mb), None)
         with restored_rng(self.rng_states.pop((stage, mb)), self.stages.device), torch.enable_grad():
             with cached if cached is not None else contextlib.nullcontext():
-                out = self._call(stage, x)
+                out = self._call(stage, mb, x)
             if stage == self.stages.n_stages - 1:
                 return self.loss(out, self.targets[mb], mb % self.stages.microbatches)[2]
             return join(self._messages(stage, out))
