@@ -20,7 +20,7 @@ from mesh3d.pipeline.split import named_stage_parameters
 from mesh3d.pipeline.tied import TiedWeights
 from mesh3d.step.global_loss import GlobalLoss
 from mesh3d.step.grad_norm import clip_grad_norm_
-from mesh3d.step.per_sample_check import check_batch
+from mesh3d.step.per_sample_check import check_batch, check_split
 from mesh3d.tensor.apply import check_loss_parallel_output
 from mesh3d.tensor.gradients import settle_gradients
 from mesh3d.tensor.plan import TensorParallelConfig
@@ -92,18 +92,7 @@ class ParallelModel:
         self._runtime.check_names(per_sample)  # the same on every rank: no message needed
         vocab, ignore = self._vocab_size, self._global_loss.ignore_index
         check_batch(inputs, targets, per_sample, vocab, ignore, self._index_bounds, self.layout.device, during)
-        m = self.schedule.microbatches
-        if inputs.dim() == 0 or inputs.shape[0] % m != 0:
-            raise ValueError(
-                f"a batch of {inputs.shape[0] if inputs.dim() else 0} samples does not split into "
-                f"microbatches={m} equal microbatches (dim 0); use a batch size that is a multiple of {m}"
-            )
-        tp = self.layout.tp
-        if self._tensor_parallel.sequence_parallel and (inputs.dim() < 2 or inputs.shape[1] % tp != 0):
-            raise ValueError(
-                f"sequence length {inputs.shape[1] if inputs.dim() >= 2 else None} is not divisible by tp={tp}; the tp "
-                f"plan uses sequence parallel, which splits dim 1 over the tp ranks: use a multiple of {tp}"
-            )
+        check_split(inputs, self.schedule.microbatches, self.layout.tp, self._tensor_parallel.sequence_parallel)
         boundaries = self._runtime.check(inputs, per_sample)
         if self._tensor_parallel.loss_parallel:
             output = boundaries.output  # the model's output on meta, as tensor parallelism leaves it

@@ -113,3 +113,19 @@ def _outside_on_host(name: str, ids: np.ndarray, bound: int) -> str | None:
         f"per-sample input {name!r} holds {int(ids[where])} at position {where}, outside [0, {bound}): the "
         f"model's input_index_bounds allow {name} in [0, {bound}); check the data, or build the model larger"
     )
+
+
+def check_split(inputs: torch.Tensor, microbatches: int, tp: int, sequence_parallel: bool) -> None:
+    """The batch splits into `microbatches` equal ones (dim 0), and under sequence parallelism its
+    sequence (dim 1) over tp; the same shapes on every rank give the same verdict, so no message."""
+    if inputs.dim() == 0 or inputs.shape[0] % microbatches != 0:
+        raise ValueError(
+            f"a batch of {inputs.shape[0] if inputs.dim() else 0} samples does not split into "
+            f"microbatches={microbatches} equal microbatches (dim 0); use a batch size that is a multiple of "
+            f"{microbatches}"
+        )
+    if sequence_parallel and (inputs.dim() < 2 or inputs.shape[1] % tp != 0):
+        raise ValueError(
+            f"sequence length {inputs.shape[1] if inputs.dim() >= 2 else None} is not divisible by tp={tp}; the tp "
+            f"plan uses sequence parallel, which splits dim 1 over the tp ranks: use a multiple of {tp}"
+        )
