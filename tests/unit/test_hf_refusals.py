@@ -78,3 +78,26 @@ def test_a_configuration_transformers_cannot_run_is_refused_by_name():
     # Latent attention expands its keys to every query head: fewer kv heads than heads fails in transformers.
     with pytest.raises(ValueError, match=r"MiniCPM3ForCausalLM \(minicpm3\): a small instance .* fails to run"):
         anatomy_of(hf_cases.meta_hf_model("minicpm3", num_key_value_heads=2))
+
+
+def test_a_per_head_parameter_the_plan_leaves_whole_is_refused_only_under_tensor_parallelism():
+    # Doge's attention holds A (one value per kv head) while its plan splits the heads: at tp = 2 a
+    # rank's 1 kv head would meet both values (transformers' own forward fails to broadcast there).
+    import zoo_cases
+
+    model = zoo_cases.tiny_model("doge")
+    anatomy = anatomy_of(model)
+    assert TensorParallelConfig.resolve(model, 1, anatomy.tp_plan, False, refusal=anatomy.tp_plan_refusal).plan == {}
+    with pytest.raises(ValueError, match=r"DogeForCausalLM \(doge\).*'model\.layers\.0\.self_attn\.A'"):
+        TensorParallelConfig.resolve(
+            model, 2, anatomy.tp_plan, False, anatomy.tensor_parallel_sizes, refusal=anatomy.tp_plan_refusal
+        )
+
+
+@pytest.mark.parametrize("model_type", ["gpt_neox", "phi"])
+def test_a_dropout_after_the_embedding_stands_down_on_later_stages(model_type):
+    # Their base forward applies it to inputs_embeds: a later stage would find it deleted (None).
+    import zoo_cases
+
+    anatomy = anatomy_of(zoo_cases.tiny_model(model_type))
+    assert anatomy.first[1] in anatomy.identity_when_dropped and anatomy.first[0] not in anatomy.identity_when_dropped

@@ -9,8 +9,9 @@ every stage.
 A stage runs the architecture's own forward, not a rewrite of it: the first stage calls the base
 model with `input_ids`, the others with `inputs_embeds` (the hidden states received); stages
 before the last return the base model's `last_hidden_state` (the final norm stands down as an
-nn.Identity there), the last stage runs the causal LM's forward whole (norm, head, logit scaling
-or softcapping) and returns its `logits`. Each stage's config lists only its own blocks'
+nn.Identity there, as what follows the embedding, a dropout, does on stages after the first),
+the last stage runs the causal LM's forward whole (norm, head, logit scaling or softcapping) and
+returns its `logits`. Each stage's config lists only its own blocks'
 `layer_types`, for forwards that pick a block's mask by its position in the loop. Whether this
 composition equals the architecture's forward is not assumed: it is checked on a small instance
 of the architecture (exactness.py, run by model/intake.py after this anatomy) and an architecture
@@ -67,7 +68,9 @@ def hugging_face_anatomy(model: nn.Module) -> Anatomy:
         layers=f"{prefix}.{blocks[0]}",
         first=tuple(f"{prefix}.{n}" for n in before),
         last=(*(f"{prefix}.{n}" for n in after), head_path),
-        identity_when_dropped=tuple(f"{prefix}.{n}" for n in after),
+        # The base forward applies what follows the embedding (GPT-NeoX's, Phi's, GPT-J's dropout) to
+        # inputs_embeds and the final norm to the blocks' output on every stage: identity where dropped.
+        identity_when_dropped=tuple(f"{prefix}.{n}" for n in (*before[1:], *after)),
         make_stage=functools.partial(_make_stage, prefix, copy.deepcopy(config)),
         tp_plan=tp_plan,
         tp_plan_refusal=tp_plan_refusal,

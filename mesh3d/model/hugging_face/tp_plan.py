@@ -95,7 +95,31 @@ def translate_tp_plan(model: nn.Module) -> tuple[dict[str, ParallelStyle] | None
         style = make()
         if style is not None:
             plan[pattern] = style
+    per_head = _whole_per_head_parameter(model, declared)
+    if per_head:
+        return None, (
+            f"{arch} ({model.config.model_type}): its tensor-parallel plan splits the heads of {per_head[0]!r} but "
+            f"leaves its parameter {per_head[1]!r} (one value per head) whole, so a tp rank's heads would meet all "
+            "heads' values; use tp=1, or pass your own tp_plan={pattern: ParallelStyle}"
+        )
     return plan, None
+
+
+def _whole_per_head_parameter(model: nn.Module, declared: dict[str, str]) -> tuple[str, str] | None:
+    """(module, parameter) where a module whose children the plan splits by heads ("colwise") holds a
+    parameter of its own the plan does not name, sized by the head count (Doge's dynamic-mask `A`)."""
+    heads = {getattr(model.config, n, None) for n in ("num_attention_heads", "num_key_value_heads")} - {None}
+    for name, module in model.named_modules():
+        if not any(fnmatchcase(name, pattern) for pattern in declared):
+            split = [
+                child
+                for child, _ in module.named_children()
+                if declared.get(next((p for p in declared if fnmatchcase(f"{name}.{child}", p)), "")) == "colwise"
+            ]
+            for param_name, param in module.named_parameters(recurse=False):
+                if split and param.dim() >= 1 and param.shape[0] in heads:
+                    return name, f"{name}.{param_name}"
+    return None
 
 
 def tensor_parallel_sizes(config) -> dict[str, int]:
