@@ -41,8 +41,6 @@ BEGIN, END = "<!-- zoo:begin -->", "<!-- zoo:end -->"
 
 MOE = "issue 38, mixture of experts: grouped-mm dtype on meta/fake runs"
 MOE_ZERO = "issue 38, mixture of experts: zero experts' nonzero on fake runs"
-MLA_PROBE = "issue 38, latent attention: the exactness probe's shrinking (kv heads)"
-APERTUS = "issue 38, apertus: a replicated parameter's gradient under tp"
 # Architectures that fail today, per layout, with the row of issue 38 that tracks each.
 KNOWN_FAILING: dict[tuple[int, int, int], dict[str, str]] = {
     (2, 1, 1): {
@@ -57,7 +55,6 @@ KNOWN_FAILING: dict[tuple[int, int, int], dict[str, str]] = {
         "deepseek_v3": MOE,
         "deepseek_v32": MOE,
         "dots1": MOE,
-        "dots3_note_text": MLA_PROBE,
         "ernie4_5_moe": MOE,
         "exaone_moe": MOE,
         "flex_olmo": MOE,
@@ -88,9 +85,6 @@ KNOWN_FAILING: dict[tuple[int, int, int], dict[str, str]] = {
         "solar_open": MOE,
     },
     (2, 1, 2): {
-        "apertus": APERTUS,
-        "apertus1p5_text": APERTUS,
-        "dots3_note_text": MLA_PROBE,
         "gpt_oss": MOE,
     },
 }
