@@ -14,10 +14,12 @@ neither it nor an alias torch also reads:
   and torchrun ends or restarts the job. Aborting frees the peers still inside the same
   communicators, which then fail ("ncclRemoteError", "NCCL communicator was aborted") instead of
   each waiting out its own timeout.
-- TORCH_NCCL_DUMP_ON_TIMEOUT=1 with TORCH_NCCL_TRACE_BUFFER_SIZE=2000: before that, each rank
+- TORCH_NCCL_DUMP_ON_TIMEOUT=1 with TORCH_FR_BUFFER_SIZE=2000: before that, each rank
   writes its flight recorder (the last 2000 operations, each with its state and the Python stack
   that queued it) to TORCH_NCCL_DEBUG_INFO_TEMP_FILE (torch's default: /tmp/nccl_trace_rank_<rank>),
-  which says which operation each rank was stuck in.
+  which says which operation each rank was stuck in. TORCH_FR_BUFFER_SIZE is the flight
+  recorder's name since torch 2.11 (which warns that TORCH_NCCL_TRACE_BUFFER_SIZE, the older one,
+  is deprecated, as seen on an H100); a user's value under either name stands.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from collections.abc import MutableMapping
 WATCHDOG_DEFAULTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": ("1", ("NCCL_ASYNC_ERROR_HANDLING",)),
     "TORCH_NCCL_DUMP_ON_TIMEOUT": ("1", ()),
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": ("2000", ("TORCH_FR_BUFFER_SIZE",)),
+    "TORCH_FR_BUFFER_SIZE": ("2000", ("TORCH_NCCL_TRACE_BUFFER_SIZE",)),
 }
 
 

@@ -23,10 +23,10 @@ def clean_environment(monkeypatch):
 
 
 def test_defaults_fill_what_the_user_left_unset_and_keep_what_they_set():
-    environ = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_FR_BUFFER_SIZE": "50"}
+    environ = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}  # the older name
     chosen = set_watchdog_defaults(environ)
     assert chosen == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
-    assert environ == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_FR_BUFFER_SIZE": "50", **chosen}
+    assert environ == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_TRACE_BUFFER_SIZE": "50", **chosen}
     fresh = {}
     assert (
         set_watchdog_defaults(fresh)
@@ -34,7 +34,7 @@ def test_defaults_fill_what_the_user_left_unset_and_keep_what_they_set():
         == {
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
             "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-            "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+            "TORCH_FR_BUFFER_SIZE": "2000",
         }
     )
 
@@ -54,7 +54,7 @@ def test_the_nccl_group_starts_with_the_defaults_in_its_environment(clean_enviro
     assert {name for name, value in seen["gloo"].items() if value} == {"TORCH_NCCL_DUMP_ON_TIMEOUT"}  # gloo: none set
     mesh._init_default_group("nccl", torch.device("cpu"), timedelta(seconds=10))
     assert seen["nccl"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
-    assert seen["nccl"]["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    assert seen["nccl"]["TORCH_FR_BUFFER_SIZE"] == "2000"
     assert seen["nccl"]["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
 
 
