@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from mesh3d.distributed.host_to_device import to_device
 from mesh3d.model.stage_inputs import stage_input_names
 from mesh3d.pipeline.activation_checkpoint import ActivationCheckpointing
 from mesh3d.pipeline.boundary import Boundaries, BoundaryShapes
@@ -163,8 +164,8 @@ class PipelineRuntime:
         Returns [sum of the loss values, sum of their counts] computed here (a mean loss counts 1
         per microbatch; zeros on ranks without the last stage)."""
         m = self.microbatches
-        input_chunks = inputs.to(self.device).chunk(m)
-        target_chunks = targets.to(self.device).chunk(m) if targets is not None else None
+        input_chunks = to_device(inputs, self.device).chunk(m)
+        target_chunks = to_device(targets, self.device).chunk(m) if targets is not None else None
         extra_chunks = _per_microbatch(per_sample or {}, m, self.device)
         never_drain = self.never_drain
         if never_drain is not None and train:
@@ -219,5 +220,5 @@ class PipelineRuntime:
 
 def _per_microbatch(per_sample: dict[str, torch.Tensor], m: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
     """{name: tensor} split along dim 0 into m microbatches, as the tokens are: [{name: chunk}, ...]."""
-    chunks = {name: t.to(device).chunk(m) for name, t in per_sample.items()}
+    chunks = {name: to_device(t, device).chunk(m) for name, t in per_sample.items()}
     return [{name: parts[mb] for name, parts in chunks.items()} for mb in range(m)]

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from mesh3d.distributed.agree import raise_if_any
+from mesh3d.distributed.host_to_device import to_device
 from mesh3d.model.loss import IGNORE_INDEX
 
 
@@ -137,7 +138,7 @@ def agree_on_batch(
     messages travel only when there is one."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         local = verdict if isinstance(verdict, torch.Tensor) else torch.tensor(verdict is not None)
-        flag = local.to(device=device, dtype=torch.int32).reshape(1)
+        flag = to_device(local.to(torch.int32), device).reshape(1)  # queued: its read below is the one sync
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not flag.item():
             return

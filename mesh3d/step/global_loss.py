@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from mesh3d.distributed.agree import gather_or_raise
+from mesh3d.distributed.host_to_device import to_device
 from mesh3d.mesh import Layout
 from mesh3d.model.loss import (
     IGNORE_INDEX,
@@ -131,7 +132,7 @@ class GlobalLoss:
             return LossScale(MEAN, 1.0 if self.per_microbatch else float(m))
         if not self.has_last_stage:
             return LossScale(PAIR, 0.0)  # never applied here
-        chunks = targets.to(self.layout.device).chunk(m)
+        chunks = to_device(targets, self.layout.device).chunk(m)
         local = torch.stack(probe_counts(self.loss_fn, boundaries.output, chunks, self.loss_context)).long()
         # The counts stay on the device: the divisors are tensors there, so no host read waits for them.
         each = local.clone()  # the global count of each microbatch index, once reduced over dp
