@@ -21,6 +21,10 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 
+from multiprocess import hide_gpus  # noqa: E402
+
+hide_gpus()  # before anything initializes CUDA: the CPU suite stays on the CPU on a GPU machine
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     launching = (TESTS / "distributed", TESTS / "gpu")  # both start rank processes

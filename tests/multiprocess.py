@@ -23,6 +23,9 @@ import time
 import traceback
 from typing import Any, Callable
 
+# CUDA_VISIBLE_DEVICES as the suite found it ("all": unset), kept while hide_gpus hides them.
+VISIBLE_GPUS_ENV = "MESH3D_TESTS_VISIBLE_GPUS"
+
 # Ranks that are still running this long after another rank failed are treated as stuck.
 GRACE_AFTER_FAILURE_S = 5.0
 
@@ -31,6 +34,16 @@ _context = None
 
 class RankFailure(AssertionError):
     """One or more ranks raised, or did not finish in time."""
+
+
+def hide_gpus() -> None:
+    """Show this process, and every process it starts, no GPU (tests/conftest.py calls it first).
+
+    On a machine with GPUs, build_mesh() with no device picks CUDA and NCCL, and the ranks of one
+    test would share one GPU (NCCL refuses: "Duplicate GPU detected"); the CPU suite must stay on
+    the CPU. The GPU tests' ranks get the devices back (gpu_cases.run_on_gpu_ranks)."""
+    os.environ.setdefault(VISIBLE_GPUS_ENV, os.environ.get("CUDA_VISIBLE_DEVICES", "all"))
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def _mp_context():
@@ -48,7 +61,11 @@ def _free_port() -> int:
 
 
 def _rank_main(fn: Callable, args: tuple, rank: int, env: dict, results: Any) -> None:
-    os.environ.update(env)
+    for name, value in env.items():  # None: the variable is removed in this rank
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     try:
         import torch
 
@@ -74,9 +91,10 @@ def run_on_ranks(
     world_size: int,
     *args: Any,
     timeout: float = 60.0,
-    env: dict[str, str] | None = None,
+    env: dict[str, str | None] | None = None,
 ) -> list[Any]:
-    """Run `fn(*args)` on `world_size` ranks; return each rank's result, indexed by rank."""
+    """Run `fn(*args)` on `world_size` ranks; return each rank's result, indexed by rank. `env` is
+    added to each rank's environment (a None value removes the variable there)."""
     ctx = _mp_context()
     results = ctx.Queue()
     port = _free_port()

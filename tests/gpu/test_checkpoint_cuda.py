@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 import torch
 from checkpoint_cases import build, full_state, train, worst_relative_error
-from gpu_cases import needs_gpu
-from multiprocess import run_on_ranks
+from gpu_cases import needs_gpu, run_on_gpu_ranks
 from pipeline_cases import TOLERANCE
 
 import mesh3d
@@ -43,7 +42,7 @@ def _resume_on_gpu(root: str, device: str):
 
 
 def test_save_load_resume_on_gpu(tmp_path, device):
-    losses, resumed, uninterrupted, state, rng_back = run_on_ranks(
+    losses, resumed, uninterrupted, state, rng_back = run_on_gpu_ranks(
         _resume_on_gpu, 1, str(tmp_path), device, timeout=300
     )[0]
     assert rng_back
@@ -70,6 +69,15 @@ def _hf_on_gpu(hf_dir: str, out_dir: str, tokens: np.ndarray, device: str):
     return logits
 
 
+def _transformers_on_gpu(hf_dir: str, tokens, device: str):
+    """transformers' own logits on the device (in a rank: the test process is shown no GPU)."""
+    import transformers
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval().to(device)
+    with torch.no_grad():
+        return hf(torch.from_numpy(tokens).to(device)).logits.float().cpu().numpy()
+
+
 def test_hugging_face_import_and_bf16_export_on_gpu(tmp_path, device):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -87,9 +95,8 @@ def test_hugging_face_import_and_bf16_export_on_gpu(tmp_path, device):
     hf = transformers.LlamaForCausalLM(config).eval()
     hf.save_pretrained(tmp_path / "hf")
     tokens = torch.randint(0, 128, (2, 32))
-    with torch.no_grad():
-        want = hf.to(device)(tokens.to(device)).logits.float().cpu().numpy()
-    got = run_on_ranks(
+    want = run_on_gpu_ranks(_transformers_on_gpu, 1, str(tmp_path / "hf"), tokens.numpy(), device)[0]
+    got = run_on_gpu_ranks(
         _hf_on_gpu, 1, str(tmp_path / "hf"), str(tmp_path / "bf16"), tokens.numpy(), device, timeout=300
     )[0]
     assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 1e-4
@@ -125,8 +132,8 @@ def _resume_on_cpu(root: str):
 
 
 def test_a_gpu_checkpoint_of_a_fused_optimizer_resumes_on_cpu(tmp_path, device):
-    losses, want = run_on_ranks(_save_with_fused_adamw_on_gpu, 1, str(tmp_path), device, timeout=300)[0]
-    resumed, got, fused = run_on_ranks(_resume_on_cpu, 1, str(tmp_path), timeout=300)[0]
+    losses, want = run_on_gpu_ranks(_save_with_fused_adamw_on_gpu, 1, str(tmp_path), device, timeout=300)[0]
+    resumed, got, fused = run_on_gpu_ranks(_resume_on_cpu, 1, str(tmp_path), timeout=300)[0]
     assert not fused  # the implementation flag stays the CPU optimizer's
     assert max(abs(a - b) / abs(b) for a, b in zip(resumed, losses)) <= 1e-4  # GPU vs CPU kernels
     error, where = worst_relative_error(got, want)

@@ -14,8 +14,7 @@ reference (pipeline_cases.reference_run):
 from __future__ import annotations
 
 import torch
-from gpu_cases import BF16_TOLERANCE, FP32_TOLERANCE, as_numpy, compile_backend, exact_fp32, needs_gpu
-from multiprocess import run_on_ranks
+from gpu_cases import BF16_TOLERANCE, FP32_TOLERANCE, as_numpy, compile_backend, exact_fp32, needs_gpu, run_on_gpu_ranks
 from pipeline_cases import batches, pipeline_run, reference_run, worst_error
 
 import mesh3d
@@ -59,7 +58,7 @@ def _as_result(outcome):
 
 
 def test_one_gpu_matches_one_cpu_process(device):
-    got = run_on_ranks(_train, 1, device, FP32_CASES, timeout=600)[0]
+    got = run_on_gpu_ranks(_train, 1, device, FP32_CASES, timeout=600)[0]
     references = {tied: reference_run(tied, batches(BATCH)) for tied in (False, True)}
     failures = []
     for name, (tied, kwargs) in FP32_CASES.items():
@@ -74,7 +73,7 @@ def test_one_gpu_matches_one_cpu_process(device):
 
 
 def test_bf16_on_the_gpu_follows_bf16_on_the_cpu(device):
-    on_device = run_on_ranks(_train, 1, device, {"bf16": BF16}, timeout=300)[0]["bf16"]
-    on_cpu = run_on_ranks(_train, 1, "cpu", {"bf16": BF16}, timeout=300)[0]["bf16"]
+    on_device = run_on_gpu_ranks(_train, 1, device, {"bf16": BF16}, timeout=300)[0]["bf16"]
+    on_cpu = run_on_gpu_ranks(_train, 1, "cpu", {"bf16": BF16}, timeout=300)[0]["bf16"]
     error, where = worst_error(_as_result(on_device), on_cpu[:3])
     assert error <= BF16_TOLERANCE, f"{error:.2e} at {where}"

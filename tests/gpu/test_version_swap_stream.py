@@ -4,19 +4,21 @@ PipeDream-2BW at pp = 1 keeps the previous version and swaps it in before each c
 (weight_versions.py), on the current stream, while FSDP2 (over one rank when dp = 1) gathers the
 parameters on streams of its own. The test makes every swap late: a `torch.cuda._sleep` of about
 10 ms is queued on the current stream just before it, so the swap's copies land long after the
-CPU has issued them. A read that is not ordered after the swap (a gather that does not wait for
-the current stream) then sees the old version; the losses and final weights must still equal
-the update rule's one-process reference on CPU (never_drain_cases.reference; fp32, TF32 off,
-relative error <= 1e-5). At pp = 1 every swap precedes a stage's forward; a swap between a
-forward and its backward needs pp >= 2, two GPUs. On CPU (MESH3D_GPU_TESTS_ON_CPU=1) the sleep is
+CPU has issued them; the losses and final weights must still equal the update rule's one-process
+reference on CPU (never_drain_cases.reference; fp32, TF32 off, relative error <= 1e-5).
+
+What it cannot show: at pp = 1 every swap precedes the root module's forward, where FSDP2 makes
+its gather streams wait for the current stream anyway, so this test also passes without
+stream_order.py's waits (checked on an H100 by making them no-ops). The race they close, a swap
+between a forward and its backward, needs pp >= 2, two GPUs; tests/unit/test_stream_order.py
+holds the waits in place with recorded streams. On CPU (MESH3D_GPU_TESTS_ON_CPU=1) the sleep is
 left out.
 """
 
 from __future__ import annotations
 
 import torch
-from gpu_cases import FP32_TOLERANCE, exact_fp32, needs_gpu
-from multiprocess import run_on_ranks
+from gpu_cases import FP32_TOLERANCE, exact_fp32, needs_gpu, run_on_gpu_ranks
 from never_drain_cases import MICROBATCH_SIZE, call_batches, mesh3d_run, reference, worst
 
 import mesh3d
@@ -48,7 +50,7 @@ def _late_swaps(device: str):
 
 
 def test_late_swaps_give_the_update_rules_numbers(device):
-    losses, state, owners, swaps = run_on_ranks(_late_swaps, 1, device, timeout=300)[0]
+    losses, state, owners, swaps = run_on_gpu_ranks(_late_swaps, 1, device, timeout=300)[0]
     assert swaps >= 2, f"only {swaps} swaps: the schedule never ran an older version"
     data = call_batches(MICROBATCH_SIZE * MICROBATCHES)
     ref_losses, ref_state = reference("pipedream_2bw", 1, MICROBATCHES, 1, True, data, "adamw", owners)
