@@ -108,7 +108,9 @@ class Layout:
         """
         key = (purpose, tuple(sorted(members)))
         if key not in self._own_groups:
-            self._own_groups[key] = dist.new_group(list(key[1]), timeout=self.timeout)
+            # The description names the group in NCCL's watchdog lines and flight-recorder dumps.
+            desc = f"mesh3d {purpose} ranks {','.join(map(str, key[1]))}"
+            self._own_groups[key] = dist.new_group(list(key[1]), timeout=self.timeout, group_desc=desc)
         return self._own_groups[key] if self.rank in key[1] else None
 
     def __repr__(self) -> str:

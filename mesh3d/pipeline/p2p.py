@@ -48,12 +48,20 @@ class PipelinePeers:
     group: dist.ProcessGroup | None  # None when pp == 1 (nothing is ever sent)
     device: torch.device
     # (direction, low pp rank, high pp rank) -> that channel's group (schedule/communicators.py);
-    # a message with no channel here (peers built by hand, in tests) goes on `group`
+    # with none at all (peers built by hand, in tests) every message goes on `group`
     channels: dict[tuple[str, int, int], dist.ProcessGroup] = field(default_factory=dict)
 
     def group_of(self, action: Action) -> dist.ProcessGroup | None:
         """The group a SEND / RECV action travels on: the channel the lowering proved it on."""
-        return self.channels.get(RUNTIME.of_message(self.pp_rank, action), self.group)
+        if not self.channels:
+            return self.group
+        channel = RUNTIME.of_message(self.pp_rank, action)
+        if channel not in self.channels:  # on the pp group it could wait behind another channel's message
+            raise RuntimeError(
+                f"pp rank {self.pp_rank}: {action} has no channel of its own ({channel}); built: "
+                f"{sorted(self.channels)}"
+            )
+        return self.channels[channel]
 
 
 def warm_up(peers: PipelinePeers) -> None:

@@ -27,6 +27,7 @@ from mesh3d.checkpoint.directories import complete_checkpoints, is_complete
 from mesh3d.checkpoint.integrity import DamagedCheckpoint
 from mesh3d.checkpoint.save_load import load
 from mesh3d.distributed.agree import raise_if_any
+from mesh3d.distributed.host_group import host_group
 from mesh3d.parallel_model import ParallelModel
 
 
@@ -36,7 +37,7 @@ def checkpoints_newest_first(root: str | os.PathLike) -> list[str]:
     Call on every rank (one broadcast when a process group of more than one rank is running)."""
     found = [[str(p) for p in reversed(complete_checkpoints(root))]]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(found, src=0)
+        dist.broadcast_object_list(found, src=0, group=host_group())  # a host-side list: gloo under NCCL too
     return found[0]
 
 
