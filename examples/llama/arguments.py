@@ -81,6 +81,12 @@ def build_parser(description: str | None = None) -> Parser:
     )
     p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (inductor)")
     p.add_argument(
+        "--document-mask",
+        action="store_true",
+        help="packed documents: attention stays inside each document (block-causal) and positions restart at "
+        "each one; documents end at the tokenizer's end-of-document token (the example's LLaMA model)",
+    )
+    p.add_argument(
         "--placement-report", default=None, help="rank 0 writes each rank's node and mesh coordinate here (JSON)"
     )
     p.add_argument("--config", default="debug", choices=sorted(CONFIGS))
@@ -221,6 +227,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         p.error("--eval-every must be >= 0 and --eval-batches >= 1")
     if args.token_file and (args.tokenizer or args.data):
         p.error("--token-file is already tokenized: drop --tokenizer/--data")
+    if args.document_mask and args.hf_model:
+        p.error("--document-mask is the example's LLaMA model's (its document_ids input); drop it or --hf-model")
     if args.tensorboard and not tensorboard_available():
         p.error("--tensorboard needs the tensorboard package: pip install tensorboard")
     if args.lr_schedule_steps is not None and args.lr_schedule_steps < 1:

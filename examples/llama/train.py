@@ -58,6 +58,7 @@ from examples.llama.run_config import effective_config_toml  # noqa: E402
 from examples.llama.tensorboard_log import TensorBoardLog  # noqa: E402
 from examples.llama.text_data import build_datasets, build_tokenizer  # noqa: E402
 from mesh3d.data import DistributedLoader  # noqa: E402
+from mesh3d.data.documents import document_ids  # noqa: E402
 from mesh3d.distributed.rendezvous import restart_count  # noqa: E402
 from mesh3d.train import (  # noqa: E402
     BadLossGuard,
@@ -126,14 +127,24 @@ def set_up(args):
         layout.world_size,
         device_name(layout.device),
     )
-    evaluator = HeldOutEvaluator(heldout, args.global_batch, layout, args.eval_batches) if heldout else None
-    return layout, pm, optimizer, loader, evaluator, progress, resumed
+    per_sample = per_sample_inputs(args, tokenizer)
+    evaluator = HeldOutEvaluator(heldout, args.global_batch, layout, args.eval_batches, per_sample) if heldout else None
+    return layout, pm, optimizer, loader, evaluator, progress, resumed, per_sample
+
+
+def per_sample_inputs(args, tokenizer):
+    """The inputs each batch brings besides its tokens: with --document-mask, each token's document
+    (from the end-of-document tokens in it: nothing to keep across a resume, the data position is
+    the tokens' own)."""
+    if not args.document_mask:
+        return lambda inputs: {}
+    return lambda inputs: {"document_ids": document_ids(inputs, tokenizer.separator_id)}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     with reported_once(flags_of(arguments.build_parser())):  # said once, by rank 0, in flags
         args = parse_args(argv)
-        layout, pm, optimizer, loader, evaluator, progress, resumed = set_up(args)
+        layout, pm, optimizer, loader, evaluator, progress, resumed, per_sample = set_up(args)
     is_main = layout.rank == 0
     fault = FaultInjection.from_env(layout.rank)  # a test hook, off unless MESH3D_FAULT is set
     if fault:
@@ -160,11 +171,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         # for its batch check's flag and its loss, and this loop once more for the gradient norm,
         # the non-finite guard's verdict (the same on every rank).
         if pm.never_drains:  # the updates run inside pm.step, each with the lr set above for this batch
-            loss, grad_norm, stepped = pm.step(inputs, targets).item(), None, True
+            loss, grad_norm, stepped = pm.step(inputs, targets, **per_sample(inputs)).item(), None, True
             guard.observe(loss)
         else:
             optimizer.zero_grad(set_to_none=True)
-            loss = pm.step(inputs, targets).item()  # the global token-mean loss, on every rank
+            loss = pm.step(inputs, targets, **per_sample(inputs)).item()  # the global token-mean loss, on every rank
             grad_norm = pm.clip_grad_norm_(args.grad_clip if args.grad_clip > 0 else math.inf).item()  # NaN/Inf alike
             stepped = guard.allows(grad_norm)
             if stepped:

@@ -14,6 +14,7 @@ eval loss of two layouts differs only by the order of floating-point sums.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -28,14 +29,22 @@ class HeldOutEvaluator:
     losses of the held-out batches (each batch has as many tokens as any other, so this is the
     token mean over all of them)."""
 
-    def __init__(self, heldout: SampleSubset, global_batch: int, layout: Layout, batches: int) -> None:
+    def __init__(
+        self,
+        heldout: SampleSubset,
+        global_batch: int,
+        layout: Layout,
+        batches: int,
+        per_sample: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None,
+    ) -> None:
         if batches < 1:
             raise ValueError(f"batches={batches}: evaluate at least one held-out batch")
         loader = DistributedLoader.for_layout(heldout, global_batch, layout, shuffle=False)
         self.batches: list[tuple[torch.Tensor, torch.Tensor]] = [next(loader) for _ in range(batches)]
+        self.per_sample = per_sample or (lambda inputs: {})  # the batch's other inputs, as the training step's
 
     def __call__(self, pm: ParallelModel) -> dict[str, float]:
-        losses = [pm.evaluate(inputs, targets).item() for inputs, targets in self.batches]
+        losses = [pm.evaluate(inputs, targets, **self.per_sample(inputs)).item() for inputs, targets in self.batches]
         loss = sum(losses) / len(losses)
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0))}  # exp(80) ~ 5e34: no overflow
 

@@ -108,3 +108,11 @@ def test_metrics_a_fresh_run_replaces_and_says_so_a_resumed_one_appends(tmp_path
         f.write('{"step": 1}\n')
     assert path.read_text() == '{"step": 1}\n'
     assert said == [f"metrics: {path} held 2 line(s) of an earlier run; a fresh run replaces them (--resume appends)"]
+
+
+def test_document_mask_is_refused_with_hf_model(capsys):
+    from examples.llama.arguments import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--document-mask", "--hf-model", "qwen2"])
+    assert "--document-mask is the example's LLaMA model's (its document_ids input)" in capsys.readouterr().err
