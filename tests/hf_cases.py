@@ -110,16 +110,48 @@ def masked_batches(batch_size: int, seed: int = 0, steps: int = STEPS) -> list[t
     return out
 
 
+def packed_batches(batch_size: int, seed: int = 0, steps: int = STEPS):
+    """(input ids, targets, {"position_ids"}): each row packs documents of random lengths, positions
+    restarting at 0 with each (transformers' own forward reads the restarts as document boundaries);
+    the target that crosses into the next document is not counted."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for inputs, targets in masked_batches(batch_size, seed, steps):
+        starts = torch.rand(inputs.shape, generator=generator) < 0.3
+        starts[:, 0] = True
+        index = torch.arange(SEQ_LEN).expand_as(inputs)
+        first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+        targets = targets.clone()
+        targets[:, :-1][starts[:, 1:]] = -100
+        out.append((inputs, targets, {"position_ids": index - first}))
+    return out
+
+
+def padded_batches(batch_size: int, seed: int = 0, steps: int = STEPS):
+    """(input ids, targets, {"attention_mask"}): rows of 3..SEQ_LEN tokens, padded on the left (where
+    an unmasked pad would be attended to) with pad_token_id; a pad's target is not counted."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for inputs, targets in masked_batches(batch_size, seed, steps):
+        lengths = torch.randint(3, SEQ_LEN + 1, (batch_size,), generator=generator)
+        lengths[0] = SEQ_LEN  # one row unpadded
+        mask = (torch.arange(SEQ_LEN) >= SEQ_LEN - lengths[:, None]).long()
+        inputs, targets = inputs.masked_fill(mask == 0, COMMON["pad_token_id"]), targets.masked_fill(mask == 0, -100)
+        out.append((inputs, targets, {"attention_mask": mask}))
+    return out
+
+
 def reference_run(arch: str, data, state: dict | None = None, momentum: float = 0.0, **overrides):
     """transformers' model in one process (from `state` when given): losses and the state after every
-    step (numpy, by value)."""
+    step (numpy, by value). A batch may bring a third element, {name: tensor} of inputs the model's
+    forward takes (position_ids, attention_mask)."""
     model = hf_model(arch, **overrides)
     if state is not None:
         model.load_state_dict(state)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
     losses = []
-    for inputs, targets in data:
-        logits = model(inputs).logits
+    for inputs, targets, *extra in data:
+        logits = model(inputs, **(extra[0] if extra else {}), use_cache=False).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
         loss.backward()
         optimizer.step()
@@ -140,9 +172,10 @@ def train_steps(pm, layout, data):
     """SGD steps of `pm`, each dp rank on its share of every batch: losses and the full state after."""
     optimizer = torch.optim.SGD(pm.parameters(), lr=LR)
     losses = []
-    for inputs, targets in data:
+    for inputs, targets, *extra in data:
         share = slice(layout.dp_rank * len(inputs) // layout.dp, (layout.dp_rank + 1) * len(inputs) // layout.dp)
-        losses.append(pm.step(inputs[share], targets[share]).item())
+        per_sample = {name: t[share] for name, t in (extra[0] if extra else {}).items()}
+        losses.append(pm.step(inputs[share], targets[share], **per_sample).item())
         optimizer.step()
         optimizer.zero_grad()
     return losses, pm.full_state_dict()

@@ -11,7 +11,11 @@ model with `input_ids`, the others with `inputs_embeds` (the hidden states recei
 before the last return the base model's `last_hidden_state` (the final norm stands down as an
 nn.Identity there, as what follows the embedding, a dropout, does on stages after the first),
 the last stage runs the causal LM's forward whole (norm, head, logit scaling or softcapping) and
-returns its `logits`. Each stage's config lists only its own blocks'
+returns its `logits`. Every stage hands the base model the step's `position_ids` and
+`attention_mask` (per-sample inputs, model/stage_inputs.py) as transformers' own forward receives
+them, where the architecture's forward takes them: each stage then builds the same rotary angles
+and the same mask (packed sequences from restarting position ids, padding from the mask) as the
+whole model would. Each stage's config lists only its own blocks'
 `layer_types`, for forwards that pick a block's mask by its position in the loop. Whether this
 composition equals the architecture's forward is not assumed: it is checked on a small instance
 of the architecture (exactness.py, run by model/intake.py after this anatomy) and an architecture
@@ -22,12 +26,16 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 
 from torch import nn
 
 from mesh3d.model.anatomy import Anatomy
 from mesh3d.model.hugging_face.seeded_init import init_stage_weights
 from mesh3d.model.hugging_face.tp_plan import tensor_parallel_sizes, translate_tp_plan
+
+# The per-sample inputs a Hugging Face stage hands its base model, where that model's forward takes them.
+PER_SAMPLE_INPUTS = ("position_ids", "attention_mask")
 
 
 def hugging_face_anatomy(model: nn.Module) -> Anatomy:
@@ -112,6 +120,9 @@ def _make_stage(prefix: str, config, stage: nn.Module, is_first: bool, is_last: 
     stage.__class__ = _stage_class(original)
     stage._mesh3d_role = (original, prefix, is_first, is_last)
     stage._mesh3d_unsplit_config = config  # the stage's own config lists only its blocks' layer_types
+    # Every stage builds the rotary angles and the mask itself, so each takes what the base model takes.
+    taken = inspect.signature(getattr(stage, prefix).forward).parameters
+    stage.per_sample_inputs = tuple(name for name in PER_SAMPLE_INPUTS if name in taken)
     return stage
 
 
@@ -151,9 +162,10 @@ def _stage_init_weights(self) -> None:
     self.initialize_weights()
 
 
-def _stage_forward(self, x):
+def _stage_forward(self, x, **per_sample):
     original, prefix, is_first, is_last = self._mesh3d_role
     given = {"input_ids": x} if is_first else {"inputs_embeds": x}
+    given.update(per_sample)  # position_ids, attention_mask: the microbatch's, as transformers' forward takes them
     if is_last:
         return original.forward(self, **given, use_cache=False).logits
     return getattr(self, prefix)(**given, use_cache=False).last_hidden_state
