@@ -40,6 +40,7 @@ from mesh3d.model.compiled_blocks import compile_blocks, resolve_compile
 from mesh3d.model.initialize import agree_on_seed, allocate, initialize, make_replicas_identical, to_device
 from mesh3d.model.intake import anatomy_of
 from mesh3d.model.loss import LossFn, cross_entropy_loss
+from mesh3d.model.stage_inputs import stage_input_names
 from mesh3d.model.state_map import StateMap
 from mesh3d.parallel_model import ParallelModel
 from mesh3d.pipeline.boundary import BoundaryShapes
@@ -151,7 +152,9 @@ def parallelize(
         split_points: the names of the blocks where stages 1, 2, ... begin (PiPPy's
             SplitPoint.BEGINNING), e.g. ["model.layers.4"]; instead of layers_per_stage.
         example_inputs: `(one_microbatch,)`, what a traced model is captured with (on meta); the
-            shape `step` will see, as the graph may bake shapes in. Unused for the other kinds.
+            shape `step` will see, as the graph may bake shapes in. A model whose forward takes
+            per-sample inputs by keyword names them: `(tokens, {"mask": mask})`, each then passed
+            to `step` by that name. Unused for the other kinds.
             Without `split_points`, a traced model's stages begin between the children of its
             longest nn.Sequential / nn.ModuleList / nn.ModuleDict.
         optimizer: a callable taking this rank's parameters and returning a torch optimizer, e.g.
@@ -209,8 +212,10 @@ def parallelize(
         # them: sequence parallelism splits the sequence over tp, and a model's max length is at least that)
         ids = torch.zeros(1, layout.tp, dtype=torch.long) if anatomy.vocab_size is not None else None
         sample = example_inputs[0] if pipe.traced else ids
-        fresh = functools.partial(BoundaryShapes, split.meta_stages, anatomy.fake_shape_run, pipe.routes)  # uncached
-        run = None if sample is None else lambda: fresh().of(sample)  # noqa: E731
+        named = anatomy.traced.per_sample if pipe.traced else {}  # a traced model's other inputs, by keyword
+        takes = [stage_input_names(stage) for stage in split.meta_stages]
+        fresh = functools.partial(BoundaryShapes, split.meta_stages, anatomy.fake_shape_run, pipe.routes, takes)
+        run = None if sample is None else lambda: fresh().of(sample, named)  # noqa: E731  (uncached)
         _apply_tensor_parallel(split, stages, tied, tensor, layout, run)
     if compile_backend is not None:
         compile_blocks(stages.values(), anatomy, compile_backend, split_backward=pipe.schedule.splits_backward)

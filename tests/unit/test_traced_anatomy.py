@@ -84,3 +84,35 @@ def test_splitting_leaves_the_model_as_it_was_so_it_can_be_split_again():
     assert not any("_orig_forward" in block.__dict__ or "forward" in block.__dict__ for block in model.blocks)
     again = anatomy_of(model, (IDS[:1],)).traced.split(["blocks.4"])
     assert len(again.graphs) == 2 and again.skips == ()
+
+
+class Scaled(nn.Module):
+    """A second input, `scale`, read by the forward itself around the blocks."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([Residual() for _ in range(4)])
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids, *, scale):
+        h = self.emb(ids) * scale[..., None]
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h * scale[..., None])
+
+
+def test_a_second_input_named_by_the_example_inputs_is_a_keyword_of_the_stages_that_read_it():
+    model, scale = Scaled(), torch.rand(IDS.shape, generator=torch.Generator().manual_seed(1))
+    traced = anatomy_of(model, (IDS, {"scale": scale})).traced
+    split = traced.split(["blocks.2"])
+    assert split.per_sample == (("scale",), ("scale",))
+    first, last = split.stage(model, 0), split.stage(model, 1)
+    assert first.per_sample_inputs == ("scale",)
+    torch.testing.assert_close(last(first(IDS, scale=scale), scale=scale), model(IDS, scale=scale), rtol=0, atol=0)
+    # A stage that does not read it does not take it.
+    three = traced.split(["blocks.1", "blocks.3"])
+    assert three.per_sample == (("scale",), (), ("scale",)) and three.stage(model, 1).per_sample_inputs == ()
+    with pytest.raises(ValueError, match=r"example_inputs must be \(tokens,\) or \(tokens, \{name: tensor\}\)"):
+        anatomy_of(model, (IDS, {"scale": 1.0}))

@@ -14,6 +14,12 @@ fx.GraphModule over the same graph rooted at the model itself, which takes the m
 modules (and any parameter the graph reads directly) at those names: a stage keeps the unsplit
 model's parameter names, real module classes and ties within it, and runs each module's own
 forward. A stage is a copy, as a cut stage is (model/cut.py), so the model given stays untouched.
+
+A model may take per-sample inputs besides the tokens (a mask, position ids): the example inputs
+name them, `(tokens, {"mask": mask})`, and the forward takes them by those keywords. They are
+captured as inputs of the graph; each stage that reads one takes it as a keyword parameter of
+that name (its `per_sample_inputs`), handed by the runtime from the step's batch, never routed
+between stages (model/stage_inputs.py).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch
 from torch import fx, nn
 
 from mesh3d.model.meta_copy import meta_copy
+from mesh3d.model.traced.keyword_inputs import check_keyword_reads, keyword_placeholders, keywords_last
 
 ADVICE = (
     "bring the model through the mesh3d protocol instead (repeated blocks in an nn.ModuleDict `layers`, one "
@@ -41,28 +48,34 @@ class TracedSplit:
     graphs: tuple[fx.Graph, ...]  # per stage; placeholders in the runtime's input order
     skips: tuple[tuple[int, int], ...]  # (producer, consumer) past the next stage
     takes: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)  # producer outputs per consumer
+    per_sample: tuple[tuple[str, ...], ...] = ()  # per stage: the per-sample inputs it reads, by keyword
 
     def stage(self, model: nn.Module, index: int) -> nn.Module:
         """Stage `index` as a copy of the model's modules it calls, at their names in the model."""
-        return copy.deepcopy(fx.GraphModule(model, copy.deepcopy(self.graphs[index]), class_name=f"TracedStage{index}"))
+        graph = copy.deepcopy(self.graphs[index])
+        stage = copy.deepcopy(fx.GraphModule(model, graph, class_name=f"TracedStage{index}"))
+        stage.per_sample_inputs = self.per_sample[index] if self.per_sample else ()
+        return stage
 
 
 class TracedModel:
-    """A model torch.export captures from `example_inputs` (one microbatch), split by block names."""
+    """A model torch.export captures from `example_inputs` (one microbatch: the tokens, then
+    optionally {name: tensor} of the per-sample inputs its forward takes by keyword), split by
+    block names."""
 
     def __init__(self, model: nn.Module, example_inputs: tuple, name: str):
-        if (
-            not isinstance(example_inputs, tuple)
-            or len(example_inputs) != 1
-            or not isinstance(example_inputs[0], torch.Tensor)
-        ):
+        if not _well_formed(example_inputs):
             raise ValueError(
-                f"{name}: example_inputs must be a tuple of one tensor, one microbatch of what pm.step takes as "
-                f"inputs (the first stage receives exactly that); got {_describe(example_inputs)}"
+                f"{name}: example_inputs must be (tokens,) or (tokens, {{name: tensor}}): one microbatch of what "
+                "pm.step takes as inputs (the first stage receives the tokens), then the per-sample inputs the "
+                f"forward takes by keyword, as pm.step(inputs, targets, **per_sample) will; got "
+                f"{_describe(example_inputs)}"
             )
         self.name = name
         self.meta_model = _meta_copy(model)
-        self.inputs = tuple(torch.empty_like(t, device="meta") for t in example_inputs)
+        self.inputs = (torch.empty_like(example_inputs[0], device="meta"),)
+        named = example_inputs[1] if len(example_inputs) == 2 else {}
+        self.per_sample = {k: torch.empty_like(t, device="meta") for k, t in named.items()}
         self._splits: dict[tuple[str, ...], TracedSplit] = {}
 
     def check_capturable(self) -> None:
@@ -80,7 +93,12 @@ class TracedModel:
         from torch.distributed.pipelining import SplitPoint, pipeline
 
         try:
-            return pipeline(self.meta_model, self.inputs, split_spec={s: SplitPoint.BEGINNING for s in starts})
+            return pipeline(
+                self.meta_model,
+                self.inputs,
+                mb_kwargs=self.per_sample or None,
+                split_spec={s: SplitPoint.BEGINNING for s in starts},
+            )
         except Exception as error:  # torch's own reason: its message points at the cause
             cause = error.__cause__ if error.__cause__ is not None else error
             reason = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
@@ -107,7 +125,16 @@ class TracedModel:
                 f"{self.name}: the model must return one tensor, computed by its last stage (the loss takes it); "
                 f"its output is {len(outputs)} values"
             )
-        sources = [[]] + [[self._source(a, stage_of, s) for a in node.args] for s, node in enumerate(stage_nodes) if s]
+        # Per stage, which of its arguments are per-sample inputs (graph inputs other than the tokens), by name.
+        named = [
+            {i: a.target for i, a in enumerate(node.args) if _is_input(a) and a.target in self.per_sample}
+            for node in stage_nodes
+        ]
+        sources = [[]] + [
+            [self._source(a, stage_of, s) for i, a in enumerate(node.args) if i not in named[s]]
+            for s, node in enumerate(stage_nodes)
+            if s
+        ]
         takes: dict[tuple[int, int], tuple[int, ...]] = {}
         for s, stage_sources in enumerate(sources[1:], start=1):
             if stage_nodes[s].kwargs:
@@ -125,10 +152,13 @@ class TracedModel:
             module = pipe.split_gm.get_submodule(node.target)
             self._check_modules(module, s, used)
             graph = copy.deepcopy(module.graph)
+            keywords = keyword_placeholders(graph, named[s])
+            check_keyword_reads(graph, keywords, f"{self.name}: stage {s}", ADVICE)
             if s > 0:
-                _order_placeholders(graph, sources[s], _input_order(s, takes, skips))
+                _order_placeholders(graph, sources[s], _input_order(s, takes, skips), keywords)
             graphs.append(graph)
-        return TracedSplit(tuple(graphs), skips, takes)
+        per_sample = tuple(tuple(dict.fromkeys(n.values())) for n in named)
+        return TracedSplit(tuple(graphs), skips, takes, per_sample)
 
     def _source(self, arg, stage_of: dict, consumer: int) -> tuple[int, int]:
         """(producer stage, index of its output) of one input of stage `consumer`."""
@@ -199,9 +229,12 @@ def _input_order(stage: int, takes: dict, skips: tuple) -> list[tuple[int, int]]
     return [(p, k) for p in producers for k in takes[(p, stage)]]
 
 
-def _order_placeholders(graph: fx.Graph, sources: list[tuple[int, int]], order: list[tuple[int, int]]) -> None:
-    """Put the stage graph's inputs in the runtime's order; an input taken twice becomes one."""
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+def _order_placeholders(
+    graph: fx.Graph, sources: list[tuple[int, int]], order: list[tuple[int, int]], keywords: set[str]
+) -> None:
+    """Put the stage graph's routed inputs in the runtime's order, before its keyword inputs; an
+    input taken twice becomes one."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder" and n.target not in keywords]
     first: dict[tuple[int, int], fx.Node] = {}
     for node, source in zip(placeholders, sources):
         if source in first:
@@ -212,7 +245,23 @@ def _order_placeholders(graph: fx.Graph, sources: list[tuple[int, int]], order: 
     anchor = next(n for n in graph.nodes if n.op != "placeholder")
     for source in order:
         anchor.prepend(first[source])
-    graph.lint()
+    keywords_last(graph, keywords)
+
+
+def _is_input(arg) -> bool:
+    return isinstance(arg, fx.Node) and arg.op == "placeholder"
+
+
+def _well_formed(example_inputs) -> bool:
+    """(tensor,) or (tensor, {str: tensor})."""
+    if not isinstance(example_inputs, tuple) or len(example_inputs) not in (1, 2):
+        return False
+    if not isinstance(example_inputs[0], torch.Tensor):
+        return False
+    if len(example_inputs) == 1:
+        return True
+    named = example_inputs[1]
+    return isinstance(named, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in named.items())
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
