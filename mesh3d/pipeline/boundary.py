@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
 from mesh3d.pipeline.routes import MessageSpec, StageRoutes
+from mesh3d.pipeline.shape_ops import ShapeRunOps
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,9 @@ class BoundaryShapes:
 
     `fake`: run under torch's FakeTensorMode, for a forward that reads values (transformers'
     packed-sequence check calls `.item()` on the position ids, which a meta tensor refuses and a
-    fake tensor skips, as under tracing); the output is handed on as a plain meta tensor.
+    fake tensor skips, as under tracing); the output is handed on as a plain meta tensor. Ops that
+    a shape run cannot do as the real run does (grouped-mm experts' dtype rule, a data-dependent
+    `nonzero`) take the shapes of shape_ops.py.
     """
 
     def __init__(
@@ -58,8 +61,9 @@ class BoundaryShapes:
 
     def _run(self, microbatch: torch.Tensor, per_sample: dict[str, torch.Tensor]) -> Boundaries:
         if not self.fake:
-            return self._run_stages(microbatch, per_sample)
-        with FakeTensorMode(allow_non_fake_inputs=True):
+            with ShapeRunOps():
+                return self._run_stages(microbatch, per_sample)
+        with FakeTensorMode(allow_non_fake_inputs=True), ShapeRunOps():
             boundaries = self._run_stages(microbatch, per_sample)
         return Boundaries(boundaries.specs, _as_meta(boundaries.output))
 

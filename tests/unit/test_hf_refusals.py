@@ -101,3 +101,11 @@ def test_a_dropout_after_the_embedding_stands_down_on_later_stages(model_type):
 
     anatomy = anatomy_of(zoo_cases.tiny_model(model_type))
     assert anatomy.first[1] in anatomy.identity_when_dropped and anatomy.first[0] not in anatomy.identity_when_dropped
+
+
+def test_a_router_auxiliary_loss_is_refused_by_name():
+    # transformers adds coef x a load-balancing loss over all layers' router logits of the whole batch:
+    # not a sum over stages or microbatches, so the pipeline's loss could not equal it.
+    with pytest.raises(ValueError, match=r"^Qwen3MoeForCausalLM \(qwen3_moe\): .*output_router_logits=True"):
+        anatomy_of(hf_cases.meta_hf_model("qwen3_moe", output_router_logits=True))
+    assert anatomy_of(hf_cases.meta_hf_model("qwen3_moe")).layers == "model.layers"  # off: transformers' own loss

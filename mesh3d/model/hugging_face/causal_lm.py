@@ -31,6 +31,7 @@ import inspect
 from torch import nn
 
 from mesh3d.model.anatomy import Anatomy
+from mesh3d.model.hugging_face.router_loss import router_loss_problem
 from mesh3d.model.hugging_face.seeded_init import init_stage_weights
 from mesh3d.model.hugging_face.tp_plan import tensor_parallel_sizes, translate_tp_plan
 
@@ -67,6 +68,7 @@ def hugging_face_anatomy(model: nn.Module) -> Anatomy:
     at = names.index(blocks[0])
     before, after = names[:at], names[at + 1 :]
     problem = _plan_problem(pp_plan, before, blocks[0], after) or _stateful_extra(model, base, prefix, head, names)
+    problem = problem or router_loss_problem(config)
     if problem:
         raise ValueError(f"{arch} ({config.model_type}): {problem}; mesh3d cannot split it exactly")
     head_path = next(name for name, module in model.named_modules() if module is head)

@@ -35,6 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from mesh3d.model.anatomy import Anatomy
 from mesh3d.model.loss import cross_entropy_loss
 from mesh3d.pipeline.activation_checkpoint import SAVED_OPS
+from mesh3d.pipeline.shape_ops import ShapeRunOps
 from mesh3d.planner.measure.costs import ModelCosts, PartCosts
 from mesh3d.planner.measure.measured_stages import KINDS, MeasuredStages, StageFlow, measured_stages, planner_anatomy
 from mesh3d.planner.measure.meters import CPU_ATTENTION_FLOPS, CollectiveBytes, ResultsOf, SavedBytesMeter, local_shard
@@ -105,7 +106,7 @@ def measure_model(
             if not tp_plan:
                 raise ValueError(f"plan: tp={tp} needs a tensor-parallel plan, and {anatomy.name} declares none")
             apply_tensor_parallel(stages.values(), tp_plan, mesh)
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), ShapeRunOps():  # grouped-mm experts, expert loops
             results, message, checkpointed = _run_chain(measured, tp, microbatch_size, seq_len, param_dtype)
     block = results["middle"]
     first = results["first"].minus(block, *_end_params(stages["first"], stages["middle"]))
