@@ -5,11 +5,12 @@ or without a real kernel's dtype rules; a dispatch mode entered around the run, 
   CUDA kernel's rules (both operands bf16, rows 16-byte aligned), while the CPU kernel (what the
   real run takes) multiplies fp32 of any size. The shape does not depend on either, so the shape
   run gives the output the kernel would (its sizes and dtype) without the meta kernel.
-- `nonzero` (and so `torch.where(mask)`) on fake tensors: the number of hits depends on values a
-  fake tensor does not have (FakeTensorMode raises). The shape run takes the largest answer, every
-  element a hit, so what follows sees each row once (an expert loop over its hits: each expert
-  given every token), shapes an upper bound of the real run's.
-- a scalar read (`.item()`, `int(t)`, `bool(t)`) on fake tensors, where FakeTensorMode raises: 0
+- `nonzero` (and so `torch.where(mask)`) on fake or meta tensors: the number of hits depends on
+  values they do not have (FakeTensorMode and the meta kernel raise). The shape run takes the
+  largest answer, every element a hit (torch's own opt-in `meta_nonzero_assume_all_nonzero`), so
+  what follows sees each row once (an expert loop over its hits: each expert given every token),
+  shapes an upper bound of the real run's.
+- a scalar read (`.item()`, `int(t)`, `bool(t)`) on fake or meta tensors, where torch raises: 0
   for an integer (an index valid in any non-empty dimension), 0.0 for a float, True for a bool (the
   branch that computes something is the one whose shapes matter).
 
@@ -37,16 +38,12 @@ class ShapeRunOps(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is aten._grouped_mm.default and _without_values(args[:2]):
             return _grouped_mm_shape(*args, **kwargs)
-        try:
-            return func(*args, **kwargs)
-        except DynamicOutputShapeException:
-            if func is aten.nonzero.default:
-                return _every_element_a_hit(args[0])
-            raise
-        except DataDependentOutputException:
-            if func is aten._local_scalar_dense.default:
-                return _some_scalar(args[0].dtype)
-            raise
+        if func in _VALUE_DEPENDENT and _without_values(args[:1]):
+            try:
+                return func(*args, **kwargs)
+            except (DynamicOutputShapeException, DataDependentOutputException, NotImplementedError, RuntimeError):
+                return _VALUE_DEPENDENT[func](args[0])  # fake: the values are unknown; meta: refused outright
+        return func(*args, **kwargs)
 
 
 def _grouped_mm_shape(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
@@ -76,7 +73,11 @@ def _every_element_a_hit(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty((tensor.numel(), tensor.dim()), dtype=torch.long, device=tensor.device)
 
 
-def _some_scalar(dtype: torch.dtype) -> bool | int | float:
-    if dtype == torch.bool:
+def _some_scalar(tensor: torch.Tensor) -> bool | int | float:
+    if tensor.dtype == torch.bool:
         return True
-    return 0.0 if dtype.is_floating_point or dtype.is_complex else 0
+    return 0.0 if tensor.dtype.is_floating_point or tensor.dtype.is_complex else 0
+
+
+# Ops whose result depends on values, and what a shape run takes when torch cannot give it.
+_VALUE_DEPENDENT = {aten.nonzero.default: _every_element_a_hit, aten._local_scalar_dense.default: _some_scalar}

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from mesh3d.pipeline.shape_ops import ShapeRunOps
+
 # Dense bf16 FLOP/s per device (without 2:4 sparsity, which datasheets often quote doubled), from
 # NVIDIA's datasheets: the SXM parts unless a PCIe or NVL part is named. A key matches a whole
 # word of torch.cuda.get_device_name() ("B200" is not "GB200", "H20" not "H200"); first match wins.
@@ -84,7 +86,7 @@ def flops_per_token(model: nn.Module, seq_len: int, batch: int = 1) -> float:
     tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
     weights = [p for p in model.parameters() if p.requires_grad]
     counter = FlopCounterMode(display=False)
-    with counter:
+    with ShapeRunOps(), counter:  # the counter above: it sees grouped matmuls before their meta shapes
         output = model(tokens)
         output = getattr(output, "logits", output)  # a Hugging Face model returns a ModelOutput
         torch.autograd.grad(output.float().sum(), weights)

@@ -62,6 +62,15 @@ def test_a_data_dependent_loop_gives_its_output_shape_on_fake_tensors():
     assert fake.shape == _expert_loop(hits, tokens).shape
 
 
+def test_a_data_dependent_loop_gives_its_output_shape_on_meta_tensors():
+    # A meta run (the trainer's FLOP count): torch's meta nonzero refuses; item() on meta too.
+    hits, tokens = torch.ones(2, 3, dtype=torch.bool, device="meta"), torch.empty(3, 4, device="meta")
+    with pytest.raises(NotImplementedError):
+        _expert_loop(hits, tokens)
+    with ShapeRunOps():
+        assert _expert_loop(hits, tokens).shape == (3, 4)
+
+
 def test_the_real_run_is_untouched():
     a, b, offs = _operands()
     with ShapeRunOps():
