@@ -46,11 +46,27 @@ def hide_gpus() -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
+# Imported once, in the fork server, before it forks the ranks: each rank of each launch would
+# otherwise import them itself (mesh3d about 1 s of CPU, transformers' modeling about 2 s; the suite
+# starts some thousand ranks on two cores). A module that is not installed is skipped.
+PRELOADED = [
+    "torch",
+    "torch.distributed",
+    "numpy",
+    "einops",
+    "mesh3d",
+    "examples.llama.model",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.llama.modeling_llama",
+]
+
+
 def _mp_context():
     global _context
     if _context is None:
         _context = mp.get_context("forkserver")
-        _context.set_forkserver_preload(["torch", "torch.distributed", "numpy", "einops"])
+        _context.set_forkserver_preload(PRELOADED)
     return _context
 
 
@@ -74,13 +90,20 @@ def _rank_main(fn: Callable, args: tuple, rank: int, env: dict, results: Any) ->
         # file descriptor that the parent fetches from this process, which may have exited by then.
         value = pickle.dumps(fn(*args))
         results.put((rank, "ok", value))
+        finished = True
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, "error", traceback.format_exc()))
+        finished = False
     finally:
         try:
             import torch.distributed as dist
 
             if dist.is_initialized():
+                if finished:
+                    # Rank 0 hosts the rendezvous store: leaving while a peer still creates a group
+                    # only its peers join (gloo connects through the store) resets that peer's
+                    # connection. A rank whose peer failed waits here until the parent kills it.
+                    dist.barrier()
                 dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - teardown of a broken group must not mask the result
             pass

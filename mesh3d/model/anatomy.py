@@ -42,7 +42,7 @@ class Anatomy:
     # (stage from meta, seed) -> fresh values, the same for a module whichever stage holds it; None: the
     # model's own init_weights() (model/initialize.py)
     init_stage: Callable[[nn.Module, int], None] | None = None
-    fake_shape_run: bool = False  # its forward reads values: learn boundary shapes under FakeTensorMode
+    fake_shape_run: bool = False  # its forward reads values: a shape run that fails on meta runs on fake
     traced: TracedModel | None = None  # a traced model: stages come from its capture, not from a cut
 
     def container(self, module: nn.Module) -> nn.Module:

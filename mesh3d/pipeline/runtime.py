@@ -46,8 +46,8 @@ class PipelineRuntime:
         after_weight_backward: called as after_weight_backward(stage) after a W that started
             inside the graph (backward_halves.py), where data parallelism's autograd hooks do not
             reach.
-        fake_shape_run: learn the boundary shapes under FakeTensorMode (boundary.py), for stages
-            whose forward reads values.
+        fake_shape_run: for stages whose forward reads values: where the meta run raises, learn
+            the boundary shapes again under FakeTensorMode (boundary.py).
         routes: which outputs each stage sends to which stage (routes.py); default: one tensor
             from each stage to the next. The lowered schedules must carry the same skips.
         blocks: a stage's repeated blocks (the anatomy's `blocks`), checkpointed one by one;
