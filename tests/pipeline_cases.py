@@ -10,7 +10,7 @@ from examples.llama.model import Transformer, loss_fn
 
 SEQ_LEN = 8
 VOCAB = 64
-STEPS = 3
+STEPS = 2  # the second step runs on the optimizer state the first left
 LR = 1e-4  # Adam amplifies fp32 rounding in near-zero grads by up to lr per element; see docs/testing.md
 MAX_NORM = 0.5  # small enough that clipping is active, so the norm must be right to match
 TOLERANCE = 1e-5  # fp32, relative (norm-relative for tensors)
@@ -43,19 +43,30 @@ def tp_args(tied: bool, n_layers: int = 8) -> ModelArgs:
     )
 
 
+def fewest_layers(pp: int, options: dict, blocks_per_stage: int = 1, layers: int = 8) -> int:
+    """The fewest layers (at most `layers`) that give `pp` ranks as many stages under `options`
+    (schedule, virtual_stages) as a model of `layers` gets, `blocks_per_stage` blocks in each: the
+    same schedule on fewer blocks, for tests whose point is the layout, not the depth."""
+    from mesh3d.pipeline.schedule.catalog import default_virtual_stages
+
+    schedule = options.get("schedule", "interleaved_1f1b")
+    virtual = options.get("virtual_stages") or default_virtual_stages(schedule, pp, layers)
+    return min(layers, pp * virtual * blocks_per_stage)
+
+
 def meta_model(tied: bool, n_layers: int = 8, args: ModelArgs | None = None) -> Transformer:
     with torch.device("meta"):
         return Transformer(args or tiny_args(tied, n_layers))
 
 
-def batches(batch_size: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(batch_size: int, seed: int = 0, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     return [
         (
             torch.randint(0, VOCAB, (batch_size, SEQ_LEN), generator=generator),
             torch.randint(0, VOCAB, (batch_size, SEQ_LEN), generator=generator),
         )
-        for _ in range(STEPS)
+        for _ in range(steps)
     ]
 
 

@@ -18,7 +18,7 @@ import mesh3d
 GLOBAL_BATCH = 8
 
 
-def _losses(layout, compile, steps=3, **options):
+def _losses(layout, compile, steps=2, **options):
     import torch
     from torch._dynamo.utils import counters
 

@@ -1,4 +1,4 @@
-"""pp x dp x tp training equals one process: losses, clipped grad norms and parameters after 3 AdamW steps.
+"""pp x dp x tp training equals one process: losses, clipped grad norms and parameters after 2 AdamW steps.
 
 Every (pp, dp, tp) whose product is 1, 2, 4 or 8, tied and untied, FSDP over dp, interleaved 1F1B
 (the default schedule); DDP on every layout with dp > 1; 1F1B, GPipe, the zero-bubble schedules,
@@ -9,12 +9,14 @@ One process-group launch per world size (two for 8) runs all its cases.
 
 76 cases; a vocabulary of 65 or 66 rows makes FSDP pad the tied weight. The model is a tiny LLaMA
 whose split sizes all divide 8 (pipeline_cases.tp_args: dim 64, 16 heads, 8 kv heads, FFN 176,
-vocabulary 64, sequence 8). docs/parallelize.md's table of supported layouts lists the cases.
+vocabulary 64, sequence 8), with one block per stage the case's schedule makes (two where
+activation checkpointing chooses among a stage's blocks; 8 stages at most). docs/parallelize.md's
+table of supported layouts lists the cases.
 """
 
 import pytest
 from multiprocess import run_on_ranks
-from pipeline_cases import TOLERANCE, VOCAB, batches, pipeline_run, reference_run, tp_args, worst_error
+from pipeline_cases import TOLERANCE, VOCAB, batches, fewest_layers, pipeline_run, reference_run, tp_args, worst_error
 
 import mesh3d
 from examples.llama.model import llama_tp_plan
@@ -98,18 +100,27 @@ def _run_cases(world, part, references):
         vocab = kwargs.pop("vocab", VOCAB)
         if kwargs.get("loss_parallel"):
             kwargs["tp_plan"] = llama_tp_plan(loss_parallel=True)
-        args = tp_args(tied).with_(vocab_size=vocab)
+        args = tp_args(tied, _layers(layout_sizes, options)).with_(vocab_size=vocab)
         result = pipeline_run(layouts[layout_sizes], tied, batches(GLOBAL_BATCH), args=args, **kwargs)
-        outcome[describe(layout_sizes, tied, options)] = worst_error(result, references[(tied, vocab)])
+        reference = references[_model(layout_sizes, tied, options)]
+        outcome[describe(layout_sizes, tied, options)] = worst_error(result, reference)
     return outcome
 
 
+def _layers(layout, options) -> int:
+    """One block per stage (two where activation checkpointing chooses among a stage's blocks)."""
+    per_stage = 2 if options.get("activation_checkpoint", "never") != "never" else 1
+    return fewest_layers(layout[0], options, per_stage)
+
+
+def _model(layout, tied, options) -> tuple[bool, int, int]:
+    return tied, options.get("vocab", VOCAB), _layers(layout, options)
+
+
 def _check(world, part):
-    vocabs = {VOCAB} | {options.get("vocab", VOCAB) for _, _, options in cases(world, part)}
     references = {
-        (tied, vocab): reference_run(tied, batches(GLOBAL_BATCH), tp_args(tied).with_(vocab_size=vocab))
-        for tied in (False, True)
-        for vocab in vocabs
+        (tied, vocab, layers): reference_run(tied, batches(GLOBAL_BATCH), tp_args(tied, layers).with_(vocab_size=vocab))
+        for tied, vocab, layers in {_model(layout, tied, options) for layout, tied, options in cases(world, part)}
     }
     per_rank = run_on_ranks(_run_cases, world, world, part, references, timeout=600)
     failures = []

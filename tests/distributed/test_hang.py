@@ -29,7 +29,7 @@ STOPPED_RANK = 1
 def _stopped_in_step_two() -> tuple[str, float] | str:
     layout = mesh3d.build_mesh(pp=2, dp=2, tp=1, timeout=TIMEOUT_S)
     pm = mesh3d.parallelize(meta_model(False, n_layers=4), layout, loss_fn=loss_fn, microbatches=2)
-    (first, second, _) = batches(8)
+    (first, second) = batches(8)
     pm.step(*first)
     if layout.rank == STOPPED_RANK:
 

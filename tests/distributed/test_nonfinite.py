@@ -46,7 +46,7 @@ def _step(pm, optimizer, guard, batch, step: int, poison: bool = False) -> tuple
 
 def _skip_and_stop() -> dict:
     layout = mesh3d.build_mesh(pp=2, dp=2, tp=2)
-    first, second, third = batches(8)
+    first, second, third = batches(8, steps=3)
     pm, optimizer = _build(layout)
     guard = BadStepGuard(max_bad_steps=3)
     _step(pm, optimizer, guard, first, 1)

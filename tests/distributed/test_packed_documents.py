@@ -1,6 +1,6 @@
 """Packed documents through the pipeline: per-sample inputs (`pm.step(inputs, targets,
 document_ids=...)`) handed to every stage, against one process running the same model on the same
-batch with the same document ids (fp32, 1e-5: losses, grad norms, every parameter after 3 AdamW
+batch with the same document ids (fp32, 1e-5: losses, grad norms, every parameter after 2 AdamW
 steps); and bad per-sample inputs refused on every rank before any message.
 
 Layouts: (pp, dp, tp) = (2, 1, 1) under ZBV (both ends on rank 0, a split backward) and (2, 2, 2)

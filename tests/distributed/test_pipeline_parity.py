@@ -1,4 +1,4 @@
-"""Pipelined training equals one process: losses, clipped grad norms and parameters after 3 AdamW steps.
+"""Pipelined training equals one process: losses, clipped grad norms and parameters after 2 AdamW steps.
 
 For pp in {2, 4}: every schedule (interleaved with 2 stages per rank), microbatches pp, 2*pp and
 pp+1, tied and untied, the activation-checkpoint modes never, always and except_last; the

@@ -3,7 +3,7 @@
 An nn.Sequential of 8 residual blocks (float vectors in, mean-squared error) and one with an
 embedding and a head around them (tied and untied, cross-entropy), no split points: the stage
 split is the balanced one. pp = 4, (2, 2, 1) with FSDP and (2, 1, 2) with a `tp_plan=`, schedules
-from every family. The losses of 3 AdamW steps and every parameter after them equal the same model
+from every family. The losses of 2 AdamW steps and every parameter after them equal the same model
 trained in one process (fp32, relative 1e-5); every step's `pm.comm_bytes()` equals the bytes the
 boundary shapes give (batch / dp / microbatches rows of DIM floats, or of SEQ x DIM), on the
 stages' ranks as the schedule lays them out. One 4-rank launch runs every case.

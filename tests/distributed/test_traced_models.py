@@ -5,7 +5,7 @@ comm_bytes() equals what its shapes say.
 At pp = 4 the skip goes from stage 0 straight to stage 3 (or 7): the stages between send nothing
 for it. At pp = 2 it travels with the boundary's own activation, two tensors in one message.
 Tied and untied heads, (2, 2, 1) with FSDP and (2, 1, 2) with a `tp_plan=`, schedules from every
-family. The losses of 3 AdamW steps and every parameter after them equal the same model trained in
+family. The losses of 2 AdamW steps and every parameter after them equal the same model trained in
 one process (fp32, relative 1e-5); under activation checkpointing with one backward, the blocks a
 traced stage calls are checkpointed one by one. One 4-rank launch runs every case.
 """

@@ -1,6 +1,6 @@
 """What one GPU shows: mesh3d at pp = dp = tp = 1 on NCCL trains like one plain process on CPU.
 
-One rank on cuda:0 (a world-size-1 NCCL group), the tiny LLaMA of pipeline_cases, 3 AdamW steps of
+One rank on cuda:0 (a world-size-1 NCCL group), the tiny LLaMA of pipeline_cases, 2 AdamW steps of
 8 samples; losses, clipped gradient norms and every parameter compared with the one-process CPU
 reference (pipeline_cases.reference_run):
 - fp32 with TF32 off, relative error <= 1e-5: one stage (GPipe); two stages on the one rank under
