@@ -19,6 +19,8 @@ from torch.func import functional_call
 import mesh3d
 from examples.llama.model import Transformer
 
+LAYERS = 4  # the update rules do not need depth: one block per stage at pp 4, two at pp 2
+
 CALLS = 6
 MICROBATCH_SIZE = 2
 OPTIMIZERS = {
@@ -60,7 +62,7 @@ def reference(
     the learning rate's factor for the updates of call t's batch (an LR scheduler stepped after
     each call)."""
     torch.manual_seed(0)
-    model = Transformer(tiny_args(tied))
+    model = Transformer(tiny_args(tied, LAYERS))
     model.init_weights()
     params = dict(model.named_parameters())  # a tied weight once, under its first name
     opt = OPTIMIZERS[optimizer](list(params.values()))
@@ -127,7 +129,7 @@ def mesh3d_run(
     name. `lr_factor`: a LambdaLR on pm.optimizer, stepped after each call; `flush_after`: a
     `pm.flush()` after that many calls, between the others."""
     pm = mesh3d.parallelize(
-        meta_model(tied), layout, schedule=schedule, microbatches=m, optimizer=OPTIMIZERS[optimizer], **kwargs
+        meta_model(tied, LAYERS), layout, schedule=schedule, microbatches=m, optimizer=OPTIMIZERS[optimizer], **kwargs
     )
     scheduler = None if lr_factor is None else torch.optim.lr_scheduler.LambdaLR(pm.optimizer, lr_factor)
     losses = []
@@ -146,7 +148,7 @@ def mesh3d_run(
 
 def reference_evaluation(tied: bool, state: dict[str, torch.Tensor], tokens, targets) -> float:
     """The token-mean loss of the model at `state` (the reference's final weights), one process."""
-    model = Transformer(tiny_args(tied))
+    model = Transformer(tiny_args(tied, LAYERS))
     model.load_state_dict({n: torch.as_tensor(v) for n, v in state.items()})
     with torch.no_grad():
         loss_sum, count = _loss_sum_count(model, dict(model.named_parameters()), tokens, targets)

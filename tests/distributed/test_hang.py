@@ -1,7 +1,7 @@
 """A rank that stops answering becomes an error on every other rank (issue 16).
 
 - In-process, 4 ranks at (pp, dp, tp) = (2, 2, 1), `build_mesh(timeout=10)`: rank 1 SIGSTOPs itself
-  inside its stage's forward in the second pipelined step (a helper process wakes it 25 s later,
+  inside its stage's forward in the second pipelined step (a helper process wakes it 16 s later,
   so the harness can collect it). Every other rank raises mesh3d.PeerTimeout within 30 s of the
   step's start, saying a peer did not answer within the 10 s timeout, what was waiting (a P2P
   message or a collective) and its own mesh coordinates.
@@ -34,7 +34,7 @@ def _stopped_in_step_two() -> tuple[str, float] | str:
     if layout.rank == STOPPED_RANK:
 
         def stop(module, args):
-            subprocess.Popen(["sh", "-c", f"sleep 25; kill -CONT {os.getpid()}"])
+            subprocess.Popen(["sh", "-c", f"sleep 16; kill -CONT {os.getpid()}"])
             os.kill(os.getpid(), signal.SIGSTOP)
 
         pm.stages[min(pm.stages)].register_forward_pre_hook(stop)

@@ -27,6 +27,7 @@ import pytest
 import torch
 from multiprocess import run_on_ranks
 from never_drain_cases import (
+    LAYERS,
     MICROBATCH_SIZE,
     OPTIMIZERS,
     call_batches,
@@ -167,11 +168,13 @@ def _across_calls(root):
         out.append((losses, state if layout.rank == 0 else None, owners))
     # PipeDream saved after call 3, resumed at its layout by another model (other initial weights)
     share = lambda batch: tuple(t.chunk(2)[layout.dp_rank] for t in batch)  # noqa: E731
-    pm = mesh3d.parallelize(meta_model(True), layout, schedule="pipedream", microbatches=3, optimizer=OPTIMIZERS["sgd"])
+    pm = mesh3d.parallelize(
+        meta_model(True, LAYERS), layout, schedule="pipedream", microbatches=3, optimizer=OPTIMIZERS["sgd"]
+    )
     losses = [pm.step(*share(batch)).item() for batch in data[:3]]
     mesh3d.checkpoint.save(f"{root}/step3", pm, pm.optimizer)
     resumed = mesh3d.parallelize(
-        meta_model(True), layout, schedule="pipedream", microbatches=3, optimizer=OPTIMIZERS["sgd"], seed=1
+        meta_model(True, LAYERS), layout, schedule="pipedream", microbatches=3, optimizer=OPTIMIZERS["sgd"], seed=1
     )
     mesh3d.checkpoint.load(f"{root}/step3", resumed, resumed.optimizer)
     losses += [resumed.step(*share(batch)).item() for batch in data[3:]]
@@ -208,7 +211,7 @@ def _save_then_resume(root):
     data = call_batches(MICROBATCH_SIZE * 2 * 2)
     losses = []
     pm = mesh3d.parallelize(
-        meta_model(True), saved_at, schedule="pipedream_2bw", microbatches=2, optimizer=OPTIMIZERS["adamw"]
+        meta_model(True, LAYERS), saved_at, schedule="pipedream_2bw", microbatches=2, optimizer=OPTIMIZERS["adamw"]
     )
     for inputs, targets in data[:3]:
         share = inputs.chunk(2)[saved_at.dp_rank], targets.chunk(2)[saved_at.dp_rank]
@@ -216,7 +219,12 @@ def _save_then_resume(root):
     mesh3d.checkpoint.save(f"{root}/step3", pm, pm.optimizer)
     kept_after_save = pm._runtime.never_drain.versions.kept_bytes()
     resumed = mesh3d.parallelize(
-        meta_model(True), resumed_at, schedule="pipedream_2bw", microbatches=4, optimizer=OPTIMIZERS["adamw"], seed=1
+        meta_model(True, LAYERS),
+        resumed_at,
+        schedule="pipedream_2bw",
+        microbatches=4,
+        optimizer=OPTIMIZERS["adamw"],
+        seed=1,
     )
     mesh3d.checkpoint.load(f"{root}/step3", resumed, resumed.optimizer)
     for inputs, targets in data[3:]:
@@ -243,7 +251,7 @@ def _fail_then_reload(root):
     layout = mesh3d.build_mesh(pp=1, dp=1, tp=1)
     data = call_batches(MICROBATCH_SIZE * 2)
     pm = mesh3d.parallelize(
-        meta_model(False), layout, schedule="pipedream_2bw", microbatches=2, optimizer=OPTIMIZERS["sgd"]
+        meta_model(False, LAYERS), layout, schedule="pipedream_2bw", microbatches=2, optimizer=OPTIMIZERS["sgd"]
     )
     pm.step(*data[0])
     mesh3d.checkpoint.save(f"{root}/step1", pm, pm.optimizer)
@@ -279,7 +287,7 @@ def test_a_failed_call_is_refused_until_a_checkpoint_is_loaded(tmp_path):
         False,
         call_batches(MICROBATCH_SIZE * 2)[:3],
         "sgd",
-        {n: 0 for n in meta_model(False).state_dict()},
+        {n: 0 for n in meta_model(False, LAYERS).state_dict()},
     )
     assert max(abs(a - b) / b for a, b in zip(losses, reference_losses[1:])) <= TOLERANCE
 
@@ -293,7 +301,7 @@ def _fail_mid_batch_then_refuse(root):
     data = call_batches(MICROBATCH_SIZE * 2 * 2)
     share = lambda batch: tuple(t.chunk(2)[layout.dp_rank] for t in batch)  # noqa: E731
     pm = mesh3d.parallelize(
-        meta_model(True), layout, schedule="pipedream_2bw", microbatches=2, optimizer=OPTIMIZERS["adamw"]
+        meta_model(True, LAYERS), layout, schedule="pipedream_2bw", microbatches=2, optimizer=OPTIMIZERS["adamw"]
     )
     pm.step(*share(data[0]))
     mesh3d.checkpoint.save(f"{root}/step1", pm, pm.optimizer)
