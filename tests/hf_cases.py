@@ -45,13 +45,13 @@ ARCHITECTURES = {
     "mistral": dict(tie_word_embeddings=False),
 }
 # Architectures mesh3d refuses, each for a reason it names: Granite multiplies the embeddings inside
-# its forward (every stage would multiply again); Qwen3-MoE's tp plan packs experts (no exact torch
-# style); GPT-2 declares no base_model_pp_plan.
+# its forward (every stage would multiply again); GPT-2 declares no base_model_pp_plan.
 REFUSED = {
     "granite": dict(embedding_multiplier=12.0, tie_word_embeddings=True),
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8),
     "gpt2": dict(tie_word_embeddings=True),
 }
+# Mixture of experts: 4 experts, 2 per token, packed gate/up experts split over tp (test_hf_experts.py).
+MIXTURE_OF_EXPERTS = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8)}
 
 
 # Multi-head latent attention, dense (every block's MLP plain, no experts): heads and kv heads equal,
@@ -72,7 +72,7 @@ REPLICATED_ON_SHARDS = {"apertus": dict(tie_word_embeddings=False)}
 def hf_config(arch: str, **overrides):
     import transformers
 
-    cases = {**ARCHITECTURES, **REFUSED, **LATENT_ATTENTION, **REPLICATED_ON_SHARDS}
+    cases = {**ARCHITECTURES, **REFUSED, **MIXTURE_OF_EXPERTS, **LATENT_ATTENTION, **REPLICATED_ON_SHARDS}
     return transformers.AutoConfig.for_model(arch, **{**COMMON, **cases[arch], **overrides})
 
 
@@ -170,7 +170,12 @@ def pipeline_run(arch: str, layout, data, model=None, **parallelize_kwargs):
 
 def train_steps(pm, layout, data):
     """SGD steps of `pm`, each dp rank on its share of every batch: losses and the full state after."""
-    optimizer = torch.optim.SGD(pm.parameters(), lr=LR)
+    losses = optimizer_steps(pm, layout, torch.optim.SGD(pm.parameters(), lr=LR), data)
+    return losses, pm.full_state_dict()
+
+
+def optimizer_steps(pm, layout, optimizer, data) -> list[float]:
+    """A step of `pm` and `optimizer` per batch, each dp rank on its share: the losses."""
     losses = []
     for inputs, targets, *extra in data:
         share = slice(layout.dp_rank * len(inputs) // layout.dp, (layout.dp_rank + 1) * len(inputs) // layout.dp)
@@ -178,7 +183,7 @@ def train_steps(pm, layout, data):
         losses.append(pm.step(inputs[share], targets[share], **per_sample).item())
         optimizer.step()
         optimizer.zero_grad()
-    return losses, pm.full_state_dict()
+    return losses
 
 
 def worst_error(result, reference) -> tuple[float, str]:

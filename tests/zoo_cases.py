@@ -85,6 +85,7 @@ SIZES = dict(
 OPTIONAL = {"q_lora_rank", "sliding_window", "sliding_window_size", "first_k_dense_replace"}
 # Configs that name a size their own way, or whose defaults transformers cannot build.
 SHRINK_OVERRIDES: dict[str, dict] = {
+    "longcat_flash": dict(num_layers=LAYERS, zero_expert_num=2),  # its depth and identity experts, named its way
     "ministral": dict(head_dim=HEAD_DIM),  # its default head_dim is None, which its attention cannot take
     "dots3_note_text": dict(head_dim=HEAD_DIM),  # its sliding layers' head_dim is qk_nope + qk_rope
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}),

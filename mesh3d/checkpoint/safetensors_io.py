@@ -39,6 +39,7 @@ from mesh3d.checkpoint.checksums import (
 from mesh3d.checkpoint.hf_adapter import HFAdapter, as_config_dict
 from mesh3d.checkpoint.safetensors_stream import StreamedSafetensors
 from mesh3d.checkpoint.train_state import write_json
+from mesh3d.checkpoint.transformers_sources import ExpertStack, checkpoint_source
 from mesh3d.distributed.agree import attempt, raise_if_any
 from mesh3d.parallel_model import ParallelModel
 
@@ -250,13 +251,17 @@ def import_safetensors(pm: ParallelModel, in_dir: str | os.PathLike) -> None:
             f"import_safetensors: {in_dir} holds a different model: {mismatch}; build the model from its config"
         )
     source, theirs_head = _source_names(pm, adapter, files, theirs, in_dir)
-    _refuse_unplaced(files, {*source.values(), *theirs_head}, adapter, in_dir)
-    shapes = _saved_shapes(files, set(source.values()))
+    read_names = {n for s in source.values() for n in (s.names() if isinstance(s, ExpertStack) else [s])}
+    _refuse_unplaced(files, {*read_names, *theirs_head}, adapter, in_dir)
+    shapes = _saved_shapes(files, read_names)
     for name, (shape, _) in pm.state_map.specs.items():
-        if shapes[source[name]] != tuple(shape):
+        hf, saved = source[name], shapes.get(source[name])
+        if isinstance(hf, ExpertStack):
+            hf, saved = f"{hf.parts[0][0]} with its {hf.count()} experts stored one by one", hf.fused_shape(shapes)
+        if saved != tuple(shape):
             raise ValueError(
-                f"import_safetensors: {source[name]} has shape {shapes[source[name]]} in {in_dir}, but this model's "
-                f"{name} is {tuple(shape)}; build the model from the checkpoint's config"
+                f"import_safetensors: {hf} has shape {saved or '(experts of differing shapes)'} in {in_dir}, but this "
+                f"model's {name} is {tuple(shape)}; build the model from the checkpoint's config"
             )
     pm.discard_in_flight()
     raise_if_any(attempt(lambda: _read_local_slices(pm, files, source)))
@@ -277,8 +282,9 @@ def _checksum_problem(in_dir: Path, rank: int, world_size: int) -> str | None:
 
 def _source_names(
     pm: ParallelModel, adapter: HFAdapter, files: dict[str, Path], config: dict | None, in_dir: Path
-) -> tuple[dict[str, str], set[str]]:
-    """Model name -> the Hugging Face tensor it is read from; and the checkpoint's own output head
+) -> tuple[dict[str, str | ExpertStack], set[str]]:
+    """Model name -> the Hugging Face tensor it is read from (or the experts it stacks, where the
+    checkpoint holds them one by one: transformers_sources.py); and the checkpoint's own output head
     when the checkpoint is tied (a copy of the embedding: read by nothing, yet no stray tensor).
 
     A checkpoint whose config ties the embeddings (or, without a config, that has no tensor for
@@ -296,9 +302,13 @@ def _source_names(
                 "model ties its output to the embedding; build the model with untied embeddings"
             )
     source = {}
-    for name in pm.state_map.specs:
+    model_type = getattr(getattr(adapter, "config", None), "model_type", None)
+    for name, (shape, _) in pm.state_map.specs.items():
         hf = embedding if theirs_tied and name == pair[1] else adapter.to_hf(kept[name])
-        if hf not in files:
+        if hf not in files and model_type is not None:  # renamed by transformers, or experts one by one?
+            rows = lambda n: _saved_shapes(files, {n})[n][0]  # noqa: E731 - read only for the names it finds
+            hf = checkpoint_source(hf, model_type, set(files), tuple(shape), rows) or hf
+        if not isinstance(hf, ExpertStack) and hf not in files:
             raise ValueError(f"import_safetensors: {in_dir} has no tensor {hf!r} (this model's {name})")
         source[name] = hf
     return source, {head} if theirs_tied else set()
@@ -329,15 +339,19 @@ def _saved_shapes(files: dict[str, Path], names: set[str]) -> dict[str, tuple[in
     return shapes
 
 
-def _read_local_slices(pm: ParallelModel, files: dict[str, Path], source: dict[str, str]) -> None:
+def _read_local_slices(pm: ParallelModel, files: dict[str, Path], source: dict[str, str | ExpertStack]) -> None:
     """Each rank reads only its own slices, opening each file it needs once."""
     with ExitStack() as stack:
         opened: dict[Path, Any] = {}
 
-        def read(name: str, window: tuple[slice, ...]) -> torch.Tensor:
-            file = files[source[name]]
+        def read_tensor(hf: str, window: tuple[slice, ...]) -> torch.Tensor:
+            file = files[hf]
             if file not in opened:
                 opened[file] = stack.enter_context(safe_open(str(file), framework="pt"))
-            return opened[file].get_slice(source[name])[window]
+            return opened[file].get_slice(hf)[window]
+
+        def read(name: str, window: tuple[slice, ...]) -> torch.Tensor:
+            hf = source[name]
+            return hf.read(read_tensor, window) if isinstance(hf, ExpertStack) else read_tensor(hf, window)
 
         pm.state_map.load_by_slice(read)

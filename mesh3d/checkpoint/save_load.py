@@ -36,6 +36,7 @@ from mesh3d.checkpoint.flat_state import (
 )
 from mesh3d.checkpoint.integrity import read_whole
 from mesh3d.checkpoint.kept_versions import kept_entries, kept_targets, restore_kept, resume_problem, rule_state
+from mesh3d.checkpoint.strided_entries import as_checkpointable, deliberate_sharded_tensors, take_replaced_values
 from mesh3d.checkpoint.train_state import (
     FORMAT,
     RNG_DIR,
@@ -134,11 +135,12 @@ def save(
     raise_if_any(attempt(lambda: directories.prepare(path)) if layout.rank == 0 else None)
     raise_if_any(attempt(lambda: _write_rng(partial, layout)))
     try:
-        dcp.save(
-            state.entries,
-            storage_writer=(writer := _RecordingWriter(partial, thread_count=writer_threads)),
-            planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-        )
+        with deliberate_sharded_tensors():
+            dcp.save(
+                as_checkpointable(state.entries),
+                storage_writer=(writer := _RecordingWriter(partial, thread_count=writer_threads)),
+                planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+            )
     except CheckpointException as failed:  # DCP raises it on every rank, whichever rank failed
         os_error = _os_error_of(failed, path)
         if os_error is None:
@@ -316,11 +318,14 @@ def load(
 
     to_load = targets(state, metadata)
     to_load.update(kept_targets(pm, train_state.get("never_drain")))
-    dcp.load(
-        to_load,
-        storage_reader=FileSystemReader(path),
-        planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-    )
+    checkpointable = as_checkpointable(to_load)  # strided shards as views: loaded in place
+    with deliberate_sharded_tensors():
+        dcp.load(
+            checkpointable,
+            storage_reader=FileSystemReader(path),
+            planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+        )
+    take_replaced_values(to_load, checkpointable)
     apply_loaded(state, to_load)
     pm.weights_replaced()
     restore_kept(pm, train_state.get("never_drain"), to_load)

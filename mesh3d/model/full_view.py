@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from mesh3d.distributed.shards import local_tensor, local_window
+from mesh3d.distributed.shards import local_blocks, local_tensor
 
 # Reading what a tensor is, not what it holds: answered by the sharded parameter itself (a DTensor
 # reports its global shape), so asking costs no stand-in.
@@ -128,7 +128,7 @@ class FullView(TorchFunctionMode):
 
     def _write_back(self, param_id: int) -> None:
         param, whole = self._params[param_id], self._stand_ins.pop(param_id)
-        window = local_window(param)
-        if window is not None:
-            local_tensor(param).copy_(whole[window])
+        local = local_tensor(param)
+        for global_window, local_window in local_blocks(param):  # one window, or a strided shard's several
+            local[local_window].copy_(whole[global_window])
         self._written.add(param_id)

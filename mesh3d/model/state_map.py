@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mesh3d.distributed.shards import local_tensor, local_window
+from mesh3d.distributed.shards import local_blocks, local_tensor
 from mesh3d.mesh import Layout
 
 Spec = tuple[torch.Size, torch.dtype]
@@ -141,11 +141,10 @@ class StateMap:
         caller's to make equal afterwards (they read the same values when read is deterministic).
         """
         for name, tensor in self.local().items():
-            window = local_window(tensor)
-            if window is None:
-                continue  # an empty shard
-            values = read(name, window)
-            local_tensor(tensor.detach()).copy_(values.to(device=tensor.device, dtype=tensor.dtype))
+            local = local_tensor(tensor.detach())
+            for window, local_window in local_blocks(tensor):  # none for an empty shard, several for a strided one
+                values = read(name, window)
+                local[local_window].copy_(values.to(device=tensor.device, dtype=tensor.dtype))
 
     def check_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Raise ValueError unless `state_dict` holds exactly the model's names, shapes, and equal tied values."""

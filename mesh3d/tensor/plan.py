@@ -12,6 +12,9 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from mesh3d.tensor.local_styles import LocalParameters
 
 
 @dataclass(frozen=True)
@@ -113,12 +116,10 @@ def check_plan(
                 f"{_common_divisors(declared.values())}"
             )
     for name, style in resolved.items():
-        sharded = _sharded_weight_dim(model.get_submodule(name), style)
-        if sharded is not None:
-            dim, size = sharded
+        for param_name, dim, size in _sharded_dims(model.get_submodule(name), style):
             if size % tp != 0:
                 raise ValueError(
-                    f"tp={tp} does not divide dim {dim} (size {size}) of '{name}.weight', which "
+                    f"tp={tp} does not divide dim {dim} (size {size}) of '{name}.{param_name}', which "
                     f"{type(style).__name__} shards; choose tp dividing {size}"
                 )
     return resolved
@@ -129,17 +130,28 @@ def uses_sequence_parallel(plan: dict[str, ParallelStyle]) -> bool:
     return any(isinstance(style, SequenceParallel) for style in plan.values())
 
 
-def _sharded_weight_dim(module: nn.Module, style: ParallelStyle) -> tuple[int, int] | None:
-    """Which weight dim the style splits over tp (torch's rules for Linear and Embedding)."""
+def _sharded_dims(module: nn.Module, style: ParallelStyle) -> list[tuple[str, int, int]]:
+    """(parameter, dim, size tp must divide) for each parameter the style splits over tp: torch's rules for
+    Linear and Embedding, the named placements of a style on local shards (a strided split divides each
+    of its parts)."""
+    if isinstance(style, LocalParameters):
+        out = []
+        for param_name, placement in style.placements.items():
+            param = module._parameters.get(param_name)
+            if param is not None and (placement.is_shard() or isinstance(placement, _StridedShard)):
+                parts = getattr(placement, "split_factor", 1)
+                dim = placement.dim % param.dim()
+                out.append((param_name, dim, int(param.shape[dim]) // parts))
+        return out
     weight = getattr(module, "weight", None)
     if weight is None or not isinstance(style, (ColwiseParallel, RowwiseParallel)):
-        return None
+        return []
     colwise = isinstance(style, ColwiseParallel)
     if isinstance(module, nn.Embedding):
         dim = 1 if colwise else 0
     else:
         dim = 0 if colwise else 1
-    return dim, int(weight.shape[dim])
+    return [("weight", dim, int(weight.shape[dim]))]
 
 
 def _common_divisors(sizes) -> list[int]:

@@ -17,6 +17,7 @@ and no MFU is reported rather than a made-up one.
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -68,6 +69,22 @@ def peak_flops_of(gpu_name: str) -> float | None:
     return next((peak for key, peak in PEAK_BF16_FLOPS if re.search(rf"\b{re.escape(key)}\b", gpu_name)), None)
 
 
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """aten._grouped_mm (transformers' grouped-mm experts and their backward): each row of the
+    stacked operand meets one group's matrix. 2-d x 3-d (tokens routed to experts) and 2-d x 2-d
+    (a weight's gradient, grouped along the contraction) both cost 2 x rows x cols of the 2-d left
+    operand x the right's columns; 3-d x 2-d (the groups along the right's columns) 2 x the
+    right's elements x the left's rows; 3-d x 3-d is a batched matmul."""
+    if len(a_shape) == 3 and len(b_shape) == 2:
+        return 2 * a_shape[-2] * b_shape[0] * b_shape[1]
+    return 2 * math.prod(a_shape) * b_shape[-1]
+
+
+# FlopCounterMode has no formula for grouped matmuls (torch 2.13): without this, an experts layer
+# would count nothing. The planner's probe takes the same mapping.
+GROUPED_MM_FLOPS = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+
+
 def flops_per_token(model: nn.Module, seq_len: int, batch: int = 1) -> float:
     """FLOPs of one forward and backward per token, counted on `model` with FlopCounterMode.
 
@@ -85,7 +102,7 @@ def flops_per_token(model: nn.Module, seq_len: int, batch: int = 1) -> float:
         )
     tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
     weights = [p for p in model.parameters() if p.requires_grad]
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=GROUPED_MM_FLOPS)
     with ShapeRunOps(), counter:  # the counter above: it sees grouped matmuls before their meta shapes
         output = model(tokens)
         output = getattr(output, "logits", output)  # a Hugging Face model returns a ModelOutput

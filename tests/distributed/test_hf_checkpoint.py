@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hf_cases import LR, TOLERANCE, hf_model, masked_batches, reference_run
+from hf_cases import LR, TOLERANCE, hf_model, masked_batches, optimizer_steps, reference_run
 from multiprocess import run_on_ranks
 
 import mesh3d
@@ -28,29 +28,19 @@ MOMENTUM = 0.9
 SAVED_AT, RESUMED_AT = (2, 2, 2), (4, 1, 2)
 
 
-def _train(pm, layout, optimizer, batches) -> list[float]:
-    losses = []
-    for inputs, targets in batches:
-        share = slice(layout.dp_rank * BATCH // layout.dp, (layout.dp_rank + 1) * BATCH // layout.dp)
-        losses.append(pm.step(inputs[share], targets[share]).item())
-        optimizer.step()
-        optimizer.zero_grad()
-    return losses
-
-
 def _save_resume_export(root: str) -> dict:
     batches = masked_batches(BATCH, steps=4)
     layout = mesh3d.build_mesh(*SAVED_AT)
     pm = mesh3d.parallelize(hf_model(ARCH), layout, schedule="interleaved_1f1b", microbatches=2)
     optimizer = torch.optim.SGD(pm.parameters(), lr=LR, momentum=MOMENTUM)
-    before = _train(pm, layout, optimizer, batches[:2])
+    before = optimizer_steps(pm, layout, optimizer, batches[:2])
     mesh3d.checkpoint.save(f"{root}/ckpt", pm, optimizer, step=2)
 
     layout = mesh3d.build_mesh(*RESUMED_AT)
     pm = mesh3d.parallelize(hf_model(ARCH, seed=1), layout, schedule="1f1b", microbatches=4)  # other weights
     optimizer = torch.optim.SGD(pm.parameters(), lr=LR, momentum=MOMENTUM)
     state = mesh3d.checkpoint.load(f"{root}/ckpt", pm, optimizer)
-    after = _train(pm, layout, optimizer, batches[2:])
+    after = optimizer_steps(pm, layout, optimizer, batches[2:])
     full = {name: tensor.numpy() for name, tensor in pm.full_state_dict().items()}
     mesh3d.checkpoint.export_safetensors(pm, f"{root}/export")
     return {"losses": before + after, "step": state["step"], "state": full if layout.rank == 0 else None}

@@ -18,6 +18,7 @@ import functools
 import hf_cases
 import pytest
 import torch
+import zoo_cases
 from multiprocess import run_on_ranks
 from rank_errors import assert_raised_on_every_rank, messages_of
 
@@ -69,8 +70,12 @@ def _on_rank(pp: int, dp: int, tp: int) -> dict:
     if tp > 1:
         out["refusals"] = messages_of(
             {
-                arch: functools.partial(mesh3d.parallelize, hf_cases.meta_hf_model(arch), layout)
-                for arch in ("granite", "qwen3_moe", "gpt2")
+                **{
+                    arch: functools.partial(mesh3d.parallelize, hf_cases.meta_hf_model(arch), layout)
+                    for arch in ("granite", "gpt2")
+                },
+                # a style with no exact translation: "all_reduce" over split parameters
+                "inkling_text": functools.partial(mesh3d.parallelize, zoo_cases.tiny_model("inkling_text"), layout),
             }
         )
     # Every rank's error messages; the results (the same on every rank) from rank 0 only.
@@ -158,7 +163,7 @@ def test_refused_on_every_rank(layout):
         [rank["refusals"] for rank in _launch(layout)],
         {
             "granite": "GraniteForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM (qwen3_moe): its tensor-parallel plan gives module pattern",
+            "inkling_text": "InklingForCausalLM (inkling_text): its tensor-parallel plan shards parameters of",
             "gpt2": "GPT2LMHeadModel",
         },
     )

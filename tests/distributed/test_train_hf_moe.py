@@ -10,9 +10,7 @@ under torchrun, from a directory holding only their config (mesh3d initializes t
   into stages, gathered and written again, `from_pretrained` of it gives the first export's
   logits (1e-5): fused gate/up, down, router and shared experts each land in place.
 
-(A directory transformers 5 itself saves holds the experts one by one, `experts.0.gate_proj`:
-transformers converts them on load and mesh3d's import does not yet, and says which tensor it
-lacks.)
+(A directory transformers 5 itself saves, experts one by one: test_hf_experts.py.)
 """
 
 from __future__ import annotations

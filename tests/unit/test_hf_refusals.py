@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import hf_cases
 import pytest
+import torch
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from mesh3d.model.hugging_face.tp_plan import declared_tp_plan
+from mesh3d.model.hugging_face.tp_plan import declared_tp_plan, translate_tp_plan
 from mesh3d.model.intake import anatomy_of
+from mesh3d.tensor.local_styles import ExpertsParallel, LatentKvProjection
 from mesh3d.tensor.plan import TensorParallelConfig
 
 pytest.importorskip("transformers")
@@ -30,7 +34,10 @@ def test_gpt2_without_a_pipeline_plan_is_refused_by_name():
 
 
 def test_an_untranslatable_tp_style_is_refused_only_under_tensor_parallelism():
-    model = hf_cases.meta_hf_model("qwen3_moe")
+    # Inkling's shared experts: an "all_reduce" module over split parameters, no exact translation.
+    import zoo_cases
+
+    model = zoo_cases.tiny_model("inkling_text")
     anatomy = anatomy_of(model)  # pipeline-only use is fine
     assert TensorParallelConfig.resolve(model, 1, anatomy.tp_plan, False, refusal=anatomy.tp_plan_refusal).plan == {}
     with pytest.raises(ValueError) as error:
@@ -38,9 +45,35 @@ def test_an_untranslatable_tp_style_is_refused_only_under_tensor_parallelism():
             model, 2, anatomy.tp_plan, False, anatomy.tensor_parallel_sizes, refusal=anatomy.tp_plan_refusal
         )
     message = str(error.value)
-    refused = {p: s for p, s in declared_tp_plan(model).items() if s in ("packed_colwise", "moe_tp_experts")}
-    assert "Qwen3MoeForCausalLM" in message
-    assert any(f"{p!r}" in message and f"{s!r}" in message for p, s in refused.items()), message
+    assert message.startswith("InklingForCausalLM (inkling_text): ")
+    assert "'model.layers.*.mlp.shared_experts'" in message and "'all_reduce'" in message, message
+
+
+def test_experts_split_as_transformers_plans_them():
+    plan = anatomy_of(hf_cases.meta_hf_model("qwen3_moe")).tp_plan
+    experts = plan["model.layers.*.mlp.experts"]
+    assert type(experts) is ExpertsParallel
+    assert experts.placements == {"gate_up_proj": _StridedShard(1, split_factor=2), "down_proj": Shard(2)}
+    assert not any(pattern.endswith(("gate_up_proj", "down_proj")) and "experts" in pattern for pattern in plan)
+    latent = anatomy_of(hf_cases.meta_hf_model("minicpm3")).tp_plan["model.layers.*.self_attn.kv_a_proj_with_mqa"]
+    assert type(latent) is LatentKvProjection and latent.rope_dim == hf_cases.hf_config("minicpm3").qk_rope_head_dim
+
+
+def test_an_experts_parameter_the_plan_leaves_whole_is_refused():
+    # Every tp rank would add all of it to its part of the output, and the parts are summed.
+    model = hf_cases.meta_hf_model("qwen3_moe")
+    experts = model.model.layers[1].mlp.experts
+    experts.register_parameter("down_bias", torch.nn.Parameter(torch.zeros(4, 32, device="meta")))
+    plan, refusal = translate_tp_plan(model)
+    assert plan is None and "'model.layers.1.mlp.experts.down_bias'" in refusal and "whole" in refusal, refusal
+
+
+def test_tp_must_divide_each_half_of_a_packed_expert_weight():
+    # moe_intermediate_size 3: gate_up holds 2 x 3 rows, and tp = 2 would split each half unevenly.
+    model = hf_cases.meta_hf_model("qwen3_moe", moe_intermediate_size=3)
+    anatomy = anatomy_of(model)
+    with pytest.raises(ValueError, match=r"tp=2 does not divide dim 1 \(size 3\) of 'model\.layers\.0\.mlp\.experts"):
+        TensorParallelConfig.resolve(model, 2, anatomy.tp_plan, False, anatomy.tensor_parallel_sizes)
 
 
 @pytest.mark.parametrize("arch", list(hf_cases.ARCHITECTURES))

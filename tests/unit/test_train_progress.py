@@ -72,6 +72,21 @@ def test_flops_are_counted_as_the_formula_says(seq_len, tied):
     assert all(p.grad is None for p in model.parameters())  # nothing left on the model
 
 
+def test_routed_experts_count_the_tokens_they_take():
+    # transformers' grouped-mm experts: each token meets top-k experts, each costing a gate_up and a
+    # down matmul (2 x hidden x 3 x intermediate forward, 3 times that with backward); doubling the
+    # experts' width adds exactly that much per token, whatever else the model counts.
+    pytest.importorskip("transformers")
+    import hf_cases
+
+    def count(width: int) -> float:
+        return flops_per_token(hf_cases.meta_hf_model("qwen3_moe", moe_intermediate_size=width), 8)
+
+    config = hf_cases.hf_config("qwen3_moe")
+    per_width = 3 * 2 * config.hidden_size * 3 * config.num_experts_per_tok * config.num_hidden_layers
+    assert count(64) - count(32) == per_width * 32
+
+
 def test_flops_need_the_meta_model():
     model = Transformer(get_config("debug", n_layers=1, max_seq_len=8))
     with pytest.raises(ValueError, match="meta device"):

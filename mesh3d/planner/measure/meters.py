@@ -15,6 +15,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mesh3d.train.flops import GROUPED_MM_FLOPS
+
 
 class CollectiveBytes(TorchDispatchMode):
     """Bytes each rank sends through the functional collectives DTensor issues, by ring algorithm:
@@ -157,4 +159,5 @@ def _cpu_attention_backward_flops(
 CPU_ATTENTION_FLOPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
+    **GROUPED_MM_FLOPS,  # experts' grouped matmuls
 }
