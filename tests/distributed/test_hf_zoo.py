@@ -5,12 +5,13 @@ parameter after the step, rel 1e-5) or refused with a ValueError naming its clas
 in parallelize (before any step message). Anything else fails the test unless KNOWN_FAILING lists
 it (a row of issue 38); a listed architecture that now passes fails it too, so the list shrinks.
 
-One launch per layout runs the whole population in a loop, each architecture on a fresh mesh (new
-groups: a failed step may leave messages pending on its own). A rank that crashes mid-step leaves
-its peers waiting: the mesh's group timeout (PEER_TIMEOUT_S) turns their wait into an error, and
-the ranks agree on the verdict over a group of their own with a longer timeout, then go on. A
-launch that dies (a rank killed, a segfault) costs the architecture in flight, recorded from the
-harness' failure, and the rest run in a fresh launch. Known failures run last.
+One launch per layout and part of the population (PARTS) runs its architectures in a loop on one
+mesh, a fresh one after a crash (new groups: a failed step may leave messages pending on its own).
+A rank that crashes mid-step leaves its peers waiting: the mesh's group timeout (PEER_TIMEOUT_S)
+turns their wait into an error, and the ranks agree on the verdict over a group of their own with a
+longer timeout, then go on. A launch that dies (a rank killed, a segfault) costs the architecture
+in flight, recorded from the harness' failure, and the rest run in a fresh launch. Known failures
+run last.
 
 The table in docs/model_protocol.md between the zoo markers is this run's: the test fails if it
 differs; MESH3D_UPDATE_ZOO_TABLE=1 rewrites it.
@@ -36,6 +37,7 @@ LAYOUTS = [(2, 1, 1), (2, 1, 2)]
 BATCH = 8
 MICROBATCHES = 4
 PEER_TIMEOUT_S = 30.0
+PARTS = 2  # the population in parts, a test (and a launch) each: each well within pytest's per-test timeout
 DOC = Path(__file__).resolve().parents[2] / "docs" / "model_protocol.md"
 BEGIN, END = "<!-- zoo:begin -->", "<!-- zoo:end -->"
 
@@ -49,16 +51,19 @@ def _on_rank(pp: int, dp: int, tp: int, model_types: list[str], out_dir: str) ->
 
     import mesh3d
 
-    verdict_group = None
+    verdict_group = layout = None
     batch = zoo_cases.masked_batch(BATCH)
     for model_type in model_types:
-        # Fresh groups per architecture: a step that failed may leave messages pending on its groups.
-        layout = mesh3d.build_mesh(pp=pp, dp=dp, tp=tp, timeout=PEER_TIMEOUT_S)
+        # Fresh groups after a crash (a step that failed may leave messages pending on its groups),
+        # the same mesh otherwise: a mesh per architecture, 92 of them, slows every later one.
+        layout = layout or mesh3d.build_mesh(pp=pp, dp=dp, tp=tp, timeout=PEER_TIMEOUT_S)
         verdict_group = verdict_group or dist.new_group(backend="gloo", timeout=timedelta(seconds=4 * PEER_TIMEOUT_S))
         mine, state = _one_architecture(model_type, layout, batch)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine, group=verdict_group)
         verdict = _agreed(everyone)
+        if verdict["kind"] == "crash":
+            layout = None
         if layout.rank == 0:
             if state is not None and verdict["kind"] == "ran":
                 torch.save(state, Path(out_dir) / f"{model_type}.pt")
@@ -115,10 +120,15 @@ def _references() -> dict[str, object]:
     return out
 
 
-@functools.cache
 def _verdicts(layout: tuple[int, int, int]) -> dict[str, tuple[str, str]]:
-    """{model type: (verdict, detail)}: exact, refused, unbuildable, or failing."""
-    references = _references()
+    """{model type: (verdict, detail)}: exact, refused, unbuildable, or failing, over the whole population."""
+    return {mt: verdict for part in range(PARTS) for mt, verdict in _part_verdicts(layout, part).items()}
+
+
+@functools.cache
+def _part_verdicts(layout: tuple[int, int, int], part: int) -> dict[str, tuple[str, str]]:
+    """The verdicts of every PARTS-th architecture of the population, from the part-th."""
+    references = {mt: ref for mt, ref in sorted(_references().items())[part::PARTS]}
     verdicts = {mt: ("unbuildable", ref) for mt, ref in references.items() if isinstance(ref, str)}
     known = KNOWN_FAILING[layout]
     remaining = sorted((mt for mt in references if mt not in verdicts), key=lambda mt: (mt in known, mt))
@@ -154,19 +164,20 @@ def _judge(model_type: str, verdict: dict, reference, out_dir: str) -> tuple[str
     return "failing", f"differs from transformers by {error:.3g} (relative) at {where}"
 
 
-def _failures(layout) -> tuple[dict[str, str], list[str]]:
-    """(unexpected failures, listed ones that now pass)."""
-    known = KNOWN_FAILING[layout]
-    verdicts = _verdicts(layout)
+def _failures(layout, part: int) -> tuple[dict[str, str], list[str]]:
+    """(unexpected failures, listed ones that now pass) in one part of the population."""
+    verdicts = _part_verdicts(layout, part)
+    known = {mt: why for mt, why in KNOWN_FAILING[layout].items() if mt in verdicts}
     unexpected = {mt: detail for mt, (kind, detail) in verdicts.items() if kind == "failing" and mt not in known}
     fixed = [mt for mt in known if verdicts.get(mt, ("exact",))[0] != "failing"]
     return unexpected, fixed
 
 
+@pytest.mark.parametrize("part", range(PARTS), ids=lambda part: f"part{part}")
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "pp{}dp{}tp{}".format(*layout))
-def test_every_architecture_is_exact_or_refused_by_name(layout):
-    unexpected, fixed = _failures(layout)
-    counts = _counts(_verdicts(layout))
+def test_every_architecture_is_exact_or_refused_by_name(layout, part):
+    unexpected, fixed = _failures(layout, part)
+    counts = _counts(_part_verdicts(layout, part))
     assert not unexpected, (counts, "\n".join(f"{mt}: {detail}" for mt, detail in unexpected.items()))
     assert not fixed, f"now exact or refused, remove from KNOWN_FAILING[{layout}]: {fixed}"
 
