@@ -34,7 +34,7 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def split_mesh_dims(tensor: DTensor) -> list[int]:
     """The mesh dims along which the tensor is split (plain or strided)."""
-    return [mesh_dim for mesh_dim, placement in enumerate(tensor.placements) if _splits(placement)]
+    return [mesh_dim for mesh_dim, placement in enumerate(tensor.placements) if splits_a_dim(placement)]
 
 
 def strided_dims(tensor: torch.Tensor) -> dict[int, tuple[int, int]]:
@@ -44,13 +44,13 @@ def strided_dims(tensor: torch.Tensor) -> dict[int, tuple[int, int]]:
     out: dict[int, tuple[int, int]] = {}
     for mesh_dim, placement in enumerate(tensor.placements):
         if isinstance(placement, _StridedShard):
-            others = [p for p in tensor.placements if _splits(p) and p is not placement and p.dim == placement.dim]
+            others = [p for p in tensor.placements if splits_a_dim(p) and p is not placement and p.dim == placement.dim]
             if not others:  # nested with another split of the same dim (FSDP over TP): one window, torch's rule
                 out[placement.dim] = (mesh_dim, placement.split_factor)
     return out
 
 
-def _splits(placement) -> bool:
+def splits_a_dim(placement) -> bool:
     """Whether the placement splits a tensor dim (a `_StridedShard` is not `is_shard()` in torch)."""
     return placement.is_shard() or isinstance(placement, _StridedShard)
 

@@ -12,8 +12,8 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from mesh3d.distributed.shards import splits_a_dim
 from mesh3d.tensor.local_styles import LocalParameters
 
 
@@ -138,7 +138,7 @@ def _sharded_dims(module: nn.Module, style: ParallelStyle) -> list[tuple[str, in
         out = []
         for param_name, placement in style.placements.items():
             param = module._parameters.get(param_name)
-            if param is not None and (placement.is_shard() or isinstance(placement, _StridedShard)):
+            if param is not None and splits_a_dim(placement):
                 parts = getattr(placement, "split_factor", 1)
                 dim = placement.dim % param.dim()
                 out.append((param_name, dim, int(param.shape[dim]) // parts))
