@@ -1,13 +1,14 @@
-"""The 3D device mesh: ("pp", "dp", "tp"), pp outermost and tp innermost.
+"""The device mesh: ("pp", "dp", "tp"), or ("pp", "dp", "cp", "tp") with context parallelism;
+pp outermost and tp innermost (the axes, their order and sizes: axes.py).
 
 Global rank r sits at coordinates (pp_rank, dp_rank, tp_rank) with
 r = (pp_rank * dp + dp_rank) * tp + tp_rank, so the ranks of one tensor-parallel group are
-consecutive (one node, fast links) and the pipeline axis is the one that crosses nodes.
+consecutive (one node, fast links) and the pipeline axis is the one that crosses nodes; a cp axis
+sits between dp and tp: r = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank.
 """
 
 from __future__ import annotations
 
-import operator
 import os
 from datetime import timedelta
 
@@ -16,24 +17,26 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_nccl_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from mesh3d.axes import AXES, DATA_DIM, data_dims, describe, mesh_dims
+from mesh3d.axes import resolve_sizes as resolve_axis_sizes
 from mesh3d.distributed.agree import check_same_everywhere
 from mesh3d.distributed.host_group import use_host_group
 from mesh3d.distributed.nccl_watchdog import set_watchdog_defaults
 from mesh3d.distributed.rendezvous import attempt_store, uses_agent_store
 
-MESH_DIM_NAMES = ("pp", "dp", "tp")
+MESH_DIM_NAMES = ("pp", "dp", "tp")  # the mesh's dims without context parallelism (axes.mesh_dims)
 # torch's own default for a process group that is given no timeout (gloo and NCCL alike).
 DEFAULT_TIMEOUT = dist.default_pg_timeout
 _BACKEND_FOR_DEVICE = {"cuda": "nccl", "cpu": "gloo"}
 
 
 class Layout:
-    """This rank's place in the (pp, dp, tp) mesh, and the mesh itself.
+    """This rank's place in the mesh, and the mesh itself.
 
     Attributes:
-        mesh: the DeviceMesh with dims ("pp", "dp", "tp").
-        pp, dp, tp: the size of each axis.
-        pp_rank, dp_rank, tp_rank: this rank's coordinate on each axis.
+        mesh: the DeviceMesh with dims ("pp", "dp", "tp"), or ("pp", "dp", "cp", "tp") when cp > 1.
+        pp, dp, cp, tp: the size of each axis (cp is 1 without context parallelism).
+        pp_rank, dp_rank, cp_rank, tp_rank: this rank's coordinate on each axis.
         rank, world_size: global rank and world size.
         device: the torch.device this rank computes on.
         backend: the process-group backend ("gloo" or "nccl").
@@ -41,50 +44,77 @@ class Layout:
     """
 
     def __init__(self, mesh: DeviceMesh, device: torch.device, backend: str, timeout: timedelta = DEFAULT_TIMEOUT):
-        if tuple(mesh.mesh_dim_names or ()) != MESH_DIM_NAMES:
-            raise ValueError(f"Layout needs a mesh with dims {MESH_DIM_NAMES}, got {mesh.mesh_dim_names}")
+        dims = tuple(mesh.mesh_dim_names or ())
+        shape = dict(zip(dims, (int(s) for s in mesh.shape)))
+        sizes = {axis: shape.get(axis, 1) for axis in AXES}
+        if dims != mesh_dims(sizes):
+            raise ValueError(f"Layout needs a mesh with dims {mesh_dims(sizes)}, got {mesh.mesh_dim_names}")
         self.mesh = mesh
         self.device = device
         self.backend = backend
         self.timeout = timeout
-        self.pp, self.dp, self.tp = (int(s) for s in mesh.shape)
-        self.pp_rank, self.dp_rank, self.tp_rank = (int(c) for c in mesh.get_coordinate())
+        self.dims = dims
+        self.sizes = sizes
+        self.pp, self.dp, self.cp, self.tp = (sizes[axis] for axis in AXES)
+        at = dict(zip(dims, (int(c) for c in mesh.get_coordinate())))
+        self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = (at.get(axis, 0) for axis in AXES)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         # The mesh's own groups serve any subgroup that spans an axis. Every rank records every
         # axis group (None where it is not a member), so all ranks agree on which are new.
         self._subgroups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-        for dim in MESH_DIM_NAMES:
+        for dim in dims:
             for ranks in self.axis_groups(dim):
                 mine = mesh.get_group(dim) if self.rank in ranks else None
                 self._subgroups.setdefault(tuple(sorted(ranks)), mine)
         self._own_groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup | None] = {}
+        # dp and cp flattened into one dim (a collective: made here, by every rank, in one order)
+        data = data_dims(sizes)
+        self._data_mesh = mesh[data[0]] if len(data) == 1 else mesh[data]._flatten(DATA_DIM, _options(device, timeout))
 
     @property
-    def coordinate(self) -> tuple[int, int, int]:
-        """(pp_rank, dp_rank, tp_rank)."""
-        return (self.pp_rank, self.dp_rank, self.tp_rank)
+    def coordinate(self) -> tuple[int, ...]:
+        """This rank's coordinate on each mesh dim: (pp_rank, dp_rank, tp_rank), or
+        (pp_rank, dp_rank, cp_rank, tp_rank) when cp > 1."""
+        return tuple(getattr(self, f"{dim}_rank") for dim in self.dims)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many ranks at one pipeline stage and tp rank hold the same parameters: dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def data_mesh(self) -> DeviceMesh:
+        """The 1-D mesh data parallelism runs on: the dp dim, or dp and cp flattened into one
+        ("dp_cp") when cp > 1 (context-parallel ranks hold the same parameters, so FSDP shards and
+        gradients are reduced over both)."""
+        return self._data_mesh
+
+    def data_group(self) -> dist.ProcessGroup:
+        """The process group of the data-parallel ranks (dp x cp) of this rank: see `data_mesh`."""
+        return self.data_mesh.get_group()
 
     def group(self, dim: str) -> dist.ProcessGroup:
-        """The process group of this rank along one mesh dim ("pp", "dp" or "tp")."""
+        """The process group of this rank along one mesh dim ("pp", "dp", "cp" when cp > 1, or "tp")."""
         return self.mesh.get_group(dim)
 
     def group_ranks(self, dim: str) -> list[int]:
         """Global ranks of this rank's group along one mesh dim, in mesh order."""
         return dist.get_process_group_ranks(self.group(dim))
 
-    def rank_at(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        """The global rank at mesh coordinates (pp_rank, dp_rank, tp_rank)."""
-        return int(self.mesh.mesh[pp_rank, dp_rank, tp_rank])
+    def rank_at(self, *coordinate: int) -> int:
+        """The global rank at mesh coordinates (one per mesh dim, as `coordinate` lists them)."""
+        if len(coordinate) != len(self.dims):
+            raise ValueError(f"rank_at takes one coordinate per mesh dim {self.dims}, got {coordinate}")
+        return int(self.mesh.mesh[tuple(coordinate)])
 
-    def coordinate_of(self, rank: int) -> tuple[int, int, int]:
-        """The mesh coordinates (pp_rank, dp_rank, tp_rank) of global rank `rank`."""
-        pp_rank, dp_rank, tp_rank = (int(i) for i in (self.mesh.mesh == rank).nonzero()[0])
-        return pp_rank, dp_rank, tp_rank
+    def coordinate_of(self, rank: int) -> tuple[int, ...]:
+        """The mesh coordinates of global rank `rank`, one per mesh dim (as `coordinate`)."""
+        return tuple(int(i) for i in (self.mesh.mesh == rank).nonzero()[0])
 
     def axis_groups(self, dim: str) -> list[list[int]]:
         """Every group of the mesh along `dim`, as lists of global ranks (one per other coordinate)."""
-        axis = MESH_DIM_NAMES.index(dim)
+        axis = self.dims.index(dim)
         ranks = self.mesh.mesh.movedim(axis, -1)
         return ranks.reshape(-1, ranks.shape[-1]).tolist()
 
@@ -114,45 +144,22 @@ class Layout:
         return self._own_groups[key] if self.rank in key[1] else None
 
     def __repr__(self) -> str:
+        where = ", ".join(f"{dim} {getattr(self, f'{dim}_rank')}" for dim in self.dims)
         return (
-            f"Layout(pp={self.pp}, dp={self.dp}, tp={self.tp}, rank={self.rank}/{self.world_size}, "
-            f"coordinate=(pp {self.pp_rank}, dp {self.dp_rank}, tp {self.tp_rank}), "
-            f"device={self.device}, backend={self.backend})"
+            f"Layout({describe(self.sizes)}, rank={self.rank}/{self.world_size}, "
+            f"coordinate=({where}), device={self.device}, backend={self.backend})"
         )
 
 
-def resolve_sizes(pp: int, dp: int, tp: int, world_size: int) -> tuple[int, int, int]:
-    """Check (pp, dp, tp) against the world size and resolve dp=-1 to "the rest of the world".
+def resolve_sizes(pp: int, dp: int, tp: int, world_size: int, cp: int = 1) -> tuple[int, ...]:
+    """Check the sizes against the world size and resolve dp=-1 to "the rest of the world":
+    (pp, dp, tp), or (pp, dp, cp, tp) when cp > 1 (axes.resolve_sizes, whose arithmetic it is).
 
     Pure arithmetic, no communication, so every rank raises the same error before any collective.
     """
-    where = f"pp={pp}, dp={dp}, tp={tp}, world size={world_size}"
-    sizes = []
-    for name, size in (("pp", pp), ("dp", dp), ("tp", tp)):
-        try:
-            if isinstance(size, bool):
-                raise TypeError
-            sizes.append(operator.index(size))
-        except TypeError:
-            raise ValueError(f"build_mesh: {name} must be an int, got {size!r} ({where})") from None
-    pp, dp, tp = sizes
-    if pp < 1 or tp < 1:
-        raise ValueError(f"build_mesh: pp and tp must be >= 1 ({where})")
-    if dp == -1:
-        if world_size % (pp * tp) != 0:
-            raise ValueError(
-                f"build_mesh: dp=-1 takes the rest of the world, but pp*tp={pp * tp} does not divide "
-                f"the world size ({where}); choose pp and tp whose product divides {world_size}"
-            )
-        dp = world_size // (pp * tp)
-    elif dp < 1:
-        raise ValueError(f"build_mesh: dp must be >= 1, or -1 for the rest of the world ({where})")
-    if pp * dp * tp != world_size:
-        raise ValueError(
-            f"build_mesh: pp*dp*tp={pp * dp * tp} does not equal the world size ({where}); "
-            f"choose sizes whose product is {world_size}, or pass dp=-1"
-        )
-    return pp, dp, tp
+    given = {"pp": pp, "dp": dp, "tp": tp} | ({} if cp == 1 else {"cp": cp})
+    sizes = resolve_axis_sizes(world_size, **given)
+    return tuple(sizes[dim] for dim in mesh_dims(sizes))
 
 
 def _launched_by_torchrun() -> bool:
@@ -238,8 +245,8 @@ def _init_default_group(backend: str, device: torch.device, timeout: timedelta |
         )
 
 
-def _describe_layouts(everyone: list[tuple[int, int, int]]) -> str:
-    listing = ", ".join(f"rank {r}: pp={p} dp={d} tp={t}" for r, (p, d, t) in enumerate(everyone))
+def _describe_layouts(everyone: list[tuple[int, ...]]) -> str:
+    listing = ", ".join(f"rank {r}: {describe(dict(zip(AXES, sizes)), ' ')}" for r, sizes in enumerate(everyone))
     return f"build_mesh: ranks asked for different layouts ({listing}); pass the same sizes on every rank"
 
 
@@ -247,12 +254,14 @@ def build_mesh(
     pp: int = 1,
     dp: int = -1,
     tp: int = 1,
+    cp: int = 1,
     *,
     device: str | torch.device | None = None,
     backend: str | None = None,
     timeout: float | timedelta | None = None,
 ) -> Layout:
-    """Build the ("pp", "dp", "tp") device mesh and return this rank's Layout.
+    """Build the ("pp", "dp", "tp") device mesh, ("pp", "dp", "cp", "tp") when cp > 1, and
+    return this rank's Layout.
 
     Starts the default process group from the torchrun environment when none exists, or as a
     private world of one when there is no torchrun environment. Picks CUDA+NCCL when GPUs are
@@ -265,6 +274,9 @@ def build_mesh(
         pp: pipeline-parallel degree (outermost dim).
         dp: data-parallel degree; -1 takes the rest of the world.
         tp: tensor-parallel degree (innermost dim: a tp group is consecutive global ranks).
+        cp: context-parallel degree: each sequence is cut over cp ranks (between dp and tp, so a
+            cp group sits in a node next to tp); its ranks hold the same parameters, so data
+            parallelism spans dp x cp. 1 (default) leaves the mesh as without it.
         device: "cpu", "cuda" (cuda:LOCAL_RANK, or cuda:0 when the process sees one GPU only) or
             "cuda:N"; default: CUDA when available, unless the process group is gloo.
         backend: process-group backend; default: "nccl" for CUDA, "gloo" for CPU.
@@ -281,7 +293,8 @@ def build_mesh(
     on to start the process group; under torchrun, the failed rank ends the job. Pass the same
     sizes on every rank.
     """
-    pp, dp, tp = resolve_sizes(pp, dp, tp, _world_size_before_init())
+    sizes = resolve_axis_sizes(_world_size_before_init(), pp=pp, dp=dp, tp=tp, cp=cp)
+    dims = mesh_dims(sizes)
     timeout = _as_timeout(timeout)
     device = _pick_device(device, backend)
     if backend is None:
@@ -298,9 +311,10 @@ def build_mesh(
         backend = existing
     _start_host_group(backend, _default_timeout(backend, timeout))
     # Ranks that asked for different layouts would build misaligned groups and hang later.
-    check_same_everywhere((pp, dp, tp), _describe_layouts)
+    check_same_everywhere(tuple(sizes[axis] for axis in AXES), _describe_layouts)
+    shape = tuple(sizes[dim] for dim in dims)
     mesh = init_device_mesh(
-        device.type, (pp, dp, tp), mesh_dim_names=MESH_DIM_NAMES, backend_override=_with_timeout(device, timeout)
+        device.type, shape, mesh_dim_names=dims, backend_override=_with_timeout(device, timeout, dims)
     )
     return Layout(mesh, device, backend, _default_timeout(backend, timeout))
 
@@ -317,13 +331,18 @@ def _default_timeout(backend: str, timeout: timedelta | None) -> timedelta:
     return (default_pg_nccl_timeout if backend == "nccl" else None) or DEFAULT_TIMEOUT
 
 
-def _with_timeout(device: torch.device, timeout: timedelta | None) -> dict | None:
+def _with_timeout(device: torch.device, timeout: timedelta | None, dims: tuple[str, ...]) -> dict | None:
     """init_device_mesh's per-dim group options carrying `timeout`: torch gives the groups it creates
     for a mesh its own default (30 minutes), not the default group's timeout, and the pipeline's P2P
     and data parallelism's collectives run on those groups."""
     if timeout is None:
         return None
+    return {dim: _options(device, timeout) for dim in dims}
+
+
+def _options(device: torch.device, timeout: timedelta) -> tuple[str, object]:
+    """A group's (backend, options) carrying `timeout`."""
     name = _BACKEND_FOR_DEVICE[device.type]
     options = dist.ProcessGroupNCCL.Options() if name == "nccl" else dist.ProcessGroupGloo._Options()
     options._timeout = timeout
-    return {dim: (name, options) for dim in MESH_DIM_NAMES}
+    return name, options

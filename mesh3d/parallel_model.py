@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 from mesh3d.data_parallel.gradient_sync import GradientSync
 from mesh3d.distributed.peer_timeout import located
 from mesh3d.mesh import Layout
+from mesh3d.model.loss import PAIR
 from mesh3d.model.state_map import StateMap
 from mesh3d.pipeline.boundary import Boundaries
 from mesh3d.pipeline.never_drain_calls import NeverDrainCalls
@@ -21,6 +22,7 @@ from mesh3d.pipeline.tied import TiedWeights
 from mesh3d.step.global_loss import GlobalLoss
 from mesh3d.step.grad_norm import clip_grad_norm_
 from mesh3d.step.per_sample_check import check_batch, check_split
+from mesh3d.step.sequence_shards import RankBatch, SequenceShards
 from mesh3d.tensor.apply import check_loss_parallel_output
 from mesh3d.tensor.gradients import settle_gradients
 from mesh3d.tensor.plan import TensorParallelConfig
@@ -52,6 +54,7 @@ class ParallelModel:
         vocab_size: the vocabulary the model declared; token ids and targets are checked against it.
         optimizer: the optimizer parallelize built from its `optimizer=` factory, or None.
         index_bounds: the per-sample inputs the model declares indices, {name: n}: each in [0, n).
+        sequence_shards: how each step's batch is cut over the cp ranks (None: cp = 1, as given).
 
     Its public names are listed in docs/parallelize.md (tests/unit/test_public_names.py holds them).
     """
@@ -69,8 +72,10 @@ class ParallelModel:
         vocab_size: int | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         index_bounds: dict[str, int] | None = None,
+        sequence_shards: SequenceShards | None = None,
     ):
         self._index_bounds = index_bounds or {}
+        self._shards = sequence_shards or SequenceShards(layout, runtime.schedule.microbatches, False)
         self._optimizer = optimizer
         self._layout = layout
         self._runtime = runtime
@@ -86,18 +91,27 @@ class ParallelModel:
 
     def _check(
         self, inputs: torch.Tensor, targets: torch.Tensor, per_sample: dict[str, torch.Tensor], during: str
-    ) -> tuple[Boundaries, str]:
-        """Every check of a step or evaluation, on every rank, before any message; the boundary
-        shapes and the loss's kind (MEAN or PAIR)."""
+    ) -> tuple[RankBatch, Boundaries, str]:
+        """Every check of a step or evaluation, on every rank, before any message; this rank's part
+        of the batch (its tokens of each sequence under cp), the boundary shapes and the loss's
+        kind (MEAN or PAIR)."""
         self._runtime.check_names(per_sample)  # the same on every rank: no message needed
         vocab, ignore = self._vocab_size, self._global_loss.ignore_index
         check_batch(inputs, targets, per_sample, vocab, ignore, self._index_bounds, self.layout.device, during)
-        check_split(inputs, self.schedule.microbatches, self.layout.tp, self._tensor_parallel.sequence_parallel)
-        boundaries = self._runtime.check(inputs, per_sample)
+        batch = self._shards.cut(inputs, targets, per_sample)
+        check_split(batch.inputs, self.schedule.microbatches, self.layout.tp, self._tensor_parallel.sequence_parallel)
+        boundaries = self._runtime.check(batch.inputs, batch.per_sample)
         if self._tensor_parallel.loss_parallel:
             output = boundaries.output  # the model's output on meta, as tensor parallelism leaves it
             check_loss_parallel_output(tuple(output.placements) if isinstance(output, DTensor) else None, output.ndim)
-        return boundaries, self._global_loss.kind(boundaries, inputs, targets)
+        kind = self._global_loss.kind(boundaries, batch.inputs, batch.targets)
+        if self._shards.active and kind != PAIR:
+            raise ValueError(
+                f"{during}: context parallelism (cp={self.layout.cp}) needs a loss_fn that returns (loss_sum, count): "
+                "each rank computes the loss of its tokens only, and only sums and counts add up to the whole "
+                "sequence's mean exactly; return the pair (the default cross-entropy does), or use cp=1"
+            )
+        return batch, boundaries, kind
 
     @property
     def layout(self) -> Layout:
@@ -165,14 +179,14 @@ class ParallelModel:
         """
         with self._peer_failures("pm.step"):
             # fail before tied gradients are set aside
-            boundaries, kind = self._check(inputs, targets, per_sample, "pm.step")
-            return self._step(inputs, targets, per_sample, boundaries, kind)
+            batch, boundaries, kind = self._check(inputs, targets, per_sample, "pm.step")
+            return self._step(batch, boundaries, kind)
 
-    def _step(
-        self, inputs: torch.Tensor, targets: torch.Tensor, per_sample: dict, boundaries: Boundaries, kind: str
-    ) -> torch.Tensor:
-        loss = self._global_loss.for_step(boundaries, kind, targets)
-        run = lambda: self._runtime.run(inputs, targets, boundaries, loss, train=True, per_sample=per_sample)  # noqa: E731
+    def _step(self, batch: RankBatch, boundaries: Boundaries, kind: str) -> torch.Tensor:
+        loss = self._global_loss.for_step(boundaries, kind, batch.targets)
+        run = lambda: self._runtime.run(  # noqa: E731
+            batch.inputs, batch.targets, boundaries, loss, train=True, per_sample=batch.per_sample, around=batch.around
+        )
         if self.never_drains:  # updates inside the pipeline; after a failure, refused until a checkpoint is loaded
             with self._runtime.never_drain.failure_marked(self._drop_partial_state):
                 return self._global_loss.total(run(), loss)
@@ -203,13 +217,21 @@ class ParallelModel:
         Under a never-drain schedule it flushes first (`flush`), so it sees every update in flight."""
         self.flush()
         with self._peer_failures("pm.evaluate"):
-            boundaries, kind = self._check(inputs, targets, per_sample, "pm.evaluate")
+            batch, boundaries, kind = self._check(inputs, targets, per_sample, "pm.evaluate")
         loss = self._global_loss.for_evaluation(kind)
         modes = {m: m.training for stage in self.stages.values() for m in stage.modules()}
         self.eval()
         try:
             with self._peer_failures("pm.evaluate"):
-                totals = self._runtime.run(inputs, targets, boundaries, loss, train=False, per_sample=per_sample)
+                totals = self._runtime.run(
+                    batch.inputs,
+                    batch.targets,
+                    boundaries,
+                    loss,
+                    train=False,
+                    per_sample=batch.per_sample,
+                    around=batch.around,
+                )
                 return self._global_loss.total(totals)
         finally:
             for module, training in modes.items():

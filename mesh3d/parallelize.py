@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from mesh3d.context_parallel.model_check import POSITIONS, check_blocks_attend, check_kind
 from mesh3d.data_parallel.mixed_precision import MixedPrecision
 from mesh3d.data_parallel.wrap import DataParallelConfig, apply_data_parallel
 from mesh3d.distributed.agree import check_same_everywhere
@@ -52,6 +53,7 @@ from mesh3d.pipeline.tied import TiedWeights, find_ties, tied_copies
 from mesh3d.pipeline.weight_versions import WeightVersions
 from mesh3d.step.batch_check import declared_vocab_size
 from mesh3d.step.global_loss import GlobalLoss
+from mesh3d.step.sequence_shards import SequenceShards
 from mesh3d.tensor.apply import apply_tensor_parallel, loss_context
 from mesh3d.tensor.partial_gradients import modules_seeing_shards, replicate_on_shards
 from mesh3d.tensor.plan import TensorParallelConfig
@@ -66,6 +68,7 @@ def parallelize(
     pp: int | None = None,
     dp: int | None = None,
     tp: int | None = None,
+    cp: int | None = None,
     schedule: str = "interleaved_1f1b",
     microbatches: int | None = None,
     virtual_stages: int | None = None,
@@ -98,7 +101,9 @@ def parallelize(
             nn.Sequential (its children are the blocks), or any other module torch.export
             captures, given `example_inputs` (traced: torch's pipeline frontend cuts it, stage
             boundaries may carry several tensors, skip connections go straight to their stage).
-        layout: from `build_mesh`; or give pp=/dp=/tp= and the mesh is built here.
+        layout: from `build_mesh`; or give pp=/dp=/tp=/cp= and the mesh is built here. With
+            cp > 1 each sequence is cut over the cp ranks (docs/parallelize.md#context-parallelism):
+            the model must take `position_ids` and attend through F.scaled_dot_product_attention.
         schedule: the pipeline schedule (docs/pipeline.md#schedules), with its default
             virtual_stages and the microbatch counts it runs:
             "gpipe": virtual_stages 1; microbatches any count.
@@ -170,9 +175,10 @@ def parallelize(
             model given with values.
     """
     anatomy = anatomy_of(model, example_inputs, split_points)  # which way the model came in, before any collective
-    layout = _resolve_layout(layout, pp, dp, tp)
+    layout = _resolve_layout(layout, pp, dp, tp, cp)
     precision = MixedPrecision.resolve(model, param_dtype, reduce_dtype)
-    data = DataParallelConfig.resolve(dp_mode, reshard_after_forward, layout.pp, layout.dp, precision)
+    replicas = layout.data_parallel_size  # dp x cp: context-parallel ranks hold the same parameters
+    data = DataParallelConfig.resolve(dp_mode, reshard_after_forward, layout.pp, replicas, precision)
     compile_backend = resolve_compile(compile)
     tensor = TensorParallelConfig.resolve(
         model,
@@ -199,6 +205,8 @@ def parallelize(
     _check_same_config_everywhere(f"{pipe} {data} {tensor} compile={compile_backend}")
 
     split = split_model(model, anatomy, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank), pipe.traced)
+    takes = [stage_input_names(stage) for stage in split.meta_stages]
+    _check_context_parallel(model, layout.cp, anatomy, pipe, split, takes)
     stages = split.stages if split.from_meta else to_device(split.stages, layout.device)
     ties = find_ties(model)
     tie_holders = pipe.tie_holders(ties, split.meta_stages)
@@ -213,16 +221,13 @@ def parallelize(
         ids = torch.zeros(1, layout.tp, dtype=torch.long) if anatomy.vocab_size is not None else None
         sample = example_inputs[0] if pipe.traced else ids
         named = anatomy.traced.per_sample if pipe.traced else {}  # a traced model's other inputs, by keyword
-        takes = [stage_input_names(stage) for stage in split.meta_stages]
         fresh = functools.partial(BoundaryShapes, split.meta_stages, anatomy.fake_shape_run, pipe.routes, takes)
         run = None if sample is None else lambda: fresh().of(sample, named)  # noqa: E731  (uncached)
         _apply_tensor_parallel(split, stages, tied, tensor, layout, run)
     if compile_backend is not None:
         compile_blocks(stages.values(), anatomy, compile_backend, split_backward=pipe.schedule.splits_backward)
     grad_sync = None
-    if (
-        data.wraps(layout.dp) or pipe.never_drains
-    ):  # never-drain: versions are swapped through FSDP (weight_versions.py)
+    if data.wraps(replicas) or pipe.never_drains:  # never-drain: versions are swapped through FSDP (weight_versions.py)
         tied.separate_stages()  # each stage is its own FSDP/DDP root: no Parameter shared by two
         grad_sync = apply_data_parallel(stages, layout, data, anatomy.blocks)
     if split.from_meta:
@@ -274,6 +279,7 @@ def parallelize(
         declared_vocab_size(anatomy.vocab_size),
         built_optimizer,
         anatomy.input_index_bounds,
+        SequenceShards(layout, pipe.schedule.microbatches, any(POSITIONS in names for names in takes)),
     )
 
 
@@ -307,10 +313,11 @@ def _build_optimizer(factory, stages: dict[int, nn.Module]) -> torch.optim.Optim
     return built
 
 
-def _resolve_layout(layout: Layout | None, pp: int | None, dp: int | None, tp: int | None) -> Layout:
+def _resolve_layout(layout: Layout | None, pp: int | None, dp: int | None, tp: int | None, cp: int | None) -> Layout:
     if layout is None:
-        return build_mesh(pp=1 if pp is None else pp, dp=-1 if dp is None else dp, tp=1 if tp is None else tp)
-    given = {"pp": pp, "dp": dp, "tp": tp}
+        sizes = {"pp": pp, "dp": dp, "tp": tp, "cp": cp}
+        return build_mesh(**{axis: size for axis, size in sizes.items() if size is not None})
+    given = {"pp": pp, "dp": dp, "tp": tp, "cp": cp}
     clash = {k: v for k, v in given.items() if v is not None and v != getattr(layout, k)}
     if clash:
         raise ValueError(f"parallelize: got a layout {layout!r} and different sizes {clash}; pass one or the other")
@@ -326,6 +333,23 @@ def _check_same_config_everywhere(config: str) -> None:
             "pass the same schedule, microbatches, virtual_stages, activation_checkpoint and split on every rank"
         ),
     )
+
+
+def _check_context_parallel(
+    model: nn.Module, cp: int, anatomy: Anatomy, pipe: PipelineConfig, split: Split, takes: list[frozenset[str]]
+) -> None:
+    """At cp > 1, a model that cannot be cut along the sequence is refused by name, on every rank
+    alike (the meta stages run here, counting each block's attention calls; no message)."""
+    check_kind(cp, pipe.traced, takes, model)
+    if cp == 1:
+        return
+    names = {id(module): name for stage in split.meta_stages for name, module in stage.named_modules()}
+    blocks = [(names[id(block)], block) for stage in split.meta_stages for block in anatomy.blocks(stage)]
+    length = 2 * cp
+    sample = torch.zeros(1, length, dtype=torch.long)
+    positions = {POSITIONS: torch.arange(length).unsqueeze(0)}
+    shapes = BoundaryShapes(split.meta_stages, anatomy.fake_shape_run, pipe.routes, takes)
+    check_blocks_attend(blocks, lambda: shapes.of(sample, positions), model, cp)
 
 
 def _initialize_shards(stages: dict[int, nn.Module], layout: Layout, seed: int | None, anatomy: Anatomy) -> None:

@@ -166,7 +166,7 @@ def save(
             "extra": extra,
             "has_optimizer": optimizer is not None,
             "optimizer": type(optimizer).__name__ if optimizer is not None else None,
-            "layout": {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp, "world_size": layout.world_size},
+            "layout": dict(layout.sizes, world_size=layout.world_size),
             "schedule": pm.schedule.name,
             "virtual_stages": pm.schedule.virtual_stages,
             "tied": pm.state_map.ties,
@@ -331,7 +331,7 @@ def load(
     restore_kept(pm, train_state.get("never_drain"), to_load)
 
     saved = train_state.get("layout", {})
-    same_layout = (saved.get("pp"), saved.get("dp"), saved.get("tp")) == (layout.pp, layout.dp, layout.tp)
+    same_layout = all(saved.get(axis, 1) == size for axis, size in layout.sizes.items())  # cp: 1 where not saved
     rng = read_rng_state(path, layout.rank if same_layout else 0)
     if rng is not None:
         set_rng_state(rng, layout.device)

@@ -74,7 +74,7 @@ def apply_data_parallel(
     (tied copies must be separated first).
     """
     _ignore_view_warning()
-    mesh = layout.mesh["dp"]
+    mesh = layout.data_mesh  # dp, or dp x cp flattened: context-parallel ranks hold the same parameters
     if config.mode == "fsdp":
         wrap = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=config.reshard_after_forward)
     else:

@@ -110,13 +110,13 @@ def agree_on_seed(seed: int | None, device: torch.device) -> int:
 
 @torch.no_grad()
 def make_replicas_identical(stages: dict[int, nn.Module], layout: Layout) -> None:
-    """Every rank of a (dp, tp) replica group takes the values of the group's first rank.
+    """Every rank of a (dp, cp, tp) replica group takes the values of the group's first rank.
 
     For a model given with values, before sharding: FSDP keeps each rank's own slice and TP takes
     values as they are, so ranks that built the model differently would otherwise train different
-    models. One broadcast per tensor (never a flat copy of the stage), along tp, then along dp.
+    models. One broadcast per tensor (never a flat copy of the stage), along tp, then cp, then dp.
     """
-    for dim in ("tp", "dp"):
+    for dim in ("tp", "cp", "dp"):
         if getattr(layout, dim) == 1:
             continue
         group, source = layout.group(dim), layout.group_ranks(dim)[0]

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     SelectiveCheckpointContext,
@@ -125,9 +126,36 @@ def _checkpointed_call(switch: BlockCheckpointSwitch, forward: Callable, *args, 
     if switch.mode is OFF:
         return forward(*args, **kwargs)
     switch.checkpointed += 1
-    if switch.mode == SELECTIVE:
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=selective_contexts, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    contexts = selective_contexts if switch.mode == SELECTIVE else _plain_contexts
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=_with_forward_modes(contexts), **kwargs)
+
+
+def _plain_contexts() -> tuple:
+    return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+def _with_forward_modes(contexts: Callable[[], tuple]) -> Callable[[], tuple]:
+    """`contexts` with the torch-function modes active at the forward active again at the recompute.
+
+    A block checkpointed on its own recomputes inside the backward, where the modes its stage call
+    ran under are no longer entered: context parallelism's attention is one (its SDPA calls must
+    attend over the whole sequence in the recompute as in the forward)."""
+
+    def both() -> tuple:
+        forward, recompute = contexts()
+        modes = list(_get_current_function_mode_stack())
+        return forward, _entered(recompute, modes)
+
+    return both
+
+
+@contextlib.contextmanager
+def _entered(first: AbstractContextManager, modes: list) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(first)
+        for mode in modes:
+            stack.enter_context(mode)
+        yield
 
 
 @dataclass(frozen=True)

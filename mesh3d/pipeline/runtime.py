@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ from mesh3d.pipeline.routes import MessageSpec, StageRoutes
 from mesh3d.pipeline.schedule.ir import RELEASES
 from mesh3d.pipeline.schedule.lower import LoweredSchedule
 from mesh3d.pipeline.schedule.never_drain import NeverDrainStream
-from mesh3d.pipeline.stage_compute import LocalStages, MicrobatchLoss, RuntimeCounters, StageCompute
+from mesh3d.pipeline.stage_compute import CALL_CONTEXT, LocalStages, MicrobatchLoss, RuntimeCounters, StageCompute
 from mesh3d.pipeline.weight_versions import WeightVersions
 
 
@@ -157,9 +158,12 @@ class PipelineRuntime:
         *,
         train: bool,
         per_sample: dict[str, torch.Tensor] | None = None,
+        around: Callable[[int], AbstractContextManager] | None = None,
     ) -> torch.Tensor:
         """Run every microbatch through this rank's actions (after `check`, which gave `boundaries`);
-        each stage is handed the microbatch's slice of the `per_sample` inputs it takes.
+        each stage is handed the microbatch's slice of the `per_sample` inputs it takes, and runs
+        microbatch mb (forward and recompute) inside `around(mb)` when given (context parallelism's
+        attention).
 
         Returns [sum of the loss values, sum of their counts] computed here (a mean loss counts 1
         per microbatch; zeros on ranks without the last stage)."""
@@ -167,6 +171,9 @@ class PipelineRuntime:
         input_chunks = to_device(inputs, self.device).chunk(m)
         target_chunks = to_device(targets, self.device).chunk(m) if targets is not None else None
         extra_chunks = _per_microbatch(per_sample or {}, m, self.device)
+        if around is not None:
+            for mb, extra in enumerate(extra_chunks):
+                extra[CALL_CONTEXT] = around(mb)
         never_drain = self.never_drain
         if never_drain is not None and train:
             counters = self.counters = RuntimeCounters()

@@ -33,6 +33,10 @@ from mesh3d.pipeline.routes import MessageSpec, StageRoutes, divide, join, pack,
 from mesh3d.pipeline.schedule.ir import Action, Kind
 from mesh3d.pipeline.weight_versions import WeightVersions
 
+# The key of a microbatch's per-sample dict that holds the context its stage calls run in (context
+# parallelism's attention, bound to the microbatch); not an identifier, so never a keyword's name.
+CALL_CONTEXT = "<call context>"
+
 
 class MicrobatchLoss(Protocol):
     """The last stage's loss for one step or evaluation, handed to `run` by the step
@@ -150,13 +154,17 @@ class StageCompute:
         """The stage on its inputs: the components of the joined messages, in the routes' order, and
         by keyword the microbatch's per-sample inputs it takes."""
         takes = self.stages.takes[stage]
-        extra = {name: t for name, t in self.per_sample[mb].items() if name in takes} if self.per_sample else {}
+        given = self.per_sample[mb] if self.per_sample else {}
+        extra = {name: t for name, t in given.items() if name in takes}
+        around = given.get(CALL_CONTEXT, contextlib.nullcontext())
         if stage == 0:
-            return self.stages.modules[0](x, **extra)
-        producers = self.routes.producers(stage)
-        messages = divide(x, [self.specs[(p, stage)] for p in producers])
-        inputs = [t for p, message in zip(producers, messages) for t in unpack(message, self.specs[(p, stage)])]
-        return self.stages.modules[stage](*inputs, **extra)
+            inputs = [x]
+        else:
+            producers = self.routes.producers(stage)
+            messages = divide(x, [self.specs[(p, stage)] for p in producers])
+            inputs = [t for p, message in zip(producers, messages) for t in unpack(message, self.specs[(p, stage)])]
+        with around:
+            return self.stages.modules[stage](*inputs, **extra)
 
     def _messages(self, stage: int, out) -> list[torch.Tensor]:
         """A stage's outputs packed into one message per consumer, in the routes' order."""

@@ -11,7 +11,8 @@ one step at a time, wrapped with that step's scale (`ScaledLoss`). Per step:
    once per input shape and remembered;
 2. for a pair loss, the global count, before the first backward: the last stage's ranks count
    their targets (the loss's `count(target)`, or the loss called on a zero output) and add the
-   counts over dp with one small all-reduce among themselves;
+   counts over dp (and cp: each cp rank counts its tokens' targets) with one small all-reduce
+   among themselves;
 3. after the schedule, one world all-reduce of (sum of loss values, sum of counts) gives every
    rank the global loss, read once: with the batch check's flag, the step's only device-to-host
    synchronizations (the count of step 2 stays on the device, and so do the divisors made of it).
@@ -135,10 +136,10 @@ class GlobalLoss:
         chunks = to_device(targets, self.layout.device).chunk(m)
         local = torch.stack(probe_counts(self.loss_fn, boundaries.output, chunks, self.loss_context)).long()
         # The counts stay on the device: the divisors are tensors there, so no host read waits for them.
-        each = local.clone()  # the global count of each microbatch index, once reduced over dp
-        if self.layout.dp > 1:
-            dist.all_reduce(each, group=self.layout.group("dp"))
-        dp = self.layout.dp
+        each = local.clone()  # the global count of each microbatch index, once reduced over dp (x cp)
+        dp = self.layout.data_parallel_size  # FSDP/DDP average over dp x cp: each rank's part counts 1/dp
+        if dp > 1:
+            dist.all_reduce(each, group=self.layout.data_group())
         divisor = (each.sum().double() / dp).float()
         if self.per_microbatch:
             return LossScale(PAIR, divisor, local.sum(), (each.double() / dp).float())

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from mesh3d.axes import AXES, DATA_AXES, DATA_DIM
 from mesh3d.distributed.shards import local_tensor
 from mesh3d.mesh import Layout
 
@@ -74,4 +75,5 @@ def _replicas(tensor: torch.Tensor, layout: Layout) -> int:
     if isinstance(tensor, DTensor):
         names = tensor.device_mesh.mesh_dim_names or ()
         sharded = {name for name, placement in zip(names, tensor.placements) if not placement.is_replicate()}
-    return math.prod(getattr(layout, dim) for dim in ("dp", "tp") if dim not in sharded)
+    sharded |= set(DATA_AXES) if DATA_DIM in sharded else set()  # dp and cp flattened into one dim
+    return math.prod(layout.sizes[axis] for axis in AXES if axis != "pp" and axis not in sharded)

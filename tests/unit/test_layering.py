@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "mesh3d"
 
 # Lowest first: mesh -> split -> tensor -> data parallel -> pipeline runtime -> step -> the face -> checkpoint -> train.
 FLOORS = [
-    ("distributed", "data", "tensor"),
+    ("distributed", "data", "tensor", "axes", "context_parallel"),
     ("mesh",),
     ("model", "data_parallel"),
     ("pipeline",),

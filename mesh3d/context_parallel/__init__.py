@@ -1,0 +1,1 @@
+"""Context parallelism: each sequence cut over the cp ranks, attention made whole again (mesh3d-internal)."""

@@ -1,0 +1,138 @@
+"""The model's own attention calls made context-parallel: `F.scaled_dot_product_attention`
+intercepted while a stage runs a microbatch (a TorchFunctionMode), and answered over the whole
+sequence (attention.py).
+
+A model written for one process calls SDPA on its chunk's queries, keys and values with
+`is_causal=True`, or with a boolean mask it built from its (chunk of the) per-sample inputs. The
+first becomes causal attention over every gathered key by global position. A mask is taken only
+where it is one mesh3d can extend to the whole sequence: the call's mask must equal, on this
+rank's own tokens, one of the masks the whole rows define -- block-causal over the step's
+`document_ids`, causal, or none -- and that mask's rows over every key are used. Anything else is
+refused by name on every rank of the cp group together (the verdicts travel in the K/V gather),
+never computed as a silently different model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from mesh3d.context_parallel.attention import GatheredAttention, attend
+from mesh3d.context_parallel.sequence_cut import SequenceCut
+
+# A mask's verdict, shared by the ranks of a cp group: which whole-sequence mask it is on this
+# rank's tokens, or none of them.
+DOCUMENTS, CAUSAL, NO_MASK, NOT_EXTENSIBLE, NOT_BOOLEAN = 1, 2, 3, 8, 9
+_NAMES = {DOCUMENTS: "block-causal over document_ids", CAUSAL: "causal", NO_MASK: "no mask"}
+
+
+class ContextParallelAttention(TorchFunctionMode):
+    """While active, every `F.scaled_dot_product_attention` call attends over the whole sequence.
+
+    Args:
+        cut: this rank's tokens of each sequence (sequence_cut.py).
+        group: the cp process group.
+        document_ids: the microbatch's whole-row document ids (batch, seq), or None.
+    """
+
+    def __init__(self, cut: SequenceCut, group: dist.ProcessGroup, document_ids: torch.Tensor | None = None):
+        super().__init__()
+        self.cut, self.group, self.document_ids = cut, group, document_ids
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self.calls += 1
+            return self._attend(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _attend(
+        self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+    ) -> torch.Tensor:
+        cut = self.cut
+        local = 2 * cut.chunk
+        if query.shape[-2] != local or key.shape[-2] != local or value.shape[-2] != local:
+            raise ValueError(
+                f"context parallelism: an attention call over {query.shape[-2]} queries and {key.shape[-2]} keys, "
+                f"but this rank holds {local} tokens of each sequence (cp={cut.cp}, sequence length {cut.seq_len}); "
+                "under cp a model's attention must run on its own tokens' queries, keys and values "
+                "(docs/model_protocol.md#context-parallelism)"
+            )
+        if dropout_p:
+            raise ValueError(
+                f"context parallelism: an attention call with dropout_p={dropout_p}; attention dropout cannot "
+                "be drawn as one process draws it when the sequence is cut: set the model's attention "
+                "dropout to 0, or use cp=1"
+            )
+        q_pos = cut.positions.to(query.device)
+        k_pos = cut.gathered_positions.to(query.device)
+        verdict, kind = None, CAUSAL if is_causal else NO_MASK
+        if attn_mask is not None:
+            verdict = kind = self._match(attn_mask, q_pos, k_pos, is_causal)
+        call = GatheredAttention(
+            group=self.group,
+            cp=cut.cp,
+            mask=lambda device: self._rows(kind, q_pos.to(device), k_pos.to(device)),
+            scale=scale,
+            enable_gqa=enable_gqa,
+            verdict=verdict,
+            refuse=self._refuse,
+        )
+        return attend(query, key, value, call)
+
+    def _rows(self, kind: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        """This rank's queries' mask over every gathered key: (1 or batch, 1, queries, keys) bool, or None."""
+        if kind in (NO_MASK, NOT_EXTENSIBLE, NOT_BOOLEAN):
+            return None
+        causal = (q_pos[:, None] >= k_pos[None, :])[None, None]
+        if kind == CAUSAL:
+            return causal
+        docs = self.document_ids.to(q_pos.device)
+        same = docs[:, q_pos, None] == docs[:, None, k_pos]
+        return same[:, None] & causal
+
+    def _match(self, attn_mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, is_causal: bool) -> int:
+        """Which whole-sequence mask `attn_mask` (over this rank's own tokens) is."""
+        if attn_mask.dtype != torch.bool or is_causal:
+            return NOT_BOOLEAN
+        local = slice(self.cut.cp_rank * len(q_pos), (self.cut.cp_rank + 1) * len(q_pos))
+        kinds = ([DOCUMENTS] if self.document_ids is not None else []) + [CAUSAL, NO_MASK]
+        for kind in kinds:
+            rows = self._rows(kind, q_pos, k_pos)
+            own = torch.ones_like(attn_mask) if rows is None else rows[..., local]
+            try:
+                shape = torch.broadcast_shapes(attn_mask.shape, own.shape)
+            except RuntimeError:
+                continue
+            if torch.equal(attn_mask.expand(shape), own.expand(shape)):
+                return kind
+        return NOT_EXTENSIBLE
+
+    def _refuse(self, verdicts: list[int]) -> None:
+        """Raise on every rank of the group when any rank's mask could not be extended, or when the
+        ranks' masks are of different kinds."""
+        if any(v in (NOT_EXTENSIBLE, NOT_BOOLEAN) for v in verdicts) or len(set(verdicts)) > 1:
+            seen = ", ".join(f"cp rank {r}: {_NAMES.get(v, 'none of them')}" for r, v in enumerate(verdicts))
+            raise ValueError(
+                "context parallelism: the model called scaled_dot_product_attention with an attn_mask mesh3d cannot "
+                f"extend to the whole sequence ({seen}). Under cp a mask must be boolean and, on a rank's own "
+                f"tokens, one of: {', '.join(_NAMES.values())} (built from the per-sample inputs mesh3d hands the "
+                "stage); call SDPA with is_causal=True, or build the mask from document_ids, or use cp=1 "
+                "(docs/model_protocol.md#context-parallelism)"
+            )
+
+
+class AttentionCallCounter(TorchFunctionMode):
+    """Counts `F.scaled_dot_product_attention` calls and lets them through (a meta run's probe)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))

@@ -1,0 +1,84 @@
+"""The step's batch as this rank computes it: under context parallelism, each sequence cut to the
+rank's tokens, with its targets, positions and every per-token input, and the attention context
+of each microbatch; at cp = 1, the batch as given.
+
+Every rank of a cp group is handed the same whole rows (as every tp rank is). Positions and
+document ids are read from the whole rows before the cut (sequence_cut.py), so a chunk's tokens
+keep their place in the sequence and in their document.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+
+from mesh3d.context_parallel.sdpa_calls import ContextParallelAttention
+from mesh3d.context_parallel.sequence_cut import SequenceCut, whole_positions
+from mesh3d.mesh import Layout
+
+POSITIONS = "position_ids"
+DOCUMENTS = "document_ids"
+
+
+@dataclass(frozen=True)
+class RankBatch:
+    """What this rank's stages run on: its tokens, targets and per-sample inputs, and the context
+    a stage's call on microbatch `mb` runs in (`around(mb)`; None: no context)."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    per_sample: dict[str, torch.Tensor]
+    around: Callable[[int], AbstractContextManager] | None = None
+
+
+class SequenceShards:
+    """Cuts each step's batch over the cp ranks of `layout` (nothing to cut at cp = 1).
+
+    Args:
+        layout: this rank's Layout.
+        microbatches: microbatches per step (the attention context is per microbatch).
+        takes_positions: whether a stage of the model takes `position_ids` (required at cp > 1:
+            parallelize refuses a model that does not).
+    """
+
+    def __init__(self, layout: Layout, microbatches: int, takes_positions: bool):
+        self.layout = layout
+        self.microbatches = microbatches
+        self.takes_positions = takes_positions
+
+    @property
+    def active(self) -> bool:
+        return self.layout.cp > 1
+
+    def local_length(self, seq_len: int) -> int:
+        """How many tokens of a sequence this rank's stages see."""
+        return seq_len // self.layout.cp
+
+    def cut(self, inputs: torch.Tensor, targets: torch.Tensor, per_sample: dict[str, torch.Tensor]) -> RankBatch:
+        """This rank's part of the batch (checked like the whole batch before: see check_batch).
+        Raises, the same on every rank, where the sequence length does not cut into 2 x cp chunks."""
+        if not self.active:
+            return RankBatch(inputs, targets, per_sample)
+        layout = self.layout
+        if inputs.dim() < 2:
+            raise ValueError(
+                f"context parallelism (cp={layout.cp}) cuts each sequence along dim 1, but the inputs have shape "
+                f"{tuple(inputs.shape)}; pass (batch, seq) token ids"
+            )
+        cut = SequenceCut(layout.cp, layout.cp_rank, inputs.shape[1])
+        whole = dict(per_sample)
+        if self.takes_positions and POSITIONS not in whole:
+            whole[POSITIONS] = whole_positions(inputs, whole, DOCUMENTS)
+        local = {name: cut.cut(t) if cut.is_per_token(t) else t for name, t in whole.items()}
+        documents = whole.get(DOCUMENTS)
+        per_microbatch = documents.chunk(self.microbatches) if documents is not None else None
+        group = layout.group("cp")
+
+        def around(mb: int) -> AbstractContextManager:
+            docs = per_microbatch[mb] if per_microbatch is not None else None
+            return ContextParallelAttention(cut, group, docs)
+
+        return RankBatch(cut.cut(inputs), cut.cut(targets), local, around)
