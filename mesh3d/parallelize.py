@@ -279,7 +279,12 @@ def parallelize(
         declared_vocab_size(anatomy.vocab_size),
         built_optimizer,
         anatomy.input_index_bounds,
-        SequenceShards(layout, pipe.schedule.microbatches, any(POSITIONS in names for names in takes)),
+        SequenceShards(
+            layout,
+            pipe.schedule.microbatches,
+            any(POSITIONS in names for names in takes),
+            anatomy.cp_mask_input if any(anatomy.cp_mask_input in names for names in takes) else None,
+        ),
     )
 
 
@@ -340,7 +345,7 @@ def _check_context_parallel(
 ) -> None:
     """At cp > 1, a model that cannot be cut along the sequence is refused by name, on every rank
     alike (the meta stages run here, counting each block's attention calls; no message)."""
-    check_kind(cp, pipe.traced, takes, model)
+    check_kind(cp, pipe.traced, takes, model, anatomy.cp_refusal)
     if cp == 1:
         return
     names = {id(module): name for stage in split.meta_stages for name, module in stage.named_modules()}

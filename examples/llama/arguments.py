@@ -16,7 +16,7 @@ import torch
 
 import mesh3d
 from examples.llama import hf_model
-from examples.llama.batch_sizes import batch_split_problem, resolved_dp
+from examples.llama.batch_sizes import batch_split_problem, resolved_dp, seq_len_problem
 from examples.llama.config import CONFIGS
 from examples.llama.run_config import config_file_argv
 from examples.llama.tensorboard_log import tensorboard_available
@@ -49,6 +49,13 @@ def build_parser(description: str | None = None) -> Parser:
     p = Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     p.add_argument("--dp", type=int, default=-1, help="data-parallel degree (-1: the rest of the world)")
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel degree: each sequence cut over N ranks, which share their dp rank's rows "
+        "(--seq-len a multiple of 2*N)",
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (consecutive ranks, one node)")
     p.add_argument("--schedule", default=LIBRARY_DEFAULTS["schedule"], choices=sorted(mesh3d.pipeline.SCHEDULES))
     p.add_argument("--microbatches", type=int, default=None, help="per step and dp rank (default: pp)")
@@ -229,11 +236,16 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         p.error("--token-file is already tokenized: drop --tokenizer/--data")
     if args.document_mask and args.hf_model:
         p.error("--document-mask is the example's LLaMA model's (its document_ids input); drop it or --hf-model")
+    if args.cp > 1 and args.hf_model:
+        p.error("--cp > 1 with --hf-model is not supported yet; train it with --cp 1")
     if args.tensorboard and not tensorboard_available():
         p.error("--tensorboard needs the tensorboard package: pip install tensorboard")
     if args.lr_schedule_steps is not None and args.lr_schedule_steps < 1:
         p.error(f"--lr-schedule-steps must be >= 1, got {args.lr_schedule_steps}")
     _check_batch_split(p, args)
+    problem = seq_len_problem(args.seq_len, args.cp)
+    if problem:
+        p.error(problem)
     return args
 
 
@@ -248,8 +260,9 @@ def settle_cuda_defaults(args: argparse.Namespace, device: torch.device) -> None
 
 
 def _check_batch_split(p: Parser, args: argparse.Namespace) -> None:
-    """--global-batch over --dp, then into --microbatches (parallelize's default: one per pp rank)."""
-    dp = resolved_dp(args.pp, args.dp, args.tp)
+    """--global-batch over --dp (the ranks of a cp group share their dp rank's rows), then into
+    --microbatches (parallelize's default: one per pp rank)."""
+    dp = resolved_dp(args.pp, args.dp, args.tp, cp=args.cp)
     if dp is None or (args.microbatches is not None and args.microbatches < 1):
         return  # sizes that do not fit the world: build_mesh says so, naming them
     microbatches = args.microbatches if args.microbatches is not None else args.pp

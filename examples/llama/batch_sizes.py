@@ -1,7 +1,8 @@
 """The sizes train.py's batches must have, checked with the other flags and said in flags.
 
 A step's global batch is split over the data-parallel ranks, then each rank's share into
-microbatches; a corpus must hold at least one global batch (and the held-out ones). Found only in
+microbatches (the ranks of a cp group share their dp rank's rows, each sequence cut into 2 x cp
+chunks); a corpus must hold at least one global batch (and the held-out ones). Found only in
 `pm.step` or the loader, these would stop every rank with a traceback naming library parameters;
 found here, rank 0 says once which flag to change and to what.
 """
@@ -11,14 +12,29 @@ from __future__ import annotations
 import os
 
 
-def resolved_dp(pp: int, dp: int, tp: int, world_size: int | None = None) -> int | None:
-    """--dp as build_mesh will resolve it (-1: the rest of the world); None where the sizes do not
-    fit the world (build_mesh then says so)."""
+def resolved_dp(pp: int, dp: int, tp: int, world_size: int | None = None, cp: int = 1) -> int | None:
+    """--dp as build_mesh will resolve it (-1: the rest of the world, pp x cp x tp taken out);
+    None where the sizes do not fit the world (build_mesh then says so)."""
     world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    if pp < 1 or tp < 1 or world % (pp * tp):
+    others = pp * cp * tp
+    if pp < 1 or cp < 1 or tp < 1 or world % others:
         return None
-    dp = world // (pp * tp) if dp == -1 else dp
-    return dp if dp >= 1 and pp * dp * tp == world else None
+    dp = world // others if dp == -1 else dp
+    return dp if dp >= 1 and dp * others == world else None
+
+
+def seq_len_problem(seq_len: int, cp: int) -> str | None:
+    """Why --seq-len does not cut into 2 x --cp chunks (a head and a tail chunk of every sequence per
+    cp rank); None if it does, or if --cp is not >= 1 (build_mesh then says so)."""
+    chunks = 2 * cp
+    if cp < 1 or (seq_len >= 1 and seq_len % chunks == 0):
+        return None
+    lower, upper = (seq_len // chunks) * chunks, (seq_len // chunks + 1) * chunks
+    choices = f"--seq-len {lower} or {upper}" if lower >= 1 else f"--seq-len {upper}"
+    return (
+        f"--seq-len {seq_len} is not divisible by 2 x --cp {cp} = {chunks} (each cp rank takes a chunk from the "
+        f"head and one from the tail of every sequence); use {choices}, or another --cp"
+    )
 
 
 def batch_split_problem(global_batch: int, dp: int, microbatches: int, defaulted: bool = False) -> str | None:

@@ -2,6 +2,8 @@
 
     # 8 processes on one machine (CPU + gloo here; CUDA + NCCL where there are GPUs):
     torchrun --standalone --nproc-per-node 8 examples/llama/train.py --pp 2 --dp 2 --tp 2
+    # context parallelism: each sequence cut over 2 ranks (--seq-len a multiple of 2 x --cp):
+    torchrun --standalone --nproc-per-node 4 examples/llama/train.py --dp 2 --cp 2 --seq-len 256
     # one plain process:
     python examples/llama/train.py --steps 50 --metrics runs/debug.jsonl
 
@@ -21,8 +23,8 @@ A short composition of mesh3d's parts, to copy as the start of your own loop: th
 on the meta device and handed to mesh3d.parallelize, which splits it into pipeline stages, shards
 each with the model's tensor-parallel plan and FSDP2 (or DDP) over the data-parallel ranks.
 mesh3d.train brings the resume, the skipping of non-finite steps, the held-out evaluation and the
-progress line. AdamW, linear warmup then cosine decay, gradient clipping over all of pp, dp and
-tp; rank 0 prints a progress line every --log-every steps and writes one JSON line per step.
+progress line. AdamW, linear warmup then cosine decay, gradient clipping over all of pp, dp, cp
+and tp; rank 0 prints a progress line every --log-every steps and writes one JSON line per step.
 
 With a never-drain schedule (--schedule pipedream or pipedream_2bw) the optimizer lives inside the
 pipeline: parallelize builds it (`optimizer=`) and pm.step updates each stage when the schedule's
@@ -78,7 +80,7 @@ def set_up(args):
     """Everything a configuration error can come from, before the first step; the same on every rank."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    layout = mesh3d.build_mesh(pp=args.pp, dp=args.dp, tp=args.tp, timeout=args.timeout)
+    layout = mesh3d.build_mesh(pp=args.pp, dp=args.dp, cp=args.cp, tp=args.tp, timeout=args.timeout)
     arguments.settle_cuda_defaults(args, layout.device)  # bf16 and TF32 on CUDA unless asked otherwise
     if args.placement_report:
         report = placement_report(layout)
@@ -106,6 +108,7 @@ def set_up(args):
         optimizer=inside,
     )  # the default loss: next-token cross-entropy over the global batch's counted tokens, any layout
     dataset, heldout = build_datasets(args, tokenizer)
+    # By dp rank: the ranks of a cp group load the same rows, and pm.step cuts each sequence over them.
     loader = DistributedLoader.for_layout(dataset, args.global_batch, layout, seed=args.seed)
     optimizer = pm.optimizer if pm.never_drains else build_optimizer(pm.parameters(), args)
     say = (lambda line: print(line, flush=True)) if layout.rank == 0 else (lambda line: None)
@@ -117,6 +120,7 @@ def set_up(args):
         f"data: {mesh3d.train.human_count(len(dataset.tokens))} tokens ({len(dataset)} samples of {args.seq_len} "
         f"to train on{f', {len(heldout)} held out' if heldout else ''}), "
         f"global batch {args.global_batch} = dp {layout.dp} x {loader.local_batch_size}"
+        + (f", each sequence cut over cp {layout.cp} ranks" if layout.cp > 1 else "")
     )
     progress = Progress(
         args.steps,

@@ -48,9 +48,48 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: GatheredAtte
     return _GatheredAttention.apply(q, k, v, call)
 
 
-def _gather_kv(k: torch.Tensor, v: torch.Tensor, call: GatheredAttention, check: bool) -> tuple:
-    """Every rank's k and v, concatenated along the sequence rank after rank (and, where `check`,
-    every rank's verdict on the mask, refused together)."""
+# Each SDPA call under a mask takes at most this many (query, key) pairs of it: SDPA makes a
+# boolean mask a float one of the same shape (4 bytes a pair), and on the CPU a masked call computes
+# every pair, the masked ones too. 2**21 pairs: an 8 MiB float mask a call.
+MASK_PAIRS = 2**21
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """How one call's queries are attended under a mask: the keys in the order `order` (gathered
+    index of each; None: as gathered, no mask), and row blocks (start, stop, keys): queries
+    start..stop-1 attend to the first `keys` keys of that order, under `mask`'s rows and columns."""
+
+    mask: torch.Tensor | None
+    order: torch.Tensor | None
+    rows: list[tuple[int, int, int]]
+
+
+def _blocks(mask: torch.Tensor | None, queries: int, keys: int) -> _Blocks:
+    """The keys sorted by how many queries see them (most first): under a causal mask every query
+    then sees a prefix of them (a key seen by a query is seen by every query that sees any later
+    key), so a block of queries attends to the keys up to its last one seen and no further; under
+    another mask (documents) a prefix still holds every key a block sees, the mask the rest."""
+    if mask is None:
+        return _Blocks(None, None, [(0, queries, keys)])
+    seen = mask.flatten(0, 1)  # (batch or 1, queries, keys): which keys each query sees, per sequence
+    seen = seen[0] if len(seen) == 1 else seen.any(dim=0)
+    step = max(1, MASK_PAIRS // keys)
+    spans = [(start, min(start + step, queries)) for start in range(0, queries, step)]
+    counts = sum(seen[start:stop].sum(dim=0) for start, stop in spans)  # by span: bounded temporaries
+    order = torch.argsort(counts, descending=True, stable=True)
+    place = torch.empty_like(order)
+    place[order] = torch.arange(keys, device=order.device)  # where each key stands in `order`
+    rows = []
+    for start, stop in spans:
+        visible = place[seen[start:stop].any(dim=0)]  # a host sync on a GPU, once per block
+        rows.append((start, stop, int(visible.max()) + 1 if len(visible) else 1))  # seeing none: as SDPA says
+    return _Blocks(mask, order, rows)
+
+
+def _gather_kv(k: torch.Tensor, v: torch.Tensor, call: GatheredAttention, check: bool, order) -> tuple:
+    """Every rank's k and v along the sequence, in gathered order (rank after rank) or in `order`
+    (and, where `check`, every rank's verdict on the mask, refused together)."""
     verdict = k.new_full((1,), float(call.verdict or 0))
     flat = torch.cat([k.reshape(-1), v.reshape(-1), verdict])
     gathered = flat.new_empty(call.cp * flat.numel())
@@ -59,36 +98,71 @@ def _gather_kv(k: torch.Tensor, v: torch.Tensor, call: GatheredAttention, check:
     if check and call.verdict is not None:
         call.refuse([int(x) for x in rows[:, -1].tolist()])
     n = k.numel()
-    k_all = _along_sequence(rows[:, :n], k.shape, call.cp)
-    v_all = _along_sequence(rows[:, n : n + v.numel()], v.shape, call.cp)
+    k_all = _along_sequence(rows[:, :n], k.shape, call.cp, order)
+    v_all = _along_sequence(rows[:, n : n + v.numel()], v.shape, call.cp, order)
     return k_all, v_all
 
 
-def _along_sequence(rows: torch.Tensor, shape: torch.Size, cp: int) -> torch.Tensor:
-    """(cp, numel) of (batch, heads, chunk, dim) tensors -> (batch, heads, cp * chunk, dim)."""
+def _by_rank(rows: torch.Tensor, shape: torch.Size, cp: int) -> torch.Tensor:
+    """A view of (cp, numel) rows of (batch, heads, chunk, dim) tensors as (batch, heads, cp, chunk, dim)."""
     batch, heads, chunk, dim = shape
-    return rows.reshape(cp, batch, heads, chunk, dim).permute(1, 2, 0, 3, 4).reshape(batch, heads, cp * chunk, dim)
+    return rows.view(cp, batch, heads, chunk, dim).permute(1, 2, 0, 3, 4)
 
 
-def _to_ranks(full: torch.Tensor, cp: int) -> torch.Tensor:
-    """(batch, heads, cp * chunk, dim) -> (cp, batch * heads * chunk * dim): each rank's keys' part, flat."""
-    batch, heads, seq, dim = full.shape
-    return full.reshape(batch, heads, cp, seq // cp, dim).permute(2, 0, 1, 3, 4).reshape(cp, -1)
+def _along_sequence(rows: torch.Tensor, shape: torch.Size, cp: int, order) -> torch.Tensor:
+    """(cp, numel) of (batch, heads, chunk, dim) tensors -> (batch, heads, cp * chunk, dim), the
+    keys in gathered order or in `order` (one copy either way)."""
+    batch, heads, chunk, dim = shape
+    by_rank = _by_rank(rows, shape, cp)
+    if order is None:
+        return by_rank.reshape(batch, heads, cp * chunk, dim)
+    return by_rank[:, :, order // chunk, order % chunk]
 
 
-def _sdpa(q, k_all, v_all, call: GatheredAttention) -> torch.Tensor:
+def _to_ranks(full: torch.Tensor, shape: torch.Size, cp: int, order, out: torch.Tensor) -> None:
+    """`full` (batch, heads, cp * chunk, dim), keys in gathered order or in `order`, written to
+    `out` (cp, batch * heads * chunk * dim): each rank's keys' part, flat."""
+    chunk = shape[2]
+    by_rank = _by_rank(out, shape, cp)
+    if order is None:
+        by_rank.copy_(full.unflatten(2, (cp, chunk)))
+    else:
+        by_rank[:, :, order // chunk, order % chunk] = full.to(out.dtype)
+
+
+def _sdpa(q, k_all, v_all, mask, call: GatheredAttention) -> torch.Tensor:
     # The aten op, not F.scaled_dot_product_attention: below torch-function modes, so the mode that
     # routes the model's SDPA calls here (sdpa_calls.py) does not route this one back, in backward too.
     return torch.ops.aten.scaled_dot_product_attention(
-        q, k_all, v_all, call.mask(q.device), 0.0, False, scale=call.scale, enable_gqa=call.enable_gqa
+        q, k_all, v_all, mask, 0.0, False, scale=call.scale, enable_gqa=call.enable_gqa
     )
+
+
+def _block(q, k_all, v_all, blocks: _Blocks, start: int, stop: int, keys: int, call: GatheredAttention):
+    """Queries start..stop-1 and the keys and mask columns they attend to."""
+    mask = blocks.mask
+    if mask is not None:
+        mask = mask[..., start:stop, :]
+        if blocks.order is not None:
+            mask = mask.index_select(-1, blocks.order[:keys])
+    return q[..., start:stop, :], k_all[..., :keys, :], v_all[..., :keys, :], mask
+
+
+def _block_gradients(q, k_all, v_all, grad_out, blocks: _Blocks, start, stop, keys, call: GatheredAttention):
+    """The gradients of one block's queries and keys: its attention recomputed, then backward."""
+    with torch.enable_grad():
+        *tensors, mask = _block(q, k_all, v_all, blocks, start, stop, keys, call)
+        q_, k_, v_ = (t.detach().requires_grad_(True) for t in tensors)
+        out = _sdpa(q_, k_, v_, mask, call)
+        return torch.autograd.grad(out, (q_, k_, v_), grad_out[..., start:stop, :])
 
 
 class _GatheredAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: GatheredAttention):
-        k_all, v_all = _gather_kv(k, v, call, check=True)
-        out = _sdpa(q, k_all, v_all, call)
+        blocks = _blocks(call.mask(q.device), q.shape[-2], call.cp * k.shape[-2])
+        k_all, v_all = _gather_kv(k, v, call, True, blocks.order)
+        out = torch.cat([_sdpa(*_block(q, k_all, v_all, blocks, *r), call) for r in blocks.rows], dim=-2)
         ctx.save_for_backward(q, k, v)
         ctx.call = call
         return out
@@ -97,13 +171,22 @@ class _GatheredAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v = ctx.saved_tensors
         call: GatheredAttention = ctx.call
-        k_all, v_all = _gather_kv(k, v, call, check=False)
-        with torch.enable_grad():
-            q_, k_, v_ = (t.detach().requires_grad_(True) for t in (q, k_all, v_all))
-            out = _sdpa(q_, k_, v_, call)
-            dq, dk_all, dv_all = torch.autograd.grad(out, (q_, k_, v_), grad_out)
+        blocks = _blocks(call.mask(q.device), q.shape[-2], call.cp * k.shape[-2])
+        k_all, v_all = _gather_kv(k, v, call, False, blocks.order)
+        if blocks.rows == [(0, q.shape[-2], k_all.shape[-2])]:  # one block over every key: its gradients
+            dq, dk_all, dv_all = _block_gradients(q, k_all, v_all, grad_out, blocks, *blocks.rows[0], call)
+        else:
+            dq = torch.empty_like(q)
+            dk_all, dv_all = torch.zeros_like(k_all), torch.zeros_like(v_all)
+            for start, stop, keys in blocks.rows:
+                dq_, dk_, dv_ = _block_gradients(q, k_all, v_all, grad_out, blocks, start, stop, keys, call)
+                dq[..., start:stop, :] = dq_
+                dk_all[..., :keys, :] += dk_
+                dv_all[..., :keys, :] += dv_
         # Each key's gradient is a sum over every rank's queries: reduce-scattered to its owner, in fp32.
-        parts = torch.cat([_to_ranks(dk_all, call.cp), _to_ranks(dv_all, call.cp)], dim=1).float()
+        parts = dk_all.new_empty((call.cp, k.numel() + v.numel()), dtype=torch.float32)
+        _to_ranks(dk_all, k.shape, call.cp, blocks.order, parts[:, : k.numel()])
+        _to_ranks(dv_all, v.shape, call.cp, blocks.order, parts[:, k.numel() :])
         mine = parts.new_empty(parts.shape[1:])
         dist.reduce_scatter_single(mine, parts.reshape(-1), group=call.group)
         dk, dv = mine[: k.numel()].view(k.shape), mine[k.numel() :].view(v.shape)

@@ -7,7 +7,8 @@ A model runs under cp unchanged when (docs/model_protocol.md#context-parallelism
 - each of its blocks mixes the sequence through `F.scaled_dot_product_attention` only, which
   mesh3d makes context-parallel (sdpa_calls.py); a block that attends by hand, or mixes tokens
   another way (a convolution, a state-space scan), would see only its rank's tokens.
-The second is seen on meta tensors: each block is run and its SDPA calls counted.
+The second is seen on meta tensors: each block is run and its SDPA calls counted (a call with a
+float mask, an additive bias no cut sequence can extend, is refused there too).
 """
 
 from __future__ import annotations
@@ -21,21 +22,29 @@ from mesh3d.context_parallel.sdpa_calls import AttentionCallCounter
 POSITIONS = "position_ids"
 
 
-def check_kind(cp: int, traced: bool, takes: Iterable[frozenset[str]], model: nn.Module) -> None:
-    """Refuse, by name, a model that cannot take cp > 1 whatever its blocks do."""
+def check_kind(
+    cp: int, traced: bool, takes: Iterable[frozenset[str]], model: nn.Module, refusal: str | None = None
+) -> None:
+    """Refuse, by name, a model that cannot take cp > 1 whatever its blocks do (`refusal`: the
+    model's own reason, from its anatomy)."""
     if cp == 1:
         return
     name = type(model).__name__
+    if refusal is not None:
+        raise ValueError(
+            f"{name}: {refusal}, which context parallelism (cp={cp}) cannot extend to a sequence cut over ranks "
+            "exactly; use cp=1 for it"
+        )
     if traced:
         raise ValueError(
-            f"context parallelism (cp={cp}) does not run a traced model ({name}): its captured graph fixes the "
+            f"{name}: context parallelism (cp={cp}) does not run a traced model: its captured graph fixes the "
             "sequence length and its attention; bring the model through the mesh3d protocol or as a Hugging Face "
             "causal LM, or use cp=1"
         )
     if not any(POSITIONS in names for names in takes):
         raise ValueError(
-            f"context parallelism (cp={cp}) needs a model that takes position_ids: each rank holds tokens from the "
-            f"middle of the sequence and must be told their positions, but no stage of {name} takes them. Add a "
+            f"{name}: context parallelism (cp={cp}) needs a model that takes position_ids: each rank holds tokens "
+            "from the middle of the sequence and must be told their positions, but no stage takes them. Add a "
             "keyword-only `position_ids` input to its forward (docs/model_protocol.md#context-parallelism), or "
             "use cp=1"
         )
@@ -57,12 +66,18 @@ def check_blocks_attend(
     finally:
         for handle in handles:
             handle.remove()
+    if counter.float_masks:
+        raise ValueError(
+            f"{type(model).__name__}: context parallelism (cp={cp}): its attention calls "
+            "scaled_dot_product_attention with a float mask (an additive bias computed from its own tokens), "
+            "which mesh3d cannot extend to a sequence cut over ranks; use cp=1 for it"
+        )
     silent = [name for name, _ in blocks if seen.get(name, 0) == 0]
     if silent:
         raise ValueError(
-            f"context parallelism (cp={cp}): block(s) {silent[:4]}{' ...' if len(silent) > 4 else ''} of "
-            f"{type(model).__name__} never call torch.nn.functional.scaled_dot_product_attention, so under cp they "
-            "would see only their rank's tokens (attention computed by hand, or another way of mixing the "
-            "sequence): mesh3d makes only SDPA calls context-parallel. Use an SDPA attention (for a Hugging Face "
-            "model: attn_implementation='sdpa'), or cp=1"
+            f"{type(model).__name__}: context parallelism (cp={cp}): block(s) {silent[:4]}"
+            f"{' ...' if len(silent) > 4 else ''} never call torch.nn.functional.scaled_dot_product_attention, "
+            "so under cp they would see only their rank's tokens (attention computed by hand, or another way of "
+            "mixing the sequence): mesh3d makes only SDPA calls context-parallel. Use an SDPA attention (for a "
+            "Hugging Face model: attn_implementation='sdpa'), or cp=1"
         )

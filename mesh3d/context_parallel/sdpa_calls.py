@@ -87,12 +87,7 @@ class ContextParallelAttention(TorchFunctionMode):
         """This rank's queries' mask over every gathered key: (1 or batch, 1, queries, keys) bool, or None."""
         if kind in (NO_MASK, NOT_EXTENSIBLE, NOT_BOOLEAN):
             return None
-        causal = (q_pos[:, None] >= k_pos[None, :])[None, None]
-        if kind == CAUSAL:
-            return causal
-        docs = self.document_ids.to(q_pos.device)
-        same = docs[:, q_pos, None] == docs[:, None, k_pos]
-        return same[:, None] & causal
+        return mask_rows(q_pos, k_pos, self.document_ids if kind == DOCUMENTS else None)
 
     def _match(self, attn_mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, is_causal: bool) -> int:
         """Which whole-sequence mask `attn_mask` (over this rank's own tokens) is."""
@@ -125,14 +120,37 @@ class ContextParallelAttention(TorchFunctionMode):
             )
 
 
+def mask_rows(q_pos: torch.Tensor, k_pos: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
+    """Which keys (at global positions k_pos) each query (at q_pos) sees: causal, and within its
+    document where whole-row `document_ids` (batch, seq) are given; (1 or batch, 1, queries, keys) bool."""
+    causal = (q_pos[:, None] >= k_pos[None, :])[None, None]
+    if document_ids is None:
+        return causal
+    docs = document_ids.to(q_pos.device)
+    return (docs[:, q_pos, None] == docs[:, None, k_pos])[:, None] & causal
+
+
+def own_tokens_mask(cut: SequenceCut, document_ids: torch.Tensor | None) -> torch.Tensor:
+    """The mask over this rank's own tokens (batch or 1, 1, chunk, chunk): what a model that builds
+    its mask from the rank's tokens alone would build; mesh3d hands it to a Hugging Face stage, whose
+    SDPA calls are then extended to the whole sequence by it (`ContextParallelAttention`)."""
+    positions = cut.positions
+    return mask_rows(positions, positions, document_ids)
+
+
 class AttentionCallCounter(TorchFunctionMode):
-    """Counts `F.scaled_dot_product_attention` calls and lets them through (a meta run's probe)."""
+    """Counts `F.scaled_dot_product_attention` calls and lets them through (a meta run's probe),
+    noting those whose mask no cut sequence can take: a float mask (an additive bias)."""
 
     def __init__(self):
         super().__init__()
         self.calls = 0
+        self.float_masks = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             self.calls += 1
-        return func(*args, **(kwargs or {}))
+            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+            self.float_masks += int(mask is not None and mask.dtype != torch.bool)
+        return func(*args, **kwargs)

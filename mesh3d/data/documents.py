@@ -27,3 +27,10 @@ def positions_in_documents(document_ids: torch.Tensor) -> torch.Tensor:
     starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
     first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
     return index - first
+
+
+def documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) position ids -> (batch, seq) long document ids: a new document wherever a
+    position is not its predecessor's plus one (transformers' reading of packed sequences)."""
+    before = torch.cat([position_ids[..., :1] - 1, position_ids[..., :-1]], dim=-1)
+    return (position_ids != before + 1).long().cumsum(dim=-1)

@@ -44,6 +44,11 @@ class Anatomy:
     init_stage: Callable[[nn.Module, int], None] | None = None
     fake_shape_run: bool = False  # its forward reads values: a shape run that fails on meta runs on fake
     traced: TracedModel | None = None  # a traced model: stages come from its capture, not from a cut
+    # Context parallelism: the per-sample input through which each stage is handed its mask over its own
+    # tokens (a 4-d bool, the model's own mask code left out; documents read from restarting position
+    # ids), or None: the model builds its mask itself (context_parallel/sdpa_calls.py)
+    cp_mask_input: str | None = None
+    cp_refusal: str | None = None  # why the model cannot run under cp > 1 (raised then, by name)
 
     def container(self, module: nn.Module) -> nn.Module:
         """The blocks' container in `module` (the whole model or a stage cut from it)."""

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mesh3d.context_parallel.sdpa_calls import ContextParallelAttention
+from mesh3d.context_parallel.sdpa_calls import ContextParallelAttention, own_tokens_mask
 from mesh3d.context_parallel.sequence_cut import SequenceCut, whole_positions
+from mesh3d.data.documents import documents_from_positions
 from mesh3d.mesh import Layout
 
 POSITIONS = "position_ids"
@@ -42,12 +43,16 @@ class SequenceShards:
         microbatches: microbatches per step (the attention context is per microbatch).
         takes_positions: whether a stage of the model takes `position_ids` (required at cp > 1:
             parallelize refuses a model that does not).
+        mask_input: the per-sample input through which a stage is handed the mask over its own
+            tokens, with documents read from the whole rows' position ids (a Hugging Face model's
+            `attention_mask`: hugging_face/context_parallel.py); None: the model builds its own.
     """
 
-    def __init__(self, layout: Layout, microbatches: int, takes_positions: bool):
+    def __init__(self, layout: Layout, microbatches: int, takes_positions: bool, mask_input: str | None = None):
         self.layout = layout
         self.microbatches = microbatches
         self.takes_positions = takes_positions
+        self.mask_input = mask_input
 
     @property
     def active(self) -> bool:
@@ -74,6 +79,15 @@ class SequenceShards:
             whole[POSITIONS] = whole_positions(inputs, whole, DOCUMENTS)
         local = {name: cut.cut(t) if cut.is_per_token(t) else t for name, t in whole.items()}
         documents = whole.get(DOCUMENTS)
+        if self.mask_input is not None:
+            if self.mask_input in per_sample:
+                raise ValueError(
+                    f"context parallelism (cp={layout.cp}) does not take a {self.mask_input!r} (padding) yet: the "
+                    "mask of each rank's tokens is built from the position ids; pack documents with restarting "
+                    f"position_ids instead of padding, or use cp=1"
+                )
+            documents = documents_from_positions(whole[POSITIONS])
+            local[self.mask_input] = own_tokens_mask(cut, documents)
         per_microbatch = documents.chunk(self.microbatches) if documents is not None else None
         group = layout.group("cp")
 

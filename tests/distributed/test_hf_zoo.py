@@ -1,5 +1,6 @@
 """Every causal LM of the installed transformers that declares a `base_model_pp_plan` (zoo_cases),
-tiny, through mesh3d at (pp, dp, tp) = (2,1,1) and (2,1,2), 1F1B, 4 microbatches, one SGD step
+tiny, through mesh3d at (pp, dp, tp) = (2,1,1) and (2,1,2), and with context parallelism at
+(pp, dp, cp, tp) = (1,1,2,1), 1F1B, 4 microbatches, one SGD step
 with masked targets: each is exact against transformers' own model in one process (loss and every
 parameter after the step, rel 1e-5) or refused with a ValueError naming its class, on every rank,
 in parallelize (before any step message). Anything else fails the test unless KNOWN_FAILING lists
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import tempfile
 from datetime import timedelta
@@ -33,7 +35,8 @@ from multiprocess import RankFailure, run_on_ranks
 
 pytest.importorskip("transformers")
 
-LAYOUTS = [(2, 1, 1), (2, 1, 2)]
+# (pp, dp, tp), or (pp, dp, cp, tp) where context parallelism is on
+LAYOUTS = [(2, 1, 1), (2, 1, 2), (1, 1, 2, 1)]
 BATCH = 8
 MICROBATCHES = 4
 PEER_TIMEOUT_S = 30.0
@@ -43,10 +46,14 @@ BEGIN, END = "<!-- zoo:begin -->", "<!-- zoo:end -->"
 
 # Architectures that fail today, per layout, with the row of issue 38 that tracks each (none since
 # the mixture-of-experts shape runs: pipeline/shape_ops.py). The loop stays for the next one.
-KNOWN_FAILING: dict[tuple[int, int, int], dict[str, str]] = {(2, 1, 1): {}, (2, 1, 2): {}}
+KNOWN_FAILING: dict[tuple[int, ...], dict[str, str]] = {(2, 1, 1): {}, (2, 1, 2): {}, (1, 1, 2, 1): {}}
 
 
-def _on_rank(pp: int, dp: int, tp: int, model_types: list[str], out_dir: str) -> None:
+def _sizes(layout: tuple[int, ...]) -> dict[str, int]:
+    return dict(zip(("pp", "dp", "tp") if len(layout) == 3 else ("pp", "dp", "cp", "tp"), layout))
+
+
+def _on_rank(sizes: dict[str, int], model_types: list[str], out_dir: str) -> None:
     import torch.distributed as dist
 
     import mesh3d
@@ -56,7 +63,7 @@ def _on_rank(pp: int, dp: int, tp: int, model_types: list[str], out_dir: str) ->
     for model_type in model_types:
         # Fresh groups after a crash (a step that failed may leave messages pending on its groups),
         # the same mesh otherwise: a mesh per architecture, 92 of them, slows every later one.
-        layout = layout or mesh3d.build_mesh(pp=pp, dp=dp, tp=tp, timeout=PEER_TIMEOUT_S)
+        layout = layout or mesh3d.build_mesh(**sizes, timeout=PEER_TIMEOUT_S)
         verdict_group = verdict_group or dist.new_group(backend="gloo", timeout=timedelta(seconds=4 * PEER_TIMEOUT_S))
         mine, state = _one_architecture(model_type, layout, batch)
         everyone = [None] * dist.get_world_size()
@@ -64,7 +71,7 @@ def _on_rank(pp: int, dp: int, tp: int, model_types: list[str], out_dir: str) ->
         verdict = _agreed(everyone)
         if verdict["kind"] == "crash":
             layout = None
-        if layout.rank == 0:
+        if dist.get_rank() == 0:
             if state is not None and verdict["kind"] == "ran":
                 torch.save(state, Path(out_dir) / f"{model_type}.pt")
             with open(Path(out_dir) / "verdicts.jsonl", "a") as file:
@@ -136,7 +143,7 @@ def _part_verdicts(layout: tuple[int, int, int], part: int) -> dict[str, tuple[s
         while remaining:
             died = None
             try:
-                run_on_ranks(_on_rank, layout[0] * layout[1] * layout[2], *layout, remaining, out_dir, timeout=1200)
+                run_on_ranks(_on_rank, math.prod(layout), _sizes(layout), remaining, out_dir, timeout=1200)
             except RankFailure as failure:
                 died = str(failure)
             written = Path(out_dir) / "verdicts.jsonl"
@@ -174,7 +181,7 @@ def _failures(layout, part: int) -> tuple[dict[str, str], list[str]]:
 
 
 @pytest.mark.parametrize("part", range(PARTS), ids=lambda part: f"part{part}")
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "pp{}dp{}tp{}".format(*layout))
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "".join(f"{k}{v}" for k, v in _sizes(layout).items()))
 def test_every_architecture_is_exact_or_refused_by_name(layout, part):
     unexpected, fixed = _failures(layout, part)
     counts = _counts(_part_verdicts(layout, part))
@@ -200,7 +207,7 @@ def _counts(verdicts: dict[str, tuple[str, str]]) -> dict[str, int]:
 
 def zoo_table(by_layout: dict[tuple, dict[str, tuple[str, str]]]) -> str:
     """The markdown table of the population: a row per architecture, a column per layout."""
-    names = ["(pp, dp, tp) = " + str(layout).replace(" ", "") for layout in by_layout]
+    names = [f"({', '.join(_sizes(layout))}) = " + str(layout).replace(" ", "") for layout in by_layout]
     lines = [f"| architecture | {' | '.join(names)} |", "|---" * (len(names) + 1) + "|"]
     for mt in sorted(next(iter(by_layout.values()))):
         cells = [_cell(layout, mt, *verdicts[mt]) for layout, verdicts in by_layout.items()]

@@ -2,6 +2,7 @@
 
 - a global batch that does not split over --dp and then into --microbatches (found before any
   step, not by pm.step's traceback), against the arithmetic written out here;
+- a --seq-len that does not cut into 2 x --cp chunks, and --cp with --hf-model: refused in flags;
 - a corpus too small for one batch (and the held-out ones): the sizes and the flags to change;
 - resuming: the LR schedule's length kept from the checkpoint unless --lr-schedule-steps, and a
   note where --steps and it differ; a finished run says so; a fresh run's metrics file replaces
@@ -12,7 +13,7 @@ from argparse import Namespace
 
 import pytest
 
-from examples.llama.batch_sizes import batch_split_problem, corpus_problem, resolved_dp
+from examples.llama.batch_sizes import batch_split_problem, corpus_problem, resolved_dp, seq_len_problem
 from examples.llama.checkpoints import nothing_to_train
 from examples.llama.metrics_log import open_metrics
 from examples.llama.optimization import lr_at, schedule_length
@@ -43,6 +44,11 @@ def test_dp_is_resolved_as_build_mesh_does():
     assert resolved_dp(2, 2, 1, world_size=4) == 2
     assert resolved_dp(2, 2, 1, world_size=1) is None  # build_mesh names the sizes that do not fit
     assert resolved_dp(3, -1, 1, world_size=4) is None
+    # cp takes its share of the world: pp x dp x cp x tp = world size.
+    assert resolved_dp(1, -1, 2, world_size=8, cp=2) == 2
+    assert resolved_dp(2, 1, 1, world_size=4, cp=2) == 1
+    assert resolved_dp(1, 2, 1, world_size=2, cp=2) is None
+    assert resolved_dp(1, -1, 1, world_size=6, cp=4) is None
 
 
 def test_a_corpus_too_small_says_the_sizes_and_the_flags():
@@ -116,3 +122,33 @@ def test_document_mask_is_refused_with_hf_model(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--document-mask", "--hf-model", "qwen2"])
     assert "--document-mask is the example's LLaMA model's (its document_ids input)" in capsys.readouterr().err
+
+
+def test_the_seq_len_is_checked_against_cp(capsys, tmp_path):
+    from examples.llama.arguments import parse_args
+
+    assert seq_len_problem(32, 2) is None and seq_len_problem(100, 1) is None and seq_len_problem(8, 4) is None
+    assert seq_len_problem(100, 4) == (
+        "--seq-len 100 is not divisible by 2 x --cp 4 = 8 (each cp rank takes a chunk from the head and one from "
+        "the tail of every sequence); use --seq-len 96 or 104, or another --cp"
+    )
+    assert "use --seq-len 6, or another --cp" in seq_len_problem(4, 3)  # no smaller multiple to offer
+    with pytest.raises(SystemExit):
+        parse_args(["--cp", "4", "--seq-len", "100"])
+    assert "error: --seq-len 100 is not divisible by 2 x --cp 4 = 8" in capsys.readouterr().err
+    assert parse_args(["--cp", "2", "--seq-len", "32"]).cp == 2
+    # The same from a --config-file, the command line overriding it.
+    run = tmp_path / "run.toml"
+    run.write_text("cp = 2\nseq_len = 30\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--config-file", str(run)])
+    assert "error: --seq-len 30 is not divisible by 2 x --cp 2 = 4" in capsys.readouterr().err
+    assert parse_args(["--config-file", str(run), "--seq-len", "32"]).cp == 2
+
+
+def test_cp_is_refused_with_hf_model(capsys):
+    from examples.llama.arguments import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--cp", "2", "--seq-len", "32", "--hf-model", "qwen2"])
+    assert "error: --cp > 1 with --hf-model is not supported yet" in capsys.readouterr().err

@@ -31,6 +31,7 @@ import inspect
 from torch import nn
 
 from mesh3d.model.anatomy import Anatomy
+from mesh3d.model.hugging_face.context_parallel import MASK_INPUT, context_parallel_problem
 from mesh3d.model.hugging_face.router_loss import router_loss_problem
 from mesh3d.model.hugging_face.seeded_init import init_stage_weights
 from mesh3d.model.hugging_face.tp_plan import tensor_parallel_sizes, translate_tp_plan
@@ -88,6 +89,8 @@ def hugging_face_anatomy(model: nn.Module) -> Anatomy:
         vocab_size=config.vocab_size,
         init_stage=init_stage_weights,
         fake_shape_run=True,  # transformers' mask code reads the position ids' values
+        cp_mask_input=MASK_INPUT if MASK_INPUT in inspect.signature(base.forward).parameters else None,
+        cp_refusal=context_parallel_problem(config),
     )
 
 
