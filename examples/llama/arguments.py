@@ -236,8 +236,6 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         p.error("--token-file is already tokenized: drop --tokenizer/--data")
     if args.document_mask and args.hf_model:
         p.error("--document-mask is the example's LLaMA model's (its document_ids input); drop it or --hf-model")
-    if args.cp > 1 and args.hf_model:
-        p.error("--cp > 1 with --hf-model is not supported yet; train it with --cp 1")
     if args.tensorboard and not tensorboard_available():
         p.error("--tensorboard needs the tensorboard package: pip install tensorboard")
     if args.lr_schedule_steps is not None and args.lr_schedule_steps < 1:

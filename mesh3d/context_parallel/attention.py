@@ -8,8 +8,15 @@ for backward: backward gathers them again and recomputes the attention, so besid
 a rank holds one layer's whole-sequence K and V at a time, forward and backward alike (the price:
 the attention's forward runs twice, as under activation checkpointing).
 
-The keys stay in gathered order (rank after rank), not sequence order: attention sums over keys,
-so their order changes nothing but the rounding; the mask follows each key's global position.
+Under a mask the keys are sorted by how many of the rank's queries see them (under a causal mask,
+every call of a causal model, each query then sees a prefix of them) and the queries attend in
+row blocks, each to the keys up to the last one it sees (`_blocks`): a head chunk's queries skip
+the keys after it, and no SDPA call takes a mask of more than MASK_PAIRS (query, key) pairs. One
+call over every key would take (seq / cp) x seq of them, which SDPA turns into a float mask (at
+seq 16,384 and cp = 4: 256 MiB, besides the 64 MiB bool mask sdpa_calls.py builds once per call;
+docs/performance.md#long-sequences-context-parallelism). Attention sums over keys, so their order
+changes nothing but the rounding; the mask follows each key's global position. Without a mask the
+keys stay in gathered order (rank after rank) and one call attends to them all.
 
 Every rank of the group must call `attend` the same number of times in the same order (each
 block's attention, microbatch by microbatch, as the schedule runs them): the collectives pair up
@@ -119,15 +126,22 @@ def _along_sequence(rows: torch.Tensor, shape: torch.Size, cp: int, order) -> to
     return by_rank[:, :, order // chunk, order % chunk]
 
 
-def _to_ranks(full: torch.Tensor, shape: torch.Size, cp: int, order, out: torch.Tensor) -> None:
-    """`full` (batch, heads, cp * chunk, dim), keys in gathered order or in `order`, written to
-    `out` (cp, batch * heads * chunk * dim): each rank's keys' part, flat."""
+def _to_ranks(parts: torch.Tensor, shape: torch.Size, cp: int, order) -> Callable:
+    """A function that adds the gradient of the first `keys` keys (batch, heads, keys, dim), in
+    gathered order or in `order`, to `parts` (cp, batch * heads * chunk * dim): each rank's keys'
+    part, flat."""
     chunk = shape[2]
-    by_rank = _by_rank(out, shape, cp)
-    if order is None:
-        by_rank.copy_(full.unflatten(2, (cp, chunk)))
-    else:
-        by_rank[:, :, order // chunk, order % chunk] = full.to(out.dtype)
+    by_key = parts.view(cp, *shape).permute(0, 3, 1, 2, 4)  # (cp, chunk, batch, heads, dim)
+    ranks, places = (None, None) if order is None else (order // chunk, order % chunk)
+
+    def add(grad: torch.Tensor, keys: int) -> None:
+        grad = grad.to(parts.dtype).permute(2, 0, 1, 3)  # (keys, batch, heads, dim)
+        if ranks is None:  # no mask: one block, every key, in gathered order
+            by_key.add_(grad.unflatten(0, (cp, chunk)))
+        else:
+            by_key.index_put_((ranks[:keys], places[:keys]), grad, accumulate=True)
+
+    return add
 
 
 def _sdpa(q, k_all, v_all, mask, call: GatheredAttention) -> torch.Tensor:
@@ -138,7 +152,7 @@ def _sdpa(q, k_all, v_all, mask, call: GatheredAttention) -> torch.Tensor:
     )
 
 
-def _block(q, k_all, v_all, blocks: _Blocks, start: int, stop: int, keys: int, call: GatheredAttention):
+def _block(q, k_all, v_all, blocks: _Blocks, start: int, stop: int, keys: int):
     """Queries start..stop-1 and the keys and mask columns they attend to."""
     mask = blocks.mask
     if mask is not None:
@@ -151,7 +165,7 @@ def _block(q, k_all, v_all, blocks: _Blocks, start: int, stop: int, keys: int, c
 def _block_gradients(q, k_all, v_all, grad_out, blocks: _Blocks, start, stop, keys, call: GatheredAttention):
     """The gradients of one block's queries and keys: its attention recomputed, then backward."""
     with torch.enable_grad():
-        *tensors, mask = _block(q, k_all, v_all, blocks, start, stop, keys, call)
+        *tensors, mask = _block(q, k_all, v_all, blocks, start, stop, keys)
         q_, k_, v_ = (t.detach().requires_grad_(True) for t in tensors)
         out = _sdpa(q_, k_, v_, mask, call)
         return torch.autograd.grad(out, (q_, k_, v_), grad_out[..., start:stop, :])
@@ -173,20 +187,21 @@ class _GatheredAttention(torch.autograd.Function):
         call: GatheredAttention = ctx.call
         blocks = _blocks(call.mask(q.device), q.shape[-2], call.cp * k.shape[-2])
         k_all, v_all = _gather_kv(k, v, call, False, blocks.order)
-        if blocks.rows == [(0, q.shape[-2], k_all.shape[-2])]:  # one block over every key: its gradients
-            dq, dk_all, dv_all = _block_gradients(q, k_all, v_all, grad_out, blocks, *blocks.rows[0], call)
-        else:
-            dq = torch.empty_like(q)
-            dk_all, dv_all = torch.zeros_like(k_all), torch.zeros_like(v_all)
-            for start, stop, keys in blocks.rows:
-                dq_, dk_, dv_ = _block_gradients(q, k_all, v_all, grad_out, blocks, start, stop, keys, call)
+        # Each key's gradient is a sum over every rank's queries: summed here in fp32, each rank's
+        # part in a row of `parts`, then reduce-scattered to its owner.
+        parts = q.new_zeros((call.cp, k.numel() + v.numel()), dtype=torch.float32)
+        add_k = _to_ranks(parts[:, : k.numel()], k.shape, call.cp, blocks.order)
+        add_v = _to_ranks(parts[:, k.numel() :], v.shape, call.cp, blocks.order)
+        dq = None if len(blocks.rows) == 1 else torch.empty_like(q)
+        for start, stop, keys in blocks.rows:
+            dq_, dk_, dv_ = _block_gradients(q, k_all, v_all, grad_out, blocks, start, stop, keys, call)
+            if dq is None:
+                dq = dq_
+            else:
                 dq[..., start:stop, :] = dq_
-                dk_all[..., :keys, :] += dk_
-                dv_all[..., :keys, :] += dv_
-        # Each key's gradient is a sum over every rank's queries: reduce-scattered to its owner, in fp32.
-        parts = dk_all.new_empty((call.cp, k.numel() + v.numel()), dtype=torch.float32)
-        _to_ranks(dk_all, k.shape, call.cp, blocks.order, parts[:, : k.numel()])
-        _to_ranks(dv_all, v.shape, call.cp, blocks.order, parts[:, k.numel() :])
+            add_k(dk_, keys)
+            add_v(dv_, keys)
+            del dq_, dk_, dv_
         mine = parts.new_empty(parts.shape[1:])
         dist.reduce_scatter_single(mine, parts.reshape(-1), group=call.group)
         dk, dv = mine[: k.numel()].view(k.shape), mine[k.numel() :].view(v.shape)

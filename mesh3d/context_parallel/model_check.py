@@ -72,6 +72,12 @@ def check_blocks_attend(
             "scaled_dot_product_attention with a float mask (an additive bias computed from its own tokens), "
             "which mesh3d cannot extend to a sequence cut over ranks; use cp=1 for it"
         )
+    if counter.dropouts:
+        raise ValueError(
+            f"{type(model).__name__}: context parallelism (cp={cp}): its attention drops out attention weights "
+            f"(dropout_p={sorted(counter.dropouts)}), which cannot be drawn as one process draws them when the "
+            "sequence is cut; set the model's attention dropout to 0, or use cp=1"
+        )
     silent = [name for name, _ in blocks if seen.get(name, 0) == 0]
     if silent:
         raise ValueError(

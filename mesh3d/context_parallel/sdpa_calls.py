@@ -41,6 +41,11 @@ class ContextParallelAttention(TorchFunctionMode):
         super().__init__()
         self.cut, self.group, self.document_ids = cut, group, document_ids
         self.calls = 0
+        self._positions: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        # A mask agreed on once is the same mask at every later call that passes it (the layers of a
+        # stage, the recompute): no second comparison, no second read of the verdicts. Each is held
+        # here, so no other tensor can take its memory (and its key) while the context lives.
+        self._agreed: dict[tuple, tuple[int, torch.Tensor]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -67,21 +72,30 @@ class ContextParallelAttention(TorchFunctionMode):
                 "be drawn as one process draws it when the sequence is cut: set the model's attention "
                 "dropout to 0, or use cp=1"
             )
-        q_pos = cut.positions.to(query.device)
-        k_pos = cut.gathered_positions.to(query.device)
+        q_pos, k_pos = self._positions_on(query.device)
         verdict, kind = None, CAUSAL if is_causal else NO_MASK
         if attn_mask is not None:
-            verdict = kind = self._match(attn_mask, q_pos, k_pos, is_causal)
+            seen = (attn_mask.data_ptr(), tuple(attn_mask.shape), attn_mask.stride(), attn_mask.dtype, is_causal)
+            kind = self._agreed.get(seen, (None,))[0]
+            if kind is None:
+                verdict = kind = self._match(attn_mask, q_pos, k_pos, is_causal)
+                self._agreed[seen] = (kind, attn_mask)  # agreed by every rank in the gather, or it raises
         call = GatheredAttention(
             group=self.group,
             cp=cut.cp,
-            mask=lambda device: self._rows(kind, q_pos.to(device), k_pos.to(device)),
+            mask=lambda device: self._rows(kind, *self._positions_on(device)),
             scale=scale,
             enable_gqa=enable_gqa,
             verdict=verdict,
             refuse=self._refuse,
         )
         return attend(query, key, value, call)
+
+    def _positions_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's tokens' positions, every gathered key's position) on `device`, made once."""
+        if device not in self._positions:
+            self._positions[device] = (self.cut.positions.to(device), self.cut.gathered_positions.to(device))
+        return self._positions[device]
 
     def _rows(self, kind: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
         """This rank's queries' mask over every gathered key: (1 or batch, 1, queries, keys) bool, or None."""
@@ -146,6 +160,7 @@ class AttentionCallCounter(TorchFunctionMode):
         super().__init__()
         self.calls = 0
         self.float_masks = 0
+        self.dropouts: set[float] = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -153,4 +168,7 @@ class AttentionCallCounter(TorchFunctionMode):
             self.calls += 1
             mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
             self.float_masks += int(mask is not None and mask.dtype != torch.bool)
+            dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+            if dropout:
+                self.dropouts.add(float(dropout))
         return func(*args, **kwargs)

@@ -6,7 +6,9 @@ grad norms, every parameter after 2 AdamW steps).
 plain and with packed documents, and a protocol model of its own attention):
 - cp = 2 alone, and cp = 4 (one token per chunk at seq 8: every rank's head and tail);
 - cp composed with pp (1f1b, zbv: split backward; interleaved), dp (FSDP and DDP), tp with
-  sequence parallel, tied weights, activation checkpointing;
+  sequence parallel and loss parallel, tied weights, activation checkpointing;
+- against cp = 1 on the same ranks: PipeDream-2BW, torch.compile with selective checkpointing, bf16;
+- a checkpoint saved at cp = 2 resumed at cp = 4 and cp = 1;
 - bad input refused on every rank: a sequence length that does not cut into 2 x cp chunks, a
   model without position_ids, a block that attends by hand, a mean loss.
 """
@@ -21,7 +23,7 @@ from rank_errors import assert_raised_on_every_rank, messages_of
 from torch import nn
 
 import mesh3d
-from examples.llama.model import Transformer, loss_fn
+from examples.llama.model import Transformer, llama_tp_plan, loss_fn
 from mesh3d.data.documents import document_ids
 
 EOS = 0
@@ -67,6 +69,8 @@ def _cp_run(sizes, args, data, options):
     assert layout.mesh.mesh_dim_names == ("pp", "dp", "cp", "tp")
     assert layout.coordinate == (layout.pp_rank, layout.dp_rank, layout.cp_rank, layout.tp_rank)
     assert layout.rank == ((layout.pp_rank * dp + layout.dp_rank) * cp + layout.cp_rank) * tp + layout.tp_rank
+    if options.get("loss_parallel"):
+        options = {"schedule": "1f1b", "tp_plan": llama_tp_plan(loss_parallel=True), **options}
     pm = mesh3d.parallelize(meta_model(False, args=args), layout, **options)
     optimizer = torch.optim.AdamW(pm.parameters(), lr=LR)
     losses, norms = [], []
@@ -119,7 +123,7 @@ def test_cp4_and_cp_with_pp_dp_tp_on_four_ranks():
         ((1, 1, 4, 1), tiny_args(False, 2), documents, {"schedule": "1f1b"}),
         ((2, 1, 2, 1), tiny_args(True, 4), plain, {"schedule": "zbv", "microbatches": 2}),
         ((1, 2, 2, 1), tiny_args(False, 2), documents, {"schedule": "1f1b", "dp_mode": "ddp"}),
-        ((1, 1, 2, 2), tp_args(False, 2), documents, {"schedule": "1f1b", "activation_checkpoint": "always"}),
+        ((1, 1, 2, 2), tp_args(False, 2), documents, {"activation_checkpoint": "always", "loss_parallel": True}),
     ]
     _check(cases, 4)
 

@@ -144,11 +144,3 @@ def test_the_seq_len_is_checked_against_cp(capsys, tmp_path):
         parse_args(["--config-file", str(run)])
     assert "error: --seq-len 30 is not divisible by 2 x --cp 2 = 4" in capsys.readouterr().err
     assert parse_args(["--config-file", str(run), "--seq-len", "32"]).cp == 2
-
-
-def test_cp_is_refused_with_hf_model(capsys):
-    from examples.llama.arguments import parse_args
-
-    with pytest.raises(SystemExit):
-        parse_args(["--cp", "2", "--seq-len", "32", "--hf-model", "qwen2"])
-    assert "error: --cp > 1 with --hf-model is not supported yet" in capsys.readouterr().err
