@@ -1,4 +1,4 @@
-"""The layout planner: which (pp, dp, tp, schedule, microbatches, checkpointing) to run, before renting GPUs.
+"""The layout planner: which (pp, dp, cp, tp, schedule, microbatches, checkpointing) to run, before renting GPUs.
 
     plans = mesh3d.planner.plan("llama3-70b", gpus=256, hardware="h100", seq_len=8192, global_batch=512)
     best = plans[0]                        # the fastest layout that fits

@@ -26,7 +26,7 @@ from mesh3d.planner.ranking import Plan, plan
 from mesh3d.planner.search_space import FIXABLE, memory_limit_bytes, resolve_hardware
 
 GIB = 2**30
-_INT_KEYS = ("pp", "dp", "tp", "virtual_stages", "microbatches")
+_INT_KEYS = ("pp", "dp", "cp", "tp", "virtual_stages", "microbatches")
 # The table's short column names work in --fix too.
 _KEY_ALIASES = {"v": "virtual_stages", "m": "microbatches", "ac": "activation_checkpoint"}
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "none": None}
@@ -37,7 +37,16 @@ _STEP_TERMS = {
     "exposed_dp_seconds": "data-parallel traffic the compute does not hide",
     "optimizer_seconds": "the optimizer's update",
 }
-_MEMORY_TERMS = ("parameters", "gradients", "optimizer", "activations", "recompute", "communication", "optimizer_step")
+_MEMORY_TERMS = (
+    "parameters",
+    "gradients",
+    "optimizer",
+    "activations",
+    "recompute",
+    "communication",
+    "optimizer_step",
+    "context_parallel",
+)
 
 
 class _UsageError(ValueError):
@@ -47,7 +56,7 @@ class _UsageError(ValueError):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mesh3d-plan",
-        description="Rank the (pp, dp, tp, schedule, microbatches, checkpointing) layouts of a model on a "
+        description="Rank the (pp, dp, cp, tp, schedule, microbatches, checkpointing) layouts of a model on a "
         "cluster by predicted tokens/s per GPU, keeping those that fit in memory.",
     )
     p.add_argument(
@@ -163,6 +172,7 @@ def table(plans: list[Plan]) -> str:
         "rank",
         "pp",
         "dp",
+        "cp",
         "tp",
         "schedule",
         "v",
@@ -185,6 +195,7 @@ def table(plans: list[Plan]) -> str:
                 str(i),
                 str(p.pp),
                 str(p.dp),
+                str(p.cp),
                 str(p.tp),
                 p.schedule,
                 str(p.virtual_stages),
@@ -210,7 +221,7 @@ def table(plans: list[Plan]) -> str:
 
 
 def _layout_differences(best: Plan, other: Plan) -> str:
-    names = ("pp", "dp", "tp", "schedule", "virtual_stages", "microbatches", "activation_checkpoint", "dp_mode")
+    names = ("pp", "dp", "cp", "tp", "schedule", "virtual_stages", "microbatches", "activation_checkpoint", "dp_mode")
     diffs = [f"{n} {getattr(best, n)} vs {getattr(other, n)}" for n in names if getattr(best, n) != getattr(other, n)]
     return ", ".join(diffs) if diffs else "the same layout"
 
@@ -246,7 +257,13 @@ def why(best: Plan, runner_up: Plan | None) -> str:
             f"Inside it: bubble {a.bubble_fraction:.1%} vs {b.bubble_fraction:.1%}, tensor-parallel "
             f"collectives {_seconds(a.tp_seconds, unit)} vs {_seconds(b.tp_seconds, unit)} per stage and "
             f"microbatch, a boundary message {_seconds(a.p2p_seconds, unit)} vs "
-            f"{_seconds(b.p2p_seconds, unit)}."
+            f"{_seconds(b.p2p_seconds, unit)}"
+            + (
+                f", context-parallel K/V exchanges {_seconds(a.cp_seconds, unit)} vs {_seconds(b.cp_seconds, unit)} "
+                "per stage and microbatch."
+                if a.cp_seconds or b.cp_seconds
+                else "."
+            )
         )
     ma, mb = best.memory_per_rank, runner_up.memory_per_rank
     mem_top = max(_MEMORY_TERMS, key=lambda t: abs(getattr(ma, t) - getattr(mb, t)))

@@ -27,6 +27,11 @@ ACHIEVABLE_LINK_FRACTION = 0.75
 # them synchronously (no async TP), so none of their time is hidden.
 TP_HIDDEN_FRACTION = 0.0
 
+# Context parallelism's K/V all-gather comes right before the attention that reads it, and the
+# dK/dV reduce-scatter right after the backward that makes them (context_parallel/attention.py:
+# one all-gather per layer, no ring of partial attentions to overlap it with): none is hidden.
+CP_HIDDEN_FRACTION = 0.0
+
 # FSDP/DDP traffic overlaps compute (FSDP2 prefetches the next block's all-gather; DDP buckets
 # reduce during the backward); what exceeds the step's compute is exposed, plus this much of it
 # that nothing can hide (the first all-gather, the last reduce-scatter).

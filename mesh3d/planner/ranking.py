@@ -1,9 +1,9 @@
 """`mesh3d.plan`: every layout of a model on a cluster, the ones that fit, ranked by tokens/s per GPU.
 
-For each candidate (pp, dp, tp, schedule, virtual_stages, microbatches, activation_checkpoint,
+For each candidate (pp, dp, cp, tp, schedule, virtual_stages, microbatches, activation_checkpoint,
 dp_mode) the planner builds the schedule mesh3d would run, predicts the fullest rank's memory
 (predict/memory.py) and the step's time (predict/step_time.py) from costs measured on the model itself
-(measure/probe.py, once per tp degree), drops what does not fit and ranks the rest.
+(measure/probe.py, once per tp and cp degree), drops what does not fit and ranks the rest.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from mesh3d.planner.search_space import (
     candidate_layouts,
     check_fix,
     check_sizes,
+    context_parallel_degrees,
+    context_parallel_refusal,
     memory_limit_bytes,
     nothing_fits,
     resolve_hardware,
@@ -64,7 +66,8 @@ class Plan:
     # a traced model: the tokens of one microbatch it is captured with (meta, microbatch_size x seq_len)
     example_inputs: tuple | None = field(default=None, repr=False, compare=False)  # tensors: not compared
     split_points: tuple[str, ...] | None = None  # as given to `plan`
-    reshard_after_forward: bool | None = None  # FSDP over dp > 1; None under DDP or dp = 1
+    reshard_after_forward: bool | None = None  # FSDP over dp x cp > 1; None under DDP or dp x cp = 1
+    cp: int = 1  # context parallelism: each sequence cut over cp ranks (a cp group shares its rows)
 
     def parallelize_kwargs(self) -> dict:
         """What to hand `mesh3d.parallelize(model, **kwargs)` to run exactly this plan (a traced
@@ -73,6 +76,7 @@ class Plan:
             pp=self.pp,
             dp=self.dp,
             tp=self.tp,
+            **({"cp": self.cp} if self.cp > 1 else {}),
             schedule=self.schedule,
             virtual_stages=self.virtual_stages,
             microbatches=self.microbatches,
@@ -92,7 +96,8 @@ class Plan:
     def row(self) -> str:
         dtype = "fp32" if self.param_dtype is None else str(self.param_dtype).removeprefix("torch.")
         return (
-            f"pp={self.pp} dp={self.dp} tp={self.tp} {self.schedule} v={self.virtual_stages} "
+            f"pp={self.pp} dp={self.dp}{f' cp={self.cp}' if self.cp > 1 else ''} tp={self.tp} "
+            f"{self.schedule} v={self.virtual_stages} "
             f"m={self.microbatches} ac={self.activation_checkpoint} {self.dp_mode}"
             f"{' reshard' if self.reshard_after_forward and self.pp > 1 else ''} {dtype}"
             f"{' compile' if self.compile else ''}"
@@ -121,12 +126,15 @@ def plan(
             (microbatch, seq_len); a traced model is captured with such ids on meta, once per
             microbatch size the planner measures, and its plans' `parallelize_kwargs()` carry
             `example_inputs` of the plan's microbatch size (docs/plan.md).
-        gpus, gpus_per_node: the cluster (tensor parallelism stays within a node).
+        gpus, gpus_per_node: the cluster (tensor parallelism stays within a node, and so does
+            context parallelism with it unless `fix` pins cp).
         hardware: a preset ("h100", "h200", "a100-80gb", "b200"), a `Hardware`, or "this-machine".
         seq_len, global_batch: tokens per sequence and sequences per step.
         memory_limit: bytes (or "80GiB") a rank may hold; default the hardware's memory less
             constants.MEMORY_MARGIN_FRACTION.
-        fix: pin choices by the plan's attribute names, e.g. {"pp": 8, "schedule": "1f1b"}.
+        fix: pin choices by the plan's attribute names, e.g. {"pp": 8, "schedule": "1f1b"} or
+            {"cp": 4} (context parallelism: planned where the model takes it and seq_len cuts into
+            2 x cp chunks; a model mesh3d cannot run under cp is refused by name as parallelize would).
         tp_plan: a tensor-parallel plan, when the model's own declaration is not the one to use.
         split_points: the blocks where stages 1, 2, ... begin, as `parallelize` takes them (a
             traced model's blocks are then that container's children): only layouts of
@@ -154,10 +162,19 @@ def plan(
     tied = any(len(group) > 1 for group in find_ties(model))
     param_bytes = next(model.parameters()).element_size()
     measure = functools.cache(
-        lambda tp, dtype: measure_model_anywhere(
-            model, anatomy, split_points, tp=tp, tp_plan=plan_tp, microbatch_size=1, seq_len=seq_len, param_dtype=dtype
+        lambda tp, dtype, cp=1: measure_model_anywhere(
+            model,
+            anatomy,
+            split_points,
+            tp=tp,
+            tp_plan=plan_tp,
+            microbatch_size=1,
+            seq_len=seq_len,
+            param_dtype=dtype,
+            cp=cp,
         )
     )
+    cp_choices = context_parallel_degrees(model, anatomy, gpus, gpus_per_node, fix, hw)
     # A measured machine times the model's parts at each microbatch size it plans (predict/step_time.py).
     timed = functools.cache(
         lambda tp, dtype, mbs: time_model(
@@ -186,31 +203,46 @@ def plan(
     walks: dict[tuple, tuple[tuple[int, int], ...]] = {}
     plans, smallest_need = [], None
     for cand in candidate_layouts(
-        gpus, gpus_per_node, global_batch, n_blocks, anatomy.tensor_parallel_sizes, fix, tensor_parallel=bool(plan_tp)
+        gpus,
+        gpus_per_node,
+        global_batch,
+        n_blocks,
+        anatomy.tensor_parallel_sizes,
+        fix,
+        tensor_parallel=bool(plan_tp),
+        seq_len=seq_len,
+        cp_choices=cp_choices,
     ):
         if split_counts is not None and cand["pp"] * cand["virtual_stages"] != len(split_counts):
             continue  # the split points name the stages
-        costs = measure(cand["tp"], cand["param_dtype"])
+        costs = measure(cand["tp"], cand["param_dtype"], cand["cp"])
+        refusal = context_parallel_refusal(costs, anatomy.name)
+        if refusal is not None:
+            if "cp" in fix:
+                raise ValueError(refusal)
+            continue
         built = schedule_of(cand["schedule"], cand["pp"], cand["microbatches"], cand["virtual_stages"])
         layers = layers_of(cand["pp"] * cand["virtual_stages"])
         compute_bytes = (
             param_bytes if cand["param_dtype"] is None else torch.empty((), dtype=cand["param_dtype"]).element_size()
         )
+        data_ranks = cand["dp"] * cand["cp"]  # FSDP/DDP span dp x cp
         place = StagePlacement(
             built,
             layers,
-            cand["dp"],
+            data_ranks,
             cand["dp_mode"],
             cand["microbatch_size"],
             cand["activation_checkpoint"],
             param_bytes,
             compute_bytes,
-            wraps=cand["dp"] > 1 or cand["param_dtype"] is not None,
+            wraps=data_ranks > 1 or cand["param_dtype"] is not None,
             tied_end=tied,
             reshard_after_forward=cand["reshard_after_forward"],
         )
         walk = (
             cand["tp"],
+            cand["cp"],
             cand["param_dtype"],
             cand["schedule"],
             cand["pp"],
@@ -226,7 +258,7 @@ def plan(
         if memory.total > limit:
             smallest_need = memory.total if smallest_need is None else min(smallest_need, memory.total)
             continue
-        links = Links.of(hw, cand["pp"], cand["dp"], cand["tp"], gpus_per_node)
+        links = Links.of(hw, cand["pp"], cand["dp"], cand["tp"], gpus_per_node, cand["cp"])
         fp32 = cand["param_dtype"] is None or cand["param_dtype"] == torch.float32
         step_costs = timed(cand["tp"], cand["param_dtype"], cand["microbatch_size"]) if hw.times_the_model else costs
         overhead = (
@@ -262,6 +294,7 @@ def plan(
                 (token_ids(cand["microbatch_size"], seq_len),) if anatomy.traced is not None else None,
                 None if split_points is None else tuple(split_points),
                 cand["reshard_after_forward"],
+                cand["cp"],
             )
         )
     if not plans:
@@ -270,6 +303,9 @@ def plan(
 
 
 def _model_flops_per_token(costs: ModelCosts, n_blocks: int) -> float:
-    """The whole model's FLOPs per token (forward and backward, no recomputation): MFU's numerator."""
-    per_rank = n_blocks * costs.block.flops + costs.first_end.flops + costs.last_end.flops
+    """The whole model's FLOPs per token (forward and backward, no recomputation): MFU's numerator.
+    A cp rank's tokens attend over the whole sequence, so its FLOPs per token are the whole model's,
+    its attention counted as at cp = 1 (the whole score matrix, once forward) for what it runs."""
+    block = costs.block.flops - costs.block.cp.run_flops + costs.block.cp.model_flops
+    per_rank = n_blocks * block + costs.first_end.flops + costs.last_end.flops
     return per_rank * costs.tp / (costs.microbatch_size * costs.seq_len)

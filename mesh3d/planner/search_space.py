@@ -1,7 +1,7 @@
-"""The space `plan()` searches and the checks of its arguments: which (pp, dp, tp) layouts and
+"""The space `plan()` searches and the checks of its arguments: which (pp, dp, cp, tp) layouts and
 fixed choices are candidates, the hardware and memory limit a plan is made for, and what a user
-is told when nothing fits. Pure arithmetic (the hardware aside), so every caller gets the same
-errors before anything is measured."""
+is told when nothing fits. Pure arithmetic (the hardware and the model's own context-parallel
+check aside), so every caller gets the same errors before anything is measured."""
 
 from __future__ import annotations
 
@@ -10,11 +10,15 @@ import re
 
 import torch
 
+from mesh3d.context_parallel.model_check import check_kind
+from mesh3d.model.stage_inputs import stage_input_names
 from mesh3d.pipeline.config import ACTIVATION_CHECKPOINT_MODES
 from mesh3d.pipeline.schedule.catalog import SCHEDULES, check_schedule_config
 from mesh3d.planner import constants as C
 from mesh3d.planner.hardware import HARDWARE, Hardware
+from mesh3d.planner.measure.costs import ModelCosts
 from mesh3d.planner.measure.machine_bench import measure_this_machine
+from mesh3d.planner.measure.measured_stages import measured_stages
 
 # The never-drain schedules (pipedream, pipedream_2bw) hold stashed weight versions and overlap
 # calls; the planner's memory walk and step timeline model one flushing step, so it leaves them out.
@@ -23,6 +27,7 @@ PLANNED_SCHEDULES = [name for name, spec in SCHEDULES.items() if not spec.never_
 FIXABLE = (
     "pp",
     "dp",
+    "cp",
     "tp",
     "schedule",
     "virtual_stages",
@@ -39,20 +44,33 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(gpus, gpus_per_node, global_batch, n_blocks, tp_sizes, fix, tensor_parallel=True):
+def candidate_layouts(
+    gpus, gpus_per_node, global_batch, n_blocks, tp_sizes, fix, tensor_parallel=True, seq_len=None, cp_choices=(1,)
+):
     """Every layout mesh3d accepts for these sizes, with `fix` applied; tp = 1 only, unless fixed,
-    for a model without a tensor-parallel plan."""
+    for a model without a tensor-parallel plan. `cp_choices`: the context-parallel degrees the
+    model can take (context_parallel_degrees), each kept where it cuts `seq_len` into 2 x cp
+    chunks and, unless pinned, where its cp x tp ranks fit in a node (each layer's K/V all-gather
+    wants NVLink); the global batch divides over dp alone (a cp group's ranks share their rows)."""
 
     def allowed(name, values):
         return [fix[name]] if name in fix else values
 
     tp_choices = [t for t in divisors(gpus) if t <= gpus_per_node and all(s % t == 0 for s in tp_sizes.values())]
     tp_choices = tp_choices if tensor_parallel else [1]
-    for tp in allowed("tp", tp_choices):
-        for pp in allowed("pp", [p for p in divisors(gpus // tp) if p <= n_blocks] if gpus % tp == 0 else []):
-            if gpus % (tp * pp):
+    pairs = [
+        (tp, cp)
+        for tp in allowed("tp", tp_choices)
+        for cp in cp_choices
+        if gpus % (tp * cp) == 0
+        and (seq_len is None or seq_len % (2 * cp) == 0)
+        and (cp * tp <= gpus_per_node or "cp" in fix)
+    ]
+    for tp, cp in pairs:
+        for pp in allowed("pp", [p for p in divisors(gpus // (tp * cp)) if p <= n_blocks]):
+            if gpus % (tp * cp * pp):
                 continue
-            dp = gpus // (tp * pp)
+            dp = gpus // (tp * cp * pp)
             if "dp" in fix and fix["dp"] != dp or global_batch % dp:
                 continue
             local = global_batch // dp
@@ -72,10 +90,12 @@ def candidate_layouts(gpus, gpus_per_node, global_batch, n_blocks, tp_sizes, fix
                         except ValueError:
                             continue
                         for ac in allowed("activation_checkpoint", list(ACTIVATION_CHECKPOINT_MODES)):
-                            for mode, reshard in _data_parallel_choices(allowed, dp, pp):
+                            # FSDP/DDP span dp x cp: the ranks of a cp group hold the same parameters
+                            for mode, reshard in _data_parallel_choices(allowed, dp * cp, pp):
                                 yield dict(
                                     pp=pp,
                                     dp=dp,
+                                    cp=cp,
                                     tp=tp,
                                     schedule=schedule,
                                     virtual_stages=v,
@@ -90,6 +110,34 @@ def candidate_layouts(gpus, gpus_per_node, global_batch, n_blocks, tp_sizes, fix
                                 )
 
 
+def context_parallel_degrees(model, anatomy, gpus, gpus_per_node, fix, hardware: Hardware) -> list[int]:
+    """The cp degrees to plan: `fix`'s, refused by name (as parallelize would) where the model or the
+    hardware cannot take it; else every divisor of the GPUs up to a node (candidate_layouts keeps
+    those whose cp x tp group fits in one; a larger cp can be pinned), or 1 alone for a model mesh3d
+    cannot cut along the sequence and on a measured machine."""
+
+    def refused(cp: int) -> None:
+        if anatomy.traced is None:
+            takes = [stage_input_names(stage) for stage in measured_stages(model, anatomy, 1, 2 * cp).stages.values()]
+        else:
+            takes = []
+        check_kind(cp, anatomy.traced is not None, takes, model, anatomy.cp_refusal)
+        if hardware.times_the_model:
+            raise ValueError(
+                f"plan: cp={cp} on {hardware.name!r}: a measured machine times its model's parts on whole "
+                "sequences, not a cp rank's; plan context parallelism for a GPU preset or a Hardware, or fix cp=1"
+            )
+
+    if "cp" in fix:
+        refused(fix["cp"])
+        return [fix["cp"]]
+    try:
+        refused(2)
+    except ValueError:
+        return [1]
+    return [c for c in divisors(gpus) if c <= gpus_per_node]
+
+
 def _data_parallel_choices(allowed, dp: int, pp: int):
     """(dp_mode, reshard_after_forward) pairs: FSDP over dp > 1 reshards after each forward or
     keeps the stage gathered (parallelize's default: reshard at pp = 1, keep at pp > 1, where the
@@ -100,6 +148,25 @@ def _data_parallel_choices(allowed, dp: int, pp: int):
             yield from ((mode, r) for r in allowed("reshard_after_forward", [True] if pp == 1 else [False, True]))
         elif allowed("reshard_after_forward", [None]) == [None]:
             yield mode, None
+
+
+def context_parallel_refusal(costs: ModelCosts, name: str) -> str | None:
+    """Why the measured block cannot run under the cp it was measured at, as parallelize's check
+    would refuse it (context_parallel/model_check.py); None where it can (and at cp = 1)."""
+    if costs.cp == 1:
+        return None
+    if not costs.block.cp.calls:
+        return (
+            f"plan: cp={costs.cp}, but the blocks of {name} never call "
+            "torch.nn.functional.scaled_dot_product_attention, the attention mesh3d makes context-parallel; use "
+            "cp=1 (or an SDPA attention)"
+        )
+    if costs.block.cp.float_masks:
+        return (
+            f"plan: cp={costs.cp}, but the attention of {name} calls scaled_dot_product_attention with a float mask, "
+            "which mesh3d cannot extend to a sequence cut over ranks; use cp=1"
+        )
+    return None
 
 
 def check_fix(fix: dict | None) -> dict:
@@ -129,7 +196,7 @@ def check_fix(fix: dict | None) -> dict:
         )
     if "compile" in fix and not isinstance(fix["compile"], bool):
         raise ValueError(f"plan: fix compile={fix['compile']!r}; give True or False")
-    for name in ("pp", "dp", "tp", "virtual_stages", "microbatches"):
+    for name in ("pp", "dp", "cp", "tp", "virtual_stages", "microbatches"):
         if name in fix and (isinstance(fix[name], bool) or not isinstance(fix[name], int) or fix[name] < 1):
             raise ValueError(f"plan: fix {name}={fix[name]!r}; give a positive integer")
     return fix
@@ -205,7 +272,7 @@ def nothing_fits(gpus, limit, smallest_need, fix, global_batch, split_counts=Non
         return (
             f"plan: no layout of {gpus} GPUs matches these sizes (global_batch={global_batch}, fix={fix}); "
             "global_batch must divide over dp, microbatches over each dp rank's batch, tp the model's head "
-            f"counts{stages}"
+            f"counts, seq_len into 2 x cp chunks{stages}"
         )
     need = math.ceil(smallest_need / limit)
     return (

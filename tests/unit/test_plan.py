@@ -34,7 +34,7 @@ def test_plans_are_ranked_fastest_first_and_runnable(plans):
     speeds = [p.tokens_per_second_per_gpu for p in plans]
     assert speeds == sorted(speeds, reverse=True)
     for p in plans:
-        assert p.pp * p.dp * p.tp == 4
+        assert p.pp * p.dp * p.cp * p.tp == 4
         assert p.local_batch == 8 // p.dp and p.microbatch_size * p.microbatches == p.local_batch
         check_schedule_config(p.schedule, p.pp, p.microbatches, p.virtual_stages)  # parallelize would accept it
         assert p.activation_checkpoint in ACTIVATION_CHECKPOINT_MODES and p.dp_mode in ("fsdp", "ddp")
@@ -47,8 +47,10 @@ def test_memory_breakdown_adds_up_and_fits(plans):
     for p in plans:
         m = p.memory_per_rank
         held = m.parameters + m.gradients + m.optimizer
-        assert m.total == held + m.activations + m.recompute + m.communication + m.optimizer_step
-        assert m.optimizer_step == max(0, m.parameters - m.activations - m.recompute - m.communication)
+        transient = m.communication + m.optimizer_step + m.context_parallel
+        assert m.total == held + m.activations + m.recompute + transient
+        during_backward = m.activations + m.recompute + m.communication + m.context_parallel
+        assert m.optimizer_step == max(0, m.parameters - during_backward)
         assert m.gradients == m.parameters and m.optimizer == 2 * m.parameters  # fp32 grads, AdamW's two moments
         assert 0 < m.total <= limit
 
@@ -140,6 +142,65 @@ def test_resharding_after_forward_at_pp_above_one_trades_memory_for_gathers():
     ddp = mesh3d.plan(debug_model(), fix={**fix, "dp_mode": "ddp"}, **SIZES)
     assert {p.reshard_after_forward for p in ddp} == {None}
     assert "reshard_after_forward" not in ddp[0].parallelize_kwargs()
+
+
+def test_context_parallel_is_planned_where_the_sequence_cuts(plans):
+    """cp divides the GPUs, cuts seq_len into 2 x cp chunks and, unpinned, keeps cp x tp in a node;
+    the global batch divides over dp alone; the plan hands cp to parallelize."""
+    cut = [p for p in plans if p.cp > 1]
+    assert {p.cp for p in cut} == {2, 4}
+    for p in cut:
+        assert 64 % (2 * p.cp) == 0 and p.cp * p.tp <= 4 and p.local_batch == 8 // p.dp
+        assert p.parallelize_kwargs()["cp"] == p.cp and f" cp={p.cp} " in p.row()
+        assert p.memory_per_rank.context_parallel > 0 and p.time.cp_seconds > 0
+    whole = [p for p in plans if p.cp == 1]
+    assert all("cp" not in p.parallelize_kwargs() and p.memory_per_rank.context_parallel == 0 for p in whole)
+
+
+def test_context_parallel_ranks_hold_a_cp_th_of_the_tokens_and_shard_over_dp_x_cp():
+    """At one dp rank's batch, cp ranks each hold 1/cp of the tokens (activations, FLOPs) and FSDP
+    shards the parameters over dp x cp; the K/V exchange and its whole-sequence buffers come on top.
+    The model's FLOPs per token (MFU's) do not change: each token still attends over the whole sequence."""
+    fix = {"pp": 1, "dp": 1, "tp": 1, "microbatches": 1, "activation_checkpoint": "never", "dp_mode": "fsdp"}
+    by_cp = {
+        cp: mesh3d.plan(debug_model(), fix={**fix, "cp": cp}, **{**SIZES, "gpus": cp, "gpus_per_node": cp})[0]
+        for cp in (1, 2, 4)
+    }
+    for cp in (2, 4):
+        plan, whole = by_cp[cp], by_cp[1]
+        assert plan.memory_per_rank.activations == pytest.approx(whole.memory_per_rank.activations / cp, rel=0.1)
+        assert plan.memory_per_rank.parameters == pytest.approx(whole.memory_per_rank.parameters / cp, rel=0.05)
+        assert plan.mfu * plan.step_seconds * cp == pytest.approx(whole.mfu * whole.step_seconds, rel=1e-6)
+        assert plan.time.cp_seconds > 0 and plan.memory_per_rank.context_parallel > 0
+    # each rank receives (cp - 1) / cp of the sequence's K and V (a model this small spends more on it than it saves)
+    assert by_cp[4].time.cp_seconds > by_cp[2].time.cp_seconds
+
+
+def test_context_parallel_is_refused_by_name_where_mesh3d_cannot_cut_the_sequence():
+    """Pinned, as parallelize refuses it: a measured machine (its parts timed on whole sequences),
+    a sequence that does not cut into 2 x cp chunks. A model whose blocks never call SDPA is planned at cp = 1."""
+    with pytest.raises(ValueError, match="seq_len into 2 x cp chunks"):
+        mesh3d.plan(debug_model(), fix={"cp": 4}, **{**SIZES, "seq_len": 60})
+    measured = mesh3d.Hardware(  # as "this-machine" is, without measuring this one
+        "measured",
+        peak_flops=1e11,
+        memory_bytes=2**34,
+        intra_node_bandwidth=1e9,
+        inter_node_bandwidth=1e9,
+        memory_bandwidth=1e10,
+        achievable_fraction=1.0,
+        times_the_model=True,
+    )
+    with pytest.raises(ValueError, match="a measured machine times"):
+        mesh3d.plan(debug_model(), fix={"cp": 2}, **{**SIZES, "hardware": measured})
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=128, vocab_size=256
+    )
+    config._attn_implementation = "eager"
+    assert {p.cp for p in mesh3d.plan(config, **SIZES, fix={"tp": 1, "pp": 1})} == {1}
+    with pytest.raises(ValueError, match="never call torch.nn.functional.scaled_dot_product_attention"):
+        mesh3d.plan(config, **SIZES, fix={"tp": 1, "cp": 2})
 
 
 def test_a_custom_hardware_and_a_memory_limit_as_text():

@@ -1,5 +1,6 @@
 """What the probe measures of a model, per microbatch on one tp rank: a block's and the two ends'
-parameters, saved activations, FLOPs and tensor-parallel traffic (probe.py), and, on a machine the
+parameters, saved activations, FLOPs and tensor-parallel traffic (probe.py), under context
+parallelism what one cp rank runs and exchanges (context_parallel.py), and, on a machine the
 planner times, their seconds (part_timing.py). The predictions (predict/) read these."""
 
 from __future__ import annotations
@@ -7,6 +8,45 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass(frozen=True)
+class AttentionExchange:
+    """What context parallelism's attention (context_parallel/attention.py) adds to a part on one cp
+    rank, per sequence of a microbatch: every attention call all-gathers the whole sequence's K and
+    V in its forward, again in its backward, and reduce-scatters their gradients in fp32. Zero at cp = 1."""
+
+    calls: int = 0  # attention calls: each one all-gather forward, one all-gather and one reduce-scatter backward
+    gathered_bytes: float = 0.0  # bytes this rank sends in one forward's all-gathers (ring: (cp-1) x its K and V)
+    reduced_bytes: float = 0.0  # bytes it sends in the backward's reduce-scatters ((cp-1)/cp of the fp32 dK, dV)
+    # The largest call's whole-sequence K and V (compute dtype), and the boolean mask rows it builds
+    # for this rank's queries over every key (0: an unmasked call): the predictions hold one call's
+    # buffers at a time (predict/memory.py).
+    whole_kv_bytes: int = 0
+    mask_bytes: int = 0
+    element_size: int = 0  # of the compute dtype
+    # The attention's FLOPs as the rank runs them (counted in the part's: forward, its rerun in
+    # backward and backward, over the keys its row blocks attend), and as MFU counts a model's
+    # (forward and backward over the whole score matrix, as the probe counts them at cp = 1).
+    run_flops: float = 0.0
+    model_flops: float = 0.0
+    float_masks: int = 0  # calls with an additive mask, which mesh3d refuses under cp (model_check.py)
+
+    def minus(self, other: AttentionExchange) -> AttentionExchange:
+        """What a stage's end adds beyond its block: the additive counts' difference; the largest
+        call's buffers only where the end attends itself."""
+        calls = self.calls - other.calls
+        return AttentionExchange(
+            calls,
+            self.gathered_bytes - other.gathered_bytes,
+            self.reduced_bytes - other.reduced_bytes,
+            self.whole_kv_bytes if calls else 0,
+            self.mask_bytes if calls else 0,
+            self.element_size,
+            self.run_flops - other.run_flops,
+            self.model_flops - other.model_flops,
+            self.float_masks - other.float_masks,
+        )
 
 
 @dataclass(frozen=True)
@@ -31,6 +71,7 @@ class PartCosts:
     # both halves, and the weight half alone. Walking the graph twice costs more than once.
     split_backward_seconds: float = 0.0
     weight_half_seconds: float = 0.0
+    cp: AttentionExchange = field(default_factory=AttentionExchange)  # context parallelism's exchange
 
     def minus(self, other: PartCosts, names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> PartCosts:
         return PartCosts(
@@ -42,6 +83,7 @@ class PartCosts:
             self.tp_bytes - other.tp_bytes,
             self.tp_collectives - other.tp_collectives,
             _by_kind_minus(self.tp_by_kind, other.tp_by_kind),
+            cp=self.cp.minus(other.cp),
         )
 
 
@@ -58,11 +100,11 @@ def _by_kind_minus(
 
 @dataclass(frozen=True)
 class ModelCosts:
-    """A block and the two ends, per microbatch of `microbatch_size` x `seq_len`, at `tp`."""
+    """A block and the two ends, per microbatch of `microbatch_size` x `seq_len`, at `tp` and `cp`."""
 
     tp: int
     microbatch_size: int
-    seq_len: int
+    seq_len: int  # tokens of a sequence one rank holds: the whole sequence's / cp
     dtype: torch.dtype  # the compute dtype the activations are in
     block: PartCosts
     first_end: PartCosts
@@ -71,3 +113,4 @@ class ModelCosts:
     # a whole stage under checkpoint keeps its input (and the last, the loss's saved tensors),
     # whatever its blocks: by stage kind "first", "middle", "last"
     checkpointed_stage: dict[str, int]
+    cp: int = 1

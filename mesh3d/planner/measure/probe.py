@@ -14,7 +14,10 @@ log-sum-exp, as on a GPU. What runs is counted with torch's own meters (meters.p
 - what "selective" caches: the results of the policy's ops (pipeline/activation_checkpoint.py),
   counted by a dispatch mode as they are computed;
 - FLOPs: FlopCounterMode (the local shards' matmuls, recomputation not counted);
-- tensor-parallel traffic: the bytes of every functional collective DTensor issues.
+- tensor-parallel traffic: the bytes of every functional collective DTensor issues;
+- under context parallelism (cp > 1): the stages run on one cp rank's seq_len / cp tokens, each
+  attention call answered over the whole sequence as mesh3d answers it (context_parallel.py), which
+  also records the K/V exchange.
 
 The middle stage is a block; first minus middle and last minus middle are the two ends. A model's
 blocks must be alike (they are in every decoder the planner knows: checked by shape).
@@ -36,7 +39,8 @@ from mesh3d.model.anatomy import Anatomy
 from mesh3d.model.loss import cross_entropy_loss
 from mesh3d.pipeline.activation_checkpoint import SAVED_OPS
 from mesh3d.pipeline.shape_ops import ShapeRunOps
-from mesh3d.planner.measure.costs import ModelCosts, PartCosts
+from mesh3d.planner.measure.context_parallel import GatheredAttentionShapes
+from mesh3d.planner.measure.costs import AttentionExchange, ModelCosts, PartCosts
 from mesh3d.planner.measure.measured_stages import KINDS, MeasuredStages, StageFlow, measured_stages, planner_anatomy
 from mesh3d.planner.measure.meters import CPU_ATTENTION_FLOPS, CollectiveBytes, ResultsOf, SavedBytesMeter, local_shard
 
@@ -92,13 +96,16 @@ def measure_model(
     microbatch_size: int,
     seq_len: int,
     param_dtype: torch.dtype | None,
+    cp: int = 1,
 ) -> ModelCosts:
-    """Measure a block and the two ends of `model` (on meta) at `tp`; see the module docstring."""
+    """Measure a block and the two ends of `model` (on meta) at `tp` and `cp`; see the module docstring.
+    `seq_len` is the whole sequence's: a cp rank runs seq_len // cp of its tokens."""
     from mesh3d.tensor.apply import apply_tensor_parallel
 
     n_blocks = len(anatomy.block_names(model))
     if n_blocks < 3:
         raise ValueError(f"plan: {anatomy.name} has {n_blocks} blocks; the planner measures a model with at least 3")
+    seq_len //= cp  # the rank's tokens of each sequence
     measured = measured_stages(model, anatomy, microbatch_size, seq_len)
     stages = measured.stages
     with fake_tp_mesh(tp) as mesh:
@@ -106,13 +113,15 @@ def measure_model(
             if not tp_plan:
                 raise ValueError(f"plan: tp={tp} needs a tensor-parallel plan, and {anatomy.name} declares none")
             apply_tensor_parallel(stages.values(), tp_plan, mesh)
-        with FakeTensorMode(allow_non_fake_inputs=True), ShapeRunOps():  # grouped-mm experts, expert loops
-            results, message, checkpointed = _run_chain(measured, tp, microbatch_size, seq_len, param_dtype)
+        attention = GatheredAttentionShapes(cp) if cp > 1 else None
+        # ShapeRunOps: grouped-mm experts, expert loops
+        with FakeTensorMode(allow_non_fake_inputs=True), ShapeRunOps(), attention or contextlib.nullcontext():
+            results, message, checkpointed = _run_chain(measured, tp, microbatch_size, seq_len, param_dtype, attention)
     block = results["middle"]
     first = results["first"].minus(block, *_end_params(stages["first"], stages["middle"]))
     last = results["last"].minus(block, *_end_params(stages["last"], stages["middle"]))
     dtype = param_dtype or torch.float32
-    return ModelCosts(tp, microbatch_size, seq_len, dtype, block, first, last, message, checkpointed)
+    return ModelCosts(tp, microbatch_size, seq_len, dtype, block, first, last, message, checkpointed, cp)
 
 
 def _end_params(stage: nn.Module, middle: nn.Module) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
@@ -131,10 +140,16 @@ def _end_params(stage: nn.Module, middle: nn.Module) -> tuple[tuple[str, ...], t
 
 
 def _run_chain(
-    measured: MeasuredStages, tp: int, batch: int, seq_len: int, param_dtype: torch.dtype | None
+    measured: MeasuredStages,
+    tp: int,
+    batch: int,
+    seq_len: int,
+    param_dtype: torch.dtype | None,
+    attention: GatheredAttentionShapes | None,
 ) -> tuple[dict[str, PartCosts], int, dict[str, int]]:
     """Each measured stage's costs, its input the stages before it handed on; and the middle
-    stage's message (everything it sends on)."""
+    stage's message (everything it sends on). `attention`: under cp, the active mode answering
+    the attention calls; what it records of one forward is the stage's exchange."""
     tokens = torch.zeros(batch, seq_len, dtype=torch.long)
     targets = torch.zeros(batch, seq_len, dtype=torch.long)
     for stage in measured.stages.values():
@@ -150,12 +165,15 @@ def _run_chain(
             "selective": _selective_cache_bytes(stage, x),
         }
         checkpointed[kind] = _saved_bytes(stage, x, targets if is_last else None, "always")
+        if attention is not None:
+            attention.calls.clear()  # the calls of the one forward below
         flops, forward_flops, traffic, out = _flops_and_traffic(stage, x, targets if is_last else None, tp)
+        exchange = attention.exchange() if attention is not None else AttentionExchange()
         own = measured.stages[kind]
         params = tuple(local_shard(p).shape for p in own.parameters())
         names = tuple(n for n, _ in own.named_parameters())
         results[kind] = PartCosts(
-            params, names, saved, flops, forward_flops, traffic.bytes, traffic.count, dict(traffic.by_kind)
+            params, names, saved, flops, forward_flops, traffic.bytes, traffic.count, dict(traffic.by_kind), cp=exchange
         )
         if not is_last:
             flow.hand_on(kind, out)

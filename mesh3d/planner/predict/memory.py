@@ -18,6 +18,11 @@
   the flat buffer they were gathered into) and, with several microbatches, the unsharded
   gradients it accumulates until the step's one reduction; DDP's compute-dtype copy; a receive
   buffer per boundary message;
+- context_parallel: under cp, one attention call's whole-sequence buffers at a time (they are not
+  kept between calls, context_parallel/attention.py): the boolean mask rows of the rank's queries
+  over every key (causal rows: one per microbatch, not per sequence), the gathered K and V, and in
+  backward the fp32 sums of their gradients and a row block's gradients; the activations a cp rank
+  keeps are measured on its own tokens (measure/context_parallel.py);
 - optimizer_step: what AdamW's step adds beyond the backward's peak. Its foreach kernels (torch's
   default on CUDA) hold one temporary the size of the rank's parameters while every gradient is
   there, so a rank without data parallelism peaks in the step, not in the backward.
@@ -43,11 +48,13 @@ class MemoryBreakdown:
     recompute: int
     communication: int
     optimizer_step: int = 0
+    context_parallel: int = 0
 
     @property
     def total(self) -> int:
         held = self.parameters + self.gradients + self.optimizer
-        return held + self.activations + self.recompute + self.communication + self.optimizer_step
+        transient = self.communication + self.optimizer_step + self.context_parallel
+        return held + self.activations + self.recompute + transient
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,7 @@ class StagePlacement:
 
     schedule: Schedule
     stage_layers: list[range]
-    dp: int
+    dp: int  # the ranks data parallelism spans: dp x cp (context-parallel ranks hold the same parameters)
     dp_mode: str
     microbatch_size: int
     activation_checkpoint: str
@@ -229,6 +236,24 @@ def rank_memory(
         # Reduced once per step (data_parallel/gradient_sync.py): until the last backward FSDP
         # accumulates each gathered parameter's whole gradient, beside the reduced shards.
         comm += unsharded * place.param_bytes
-    during_backward = activations + recompute + comm
+    holds_blocks = any(place.stage_layers[s] for s in place.schedule.local_stages(rank))
+    whole = _whole_sequence_bytes(costs.block, place.microbatch_size) if holds_blocks else 0
+    during_backward = activations + recompute + comm + whole
     optimizer_step = max(0, params - during_backward)  # foreach AdamW's one parameter-sized temporary
-    return MemoryBreakdown(params, params, 2 * params, activations, recompute, comm, optimizer_step)
+    return MemoryBreakdown(params, params, 2 * params, activations, recompute, comm, optimizer_step, whole)
+
+
+def _whole_sequence_bytes(block: PartCosts, microbatch_size: int) -> int:
+    """The most one context-parallel attention call holds at once (0 at cp = 1), in the order
+    context_parallel/attention.py allocates its backward, the fuller pass: the boolean mask rows
+    (kept through the call), the whole K and V (W, for the microbatch), the fp32 sums of their
+    gradients by owner (W x 4 / b), a row block's dK and dV (at most W) and the fp32 copy of one of
+    them (none from fp32). The forward holds the mask and 2W at most (the gather's buffer beside
+    K and V); a row block's own mask columns and SDPA's float copy of them are bounded by
+    attention.py's MASK_PAIRS (a few MiB) and not counted."""
+    cp = block.cp
+    if not cp.calls:
+        return 0
+    kv, b = cp.whole_kv_bytes * microbatch_size, cp.element_size
+    fp32_copy = kv // 2 * 4 // b if b < 4 else 0
+    return cp.mask_bytes + kv + kv * 4 // b + kv + fp32_copy

@@ -2,7 +2,11 @@
 
 Per stage and microbatch, a forward costs its FLOPs at the achievable rate plus its tensor-parallel
 collectives (not hidden: mesh3d runs them synchronously); a backward costs its FLOPs, its
-collectives and its recomputation. The simulator (pipeline/schedule/timeline.py) plays the
+collectives and its recomputation. Under context parallelism the FLOPs are one cp rank's (measured
+on its tokens, the attention's second forward in backward included) and each attention call adds
+its K/V all-gather to the forward (and to a recompute), and a second all-gather and the fp32
+reduce-scatter of dK/dV to the backward, over the cp group's links, none hidden (the attention
+waits for them). The simulator (pipeline/schedule/timeline.py) plays the
 schedule's real action lists with each stage's own costs and the P2P time of a boundary
 message, so the bubble is the schedule's, not a closed form. FSDP/DDP traffic overlaps the
 compute (what exceeds it shows), and the optimizer's update is memory-bound.
@@ -31,19 +35,20 @@ class Links:
     """Bytes/s each parallel axis's traffic gets (intra- or inter-node, by where its ranks sit)."""
 
     tp: float
-    dp: float
+    dp: float  # data parallelism's group: dp x cp
     pp: float
+    cp: float = 0.0
 
     @classmethod
-    def of(cls, hardware: Hardware, pp: int, dp: int, tp: int, gpus_per_node: int) -> Links:
-        """Ranks are laid out tp fastest, then dp, then pp (mesh.py): an axis stays in a node while
+    def of(cls, hardware: Hardware, pp: int, dp: int, tp: int, gpus_per_node: int, cp: int = 1) -> Links:
+        """Ranks are laid out tp fastest, then cp, dp, pp (axes.py): an axis stays in a node while
         its span of ranks fits in one."""
 
         def link(span: int) -> float:
             bandwidth = hardware.intra_node_bandwidth if span <= gpus_per_node else hardware.inter_node_bandwidth
             return bandwidth * C.ACHIEVABLE_LINK_FRACTION
 
-        return cls(link(tp), link(dp * tp), link(pp * dp * tp))
+        return cls(link(tp), link(dp * cp * tp), link(pp * dp * cp * tp), link(cp * tp))
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class StepTime:
     forward_seconds: tuple[float, ...] = ()
     backward_seconds: tuple[float, ...] = ()  # the whole backward, recomputation included
     weight_grad_seconds: tuple[float, ...] = ()  # the W part of a split backward (zero-bubble schedules)
+    cp_seconds: float = 0.0  # context parallelism's K/V exchange of the heaviest stage's microbatch
 
 
 def step_time(
@@ -82,7 +88,7 @@ def step_time(
     timed = hardware.times_the_model  # costs carry seconds timed at this microbatch size (measure/part_timing.py)
     forward, backward, weight_half = [], [], []
     splits = place.schedule.splits_backward
-    tp_time = 0.0
+    tp_time = cp_time = 0.0
     for stage in range(len(place.stage_layers)):
         parts = _stage_parts(costs, stage, place)
         if timed:
@@ -101,11 +107,15 @@ def step_time(
             )
         elif costs.tp > 1:
             tp_s = (tp_bytes / links.tp + tp_count * hardware.collective_latency) * (1 - C.TP_HIDDEN_FRACTION)
-        f = fwd_s + tp_s / 2
-        recompute = {"always": f, "except_last": f, "selective": C.SELECTIVE_RECOMPUTE_FRACTION * fwd_s}
+        gather_s, reduce_s = _exchange_seconds(parts, mbs, links, hardware)
+        f = fwd_s + tp_s / 2 + gather_s
+        # a checkpoint's recompute gathers K and V again, the selective one too (it caches the
+        # attention's result, not the all-gather before it)
+        recompute = {"always": f, "except_last": f, "selective": C.SELECTIVE_RECOMPUTE_FRACTION * fwd_s + gather_s}
         forward.append(f)
-        backward.append(bwd_s + tp_s / 2 + recompute.get(mode, 0.0))
+        backward.append(bwd_s + tp_s / 2 + gather_s + reduce_s + recompute.get(mode, 0.0))
         tp_time = max(tp_time, tp_s)
+        cp_time = max(cp_time, 2 * gather_s + reduce_s)
     # Each stage plays at its own costs: the ends (embedding, output layer and loss) are heavier
     # than a stage of blocks alone, and under interleaving only two of a rank's stages carry them.
     if not splits:
@@ -141,6 +151,21 @@ def step_time(
         forward_seconds=tuple(forward),
         backward_seconds=tuple(backward),
         weight_grad_seconds=tuple(w),
+        cp_seconds=cp_time,
+    )
+
+
+def _exchange_seconds(parts, mbs: int, links: Links, hardware: Hardware) -> tuple[float, float]:
+    """(one pass's K/V all-gathers, the backward's dK/dV reduce-scatters) of a stage's microbatch under
+    context parallelism: ring bytes over the cp group's link, a latency per collective; 0 at cp = 1."""
+    calls = sum(c * p.cp.calls for p, c in parts)
+    if not calls:
+        return 0.0, 0.0
+    gathered = sum(c * p.cp.gathered_bytes for p, c in parts) * mbs
+    reduced = sum(c * p.cp.reduced_bytes for p, c in parts) * mbs
+    latency = calls * hardware.collective_latency
+    return (gathered / links.cp + latency) * (1 - C.CP_HIDDEN_FRACTION), (reduced / links.cp + latency) * (
+        1 - C.CP_HIDDEN_FRACTION
     )
 
 
