@@ -102,8 +102,13 @@ class Layout:
         """Global ranks of this rank's group along one mesh dim, in mesh order."""
         return dist.get_process_group_ranks(self.group(dim))
 
-    def rank_at(self, *coordinate: int) -> int:
-        """The global rank at mesh coordinates (one per mesh dim, as `coordinate` lists them)."""
+    def rank_at(self, *coordinate: int, **by_name: int) -> int:
+        """The global rank at mesh coordinates, one per mesh dim as `coordinate` lists them, given in
+        order or by name (`pp_rank=`, `dp_rank=`, `cp_rank=`, `tp_rank=`)."""
+        if by_name:
+            coordinate = (*coordinate, *(by_name.pop(f"{dim}_rank") for dim in self.dims[len(coordinate) :]))
+            if by_name:
+                raise ValueError(f"rank_at: unknown coordinates {sorted(by_name)}; the mesh's dims are {self.dims}")
         if len(coordinate) != len(self.dims):
             raise ValueError(f"rank_at takes one coordinate per mesh dim {self.dims}, got {coordinate}")
         return int(self.mesh.mesh[tuple(coordinate)])

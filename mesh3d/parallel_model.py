@@ -99,7 +99,8 @@ class ParallelModel:
         vocab, ignore = self._vocab_size, self._global_loss.ignore_index
         check_batch(inputs, targets, per_sample, vocab, ignore, self._index_bounds, self.layout.device, during)
         batch = self._shards.cut(inputs, targets, per_sample)
-        check_split(batch.inputs, self.schedule.microbatches, self.layout.tp, self._tensor_parallel.sequence_parallel)
+        tp, sequence_parallel = self.layout.tp, self._tensor_parallel.sequence_parallel
+        check_split(batch.inputs, self.schedule.microbatches, tp, sequence_parallel, self.layout.cp)
         boundaries = self._runtime.check(batch.inputs, batch.per_sample)
         if self._tensor_parallel.loss_parallel:
             output = boundaries.output  # the model's output on meta, as tensor parallelism leaves it

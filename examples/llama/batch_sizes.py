@@ -27,7 +27,7 @@ def seq_len_problem(seq_len: int, cp: int) -> str | None:
     """Why --seq-len does not cut into 2 x --cp chunks (a head and a tail chunk of every sequence per
     cp rank); None if it does, or if --cp is not >= 1 (build_mesh then says so)."""
     chunks = 2 * cp
-    if cp < 1 or (seq_len >= 1 and seq_len % chunks == 0):
+    if cp <= 1 or (seq_len >= 1 and seq_len % chunks == 0):
         return None
     lower, upper = (seq_len // chunks) * chunks, (seq_len // chunks + 1) * chunks
     choices = f"--seq-len {lower} or {upper}" if lower >= 1 else f"--seq-len {upper}"

@@ -148,7 +148,8 @@ def _checkpoint_source(path: Path) -> TrainedSource:
     if not tokenizer and saved.get("init_from_hf") and (Path(saved["init_from_hf"]) / "tokenizer.json").is_file():
         tokenizer = Path(saved["init_from_hf"]) / "tokenizer.json"
     layout = train_state.get("layout", {})
-    where = f"pp={layout.get('pp')} dp={layout.get('dp')} tp={layout.get('tp')}"
+    where = f"pp={layout.get('pp')} dp={layout.get('dp')}" + (f" cp={layout['cp']}" if layout.get("cp", 1) != 1 else "")
+    where += f" tp={layout.get('tp')}"
     description = f"mesh3d checkpoint {path} (step {train_state.get('step')}, saved at {where})"
     return TrainedSource(
         path, "checkpoint", config, Path(tokenizer) if tokenizer else None, description, saved.get("eos_token")

@@ -37,6 +37,10 @@ class ContextParallelAttention(TorchFunctionMode):
         document_ids: the microbatch's whole-row document ids (batch, seq), or None.
     """
 
+    # Re-entered where a block checkpointed on its own recomputes its forward inside the backward
+    # (pipeline/activation_checkpoint.py): its SDPA calls must span the whole sequence there too.
+    reenter_on_recompute = True
+
     def __init__(self, cut: SequenceCut, group: dist.ProcessGroup, document_ids: torch.Tensor | None = None):
         super().__init__()
         self.cut, self.group, self.document_ids = cut, group, document_ids
@@ -75,7 +79,9 @@ class ContextParallelAttention(TorchFunctionMode):
         q_pos, k_pos = self._positions_on(query.device)
         verdict, kind = None, CAUSAL if is_causal else NO_MASK
         if attn_mask is not None:
-            seen = (attn_mask.data_ptr(), tuple(attn_mask.shape), attn_mask.stride(), attn_mask.dtype, is_causal)
+            # _version: a mask buffer refilled in place between layers is a new mask
+            mask_id = (attn_mask.data_ptr(), attn_mask._version, tuple(attn_mask.shape), attn_mask.stride())
+            seen = (*mask_id, attn_mask.dtype, is_causal)
             kind = self._agreed.get(seen, (None,))[0]
             if kind is None:
                 verdict = kind = self._match(attn_mask, q_pos, k_pos, is_causal)

@@ -85,9 +85,10 @@ def located(rank: int, coordinate: tuple[int, int, int], timeout: timedelta, dur
             if isinstance(error, PeerTimeout)
             else "a collective (data- or tensor-parallel, or the loss's)"
         )
-        pp, dp, tp = coordinate
+        names = ("pp", "dp", "tp") if len(coordinate) == 3 else ("pp", "dp", "cp", "tp")
+        where = ", ".join(f"{name} {value}" for name, value in zip(names, coordinate))
         raise PeerTimeout(
-            f"rank {rank} (mesh coordinate pp {pp}, dp {dp}, tp {tp}): a peer did not answer within the "
+            f"rank {rank} (mesh coordinate {where}): a peer did not answer within the "
             f"process-group timeout of {timeout.total_seconds():g} s while this rank waited for {what} in {during}. "
             "A rank is stopped, stuck or dead: look at the ranks that did not report this error. Backend error: "
             f"{error.__cause__ or error}",

@@ -135,15 +135,17 @@ def _plain_contexts() -> tuple:
 
 
 def _with_forward_modes(contexts: Callable[[], tuple]) -> Callable[[], tuple]:
-    """`contexts` with the torch-function modes active at the forward active again at the recompute.
+    """`contexts` with the torch-function modes active at the forward that ask for it
+    (`reenter_on_recompute`) active again at the recompute.
 
     A block checkpointed on its own recomputes inside the backward, where the modes its stage call
     ran under are no longer entered: context parallelism's attention is one (its SDPA calls must
-    attend over the whole sequence in the recompute as in the forward)."""
+    attend over the whole sequence in the recompute as in the forward). Other modes (a default
+    device, a user's) are left as torch's checkpoint leaves them."""
 
     def both() -> tuple:
         forward, recompute = contexts()
-        modes = list(_get_current_function_mode_stack())
+        modes = [m for m in _get_current_function_mode_stack() if getattr(m, "reenter_on_recompute", False)]
         return forward, _entered(recompute, modes)
 
     return both

@@ -11,6 +11,8 @@ all-reduce: a message found from shapes, dtypes or host values, or a flag on the
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -115,9 +117,10 @@ def _outside_on_host(name: str, ids: np.ndarray, bound: int) -> str | None:
     )
 
 
-def check_split(inputs: torch.Tensor, microbatches: int, tp: int, sequence_parallel: bool) -> None:
+def check_split(inputs: torch.Tensor, microbatches: int, tp: int, sequence_parallel: bool, cp: int = 1) -> None:
     """The batch splits into `microbatches` equal ones (dim 0), and under sequence parallelism its
-    sequence (dim 1) over tp; the same shapes on every rank give the same verdict, so no message."""
+    sequence (dim 1) over tp; the same shapes on every rank give the same verdict, so no message.
+    Under context parallelism `inputs` are a rank's tokens of each sequence (1/cp of it)."""
     if inputs.dim() == 0 or inputs.shape[0] % microbatches != 0:
         raise ValueError(
             f"a batch of {inputs.shape[0] if inputs.dim() else 0} samples does not split into "
@@ -125,6 +128,13 @@ def check_split(inputs: torch.Tensor, microbatches: int, tp: int, sequence_paral
             f"{microbatches}"
         )
     if sequence_parallel and (inputs.dim() < 2 or inputs.shape[1] % tp != 0):
+        if cp > 1:
+            whole, step = inputs.shape[1] * cp, math.lcm(2 * cp, cp * tp)
+            raise ValueError(
+                f"sequence length {whole} gives each of the cp={cp} ranks {inputs.shape[1]} tokens, which the tp "
+                f"plan's sequence parallel cannot split over tp={tp}; use a sequence length that is a multiple of "
+                f"{step}"
+            )
         raise ValueError(
             f"sequence length {inputs.shape[1] if inputs.dim() >= 2 else None} is not divisible by tp={tp}; the tp "
             f"plan uses sequence parallel, which splits dim 1 over the tp ranks: use a multiple of {tp}"

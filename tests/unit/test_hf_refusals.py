@@ -142,3 +142,20 @@ def test_a_router_auxiliary_loss_is_refused_by_name():
     with pytest.raises(ValueError, match=r"^Qwen3MoeForCausalLM \(qwen3_moe\): .*output_router_logits=True"):
         anatomy_of(hf_cases.meta_hf_model("qwen3_moe", output_router_logits=True))
     assert anatomy_of(hf_cases.meta_hf_model("qwen3_moe")).layers == "model.layers"  # off: transformers' own loss
+
+
+@pytest.mark.parametrize(
+    "arch, overrides, words",
+    [
+        ("llama", {}, None),
+        ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "dynamic"),
+        ("mistral", {"sliding_window": 4}, "sliding window of 4 tokens"),
+    ],
+)
+def test_what_context_parallelism_refuses_is_read_from_the_config(arch, overrides, words):
+    """At cp > 1 an architecture whose mask or rotary table depends on what a rank sees is refused
+    by name (parallelize raises it before any message: tests/distributed/test_hf_context_parallel.py)."""
+    from mesh3d.model.hugging_face.context_parallel import context_parallel_problem
+
+    problem = context_parallel_problem(hf_cases.hf_config(arch, **overrides))
+    assert (problem is None) if words is None else (words in problem), problem

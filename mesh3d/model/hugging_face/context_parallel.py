@@ -10,7 +10,9 @@ the whole rows' position ids; its SDPA calls are then extended to the whole sequ
 
 A prepared mask replaces every mask the architecture would build, so an architecture whose
 attention is not causal over the whole sequence -- sliding windows, chunked attention, layers of
-other kinds -- is refused by name at cp > 1 rather than trained with another mask. Attention that
+other kinds -- is refused by name at cp > 1 rather than trained with another mask; so is a rotary
+embedding whose frequencies follow the largest position a stage sees (dynamic, longrope), which
+under cp is the rank's own. Attention that
 does not go through SDPA (eager, sinks, softcapping) is refused by the block probe of
 context_parallel/model_check.py.
 """
@@ -31,4 +33,29 @@ def context_parallel_problem(config) -> str | None:
     chunk = getattr(config, "attention_chunk_size", None)
     if chunk is not None:
         return f"its attention is chunked ({chunk} tokens)"
+    rope = _rope_types(config) & LENGTH_DEPENDENT_ROPE
+    if rope:
+        return (
+            f"its rotary embedding ({sorted(rope)}) picks its frequencies from the largest position a stage is "
+            "handed, which is the rank's own tokens' under cp, not the sequence's"
+        )
     return None
+
+
+# transformers' rope types whose frequencies depend on the largest position in the batch
+# (modeling_rope_utils.dynamic_rope_update): "dynamic" scaling and Phi-3's "longrope".
+LENGTH_DEPENDENT_ROPE = {"dynamic", "longrope"}
+
+
+def _rope_types(config) -> set[str]:
+    """Every rope type the config names (one, or one per layer type)."""
+    found = set()
+    for source in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
+        if not isinstance(source, dict):
+            continue
+        entries = source.values() if all(isinstance(v, dict) for v in source.values()) and source else [source]
+        for entry in entries:
+            kind = entry.get("rope_type", entry.get("type")) if isinstance(entry, dict) else None
+            if isinstance(kind, str):
+                found.add(kind)
+    return found
