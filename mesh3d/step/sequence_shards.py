@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from mesh3d.context_parallel.model_check import POSITIONS
 from mesh3d.context_parallel.sdpa_calls import ContextParallelAttention, own_tokens_mask
 from mesh3d.context_parallel.sequence_cut import SequenceCut, whole_positions
 from mesh3d.data.documents import documents_from_positions
 from mesh3d.mesh import Layout
 
-POSITIONS = "position_ids"
 DOCUMENTS = "document_ids"
 
 
