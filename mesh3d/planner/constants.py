@@ -32,6 +32,12 @@ TP_HIDDEN_FRACTION = 0.0
 # one all-gather per layer, no ring of partial attentions to overlap it with): none is hidden.
 CP_HIDDEN_FRACTION = 0.0
 
+# Unpinned, context parallelism is searched from this sequence length on: Llama 3 trained its
+# 8k-token stage without it and turned to cp 16 only to extend to 128k; torchtitan's cp runs start
+# at 32k. Below it a sequence's activations fit beside the parameters, and every cp degree would
+# multiply the candidates the planner times for layouts that lose to dp. fix={"cp": N} plans any N.
+CP_SEARCHED_FROM_SEQ_LEN = 16384
+
 # FSDP/DDP traffic overlaps compute (FSDP2 prefetches the next block's all-gather; DDP buckets
 # reduce during the backward); what exceeds the step's compute is exposed, plus this much of it
 # that nothing can hide (the first all-gather, the last reduce-scatter).

@@ -133,8 +133,9 @@ def plan(
         memory_limit: bytes (or "80GiB") a rank may hold; default the hardware's memory less
             constants.MEMORY_MARGIN_FRACTION.
         fix: pin choices by the plan's attribute names, e.g. {"pp": 8, "schedule": "1f1b"} or
-            {"cp": 4} (context parallelism: planned where the model takes it and seq_len cuts into
-            2 x cp chunks; a model mesh3d cannot run under cp is refused by name as parallelize would).
+            {"cp": 4} (context parallelism: searched unpinned from constants.CP_SEARCHED_FROM_SEQ_LEN
+            tokens on, where the model takes it and seq_len cuts into 2 x cp chunks; a pinned cp a
+            model cannot run is refused by name as parallelize would).
         tp_plan: a tensor-parallel plan, when the model's own declaration is not the one to use.
         split_points: the blocks where stages 1, 2, ... begin, as `parallelize` takes them (a
             traced model's blocks are then that container's children): only layouts of
@@ -174,7 +175,7 @@ def plan(
             cp=cp,
         )
     )
-    cp_choices = context_parallel_degrees(model, anatomy, gpus, gpus_per_node, fix, hw)
+    cp_choices = context_parallel_degrees(model, anatomy, gpus, gpus_per_node, fix, hw, seq_len)
     # A measured machine times the model's parts at each microbatch size it plans (predict/step_time.py).
     timed = functools.cache(
         lambda tp, dtype, mbs: time_model(

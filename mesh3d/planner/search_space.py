@@ -110,11 +110,12 @@ def candidate_layouts(
                                 )
 
 
-def context_parallel_degrees(model, anatomy, gpus, gpus_per_node, fix, hardware: Hardware) -> list[int]:
+def context_parallel_degrees(model, anatomy, gpus, gpus_per_node, fix, hardware: Hardware, seq_len: int) -> list[int]:
     """The cp degrees to plan: `fix`'s, refused by name (as parallelize would) where the model or the
-    hardware cannot take it; else every divisor of the GPUs up to a node (candidate_layouts keeps
-    those whose cp x tp group fits in one; a larger cp can be pinned), or 1 alone for a model mesh3d
-    cannot cut along the sequence and on a measured machine."""
+    hardware cannot take it; else, for sequences of C.CP_SEARCHED_FROM_SEQ_LEN tokens or more,
+    every divisor of the GPUs up to a node (candidate_layouts keeps those whose cp x tp group fits
+    in one; a larger cp can be pinned); 1 alone for shorter sequences, for a model mesh3d cannot cut
+    along the sequence and on a measured machine."""
 
     def refused(cp: int) -> None:
         if anatomy.traced is None:
@@ -131,6 +132,8 @@ def context_parallel_degrees(model, anatomy, gpus, gpus_per_node, fix, hardware:
     if "cp" in fix:
         refused(fix["cp"])
         return [fix["cp"]]
+    if seq_len < C.CP_SEARCHED_FROM_SEQ_LEN:
+        return [1]
     try:
         refused(2)
     except ValueError:

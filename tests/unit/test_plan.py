@@ -15,6 +15,7 @@ from examples.llama.config import get_config
 from examples.llama.model import Transformer
 from mesh3d.pipeline.config import ACTIVATION_CHECKPOINT_MODES
 from mesh3d.pipeline.schedule.catalog import SCHEDULES, check_schedule_config
+from mesh3d.planner.constants import CP_SEARCHED_FROM_SEQ_LEN
 
 SIZES = dict(gpus=4, gpus_per_node=4, hardware="h100", seq_len=64, global_batch=8)
 
@@ -144,17 +145,26 @@ def test_resharding_after_forward_at_pp_above_one_trades_memory_for_gathers():
     assert "reshard_after_forward" not in ddp[0].parallelize_kwargs()
 
 
-def test_context_parallel_is_planned_where_the_sequence_cuts(plans):
-    """cp divides the GPUs, cuts seq_len into 2 x cp chunks and, unpinned, keeps cp x tp in a node;
-    the global batch divides over dp alone; the plan hands cp to parallelize."""
-    cut = [p for p in plans if p.cp > 1]
+def test_context_parallel_is_searched_for_long_sequences_and_pinned_otherwise(plans):
+    """Unpinned, cp is searched from CP_SEARCHED_FROM_SEQ_LEN tokens on: there cp divides the GPUs
+    and cuts seq_len into 2 x cp chunks; the global batch divides over dp alone; the plan hands cp
+    to parallelize. Shorter sequences plan cp = 1 unless cp is pinned."""
+    assert {p.cp for p in plans} == {1}
+    assert all("cp" not in p.parallelize_kwargs() and p.memory_per_rank.context_parallel == 0 for p in plans)
+    pinned = mesh3d.plan(debug_model(), fix={"cp": 2, "pp": 1}, **SIZES)
+    assert {p.cp for p in pinned} == {2} and pinned[0].parallelize_kwargs()["cp"] == 2
+    seq = CP_SEARCHED_FROM_SEQ_LEN
+    with torch.device("meta"):
+        long_model = Transformer(get_config("debug", max_seq_len=seq))
+    sizes = {**SIZES, "seq_len": seq, "global_batch": 2}
+    fix = {"pp": 1, "tp": 1, "activation_checkpoint": "never", "dp_mode": "fsdp", "reshard_after_forward": True}
+    long = mesh3d.plan(long_model, fix=fix, **sizes)
+    cut = [p for p in long if p.cp > 1]
     assert {p.cp for p in cut} == {2, 4}
     for p in cut:
-        assert 64 % (2 * p.cp) == 0 and p.cp * p.tp <= 4 and p.local_batch == 8 // p.dp
+        assert p.local_batch == 2 // p.dp
         assert p.parallelize_kwargs()["cp"] == p.cp and f" cp={p.cp} " in p.row()
         assert p.memory_per_rank.context_parallel > 0 and p.time.cp_seconds > 0
-    whole = [p for p in plans if p.cp == 1]
-    assert all("cp" not in p.parallelize_kwargs() and p.memory_per_rank.context_parallel == 0 for p in whole)
 
 
 def test_context_parallel_ranks_hold_a_cp_th_of_the_tokens_and_shard_over_dp_x_cp():
