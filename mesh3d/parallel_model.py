@@ -257,6 +257,14 @@ class ParallelModel:
         return self._runtime.counters
 
     @property
+    def loss_terms(self) -> dict[str, float]:
+        """The last `step`'s or `evaluate`'s loss by part, the same on every rank: {"loss_fn": the
+        loss function's (the cross-entropy by default)}, and "router_aux" (coef x the router's
+        load-balancing loss, averaged over the microbatches) for a mixture of experts whose config
+        asks for it; the loss returned is their sum."""
+        return dict(self._global_loss.terms)
+
+    @property
     def peak_live_activations(self) -> int:
         """Most stage-microbatch forwards this rank held for their backward during the last step."""
         return self._runtime.counters.peak_live_activations

@@ -266,6 +266,7 @@ def parallelize(
         pipe.schedule.microbatches,
         has_last_stage,
         per_microbatch=pipe.loss_per_microbatch,
+        router_aux=anatomy.router_aux,
     )
     return ParallelModel(
         layout,

@@ -51,7 +51,10 @@ REFUSED = {
     "gpt2": dict(tie_word_embeddings=True),
 }
 # Mixture of experts: 4 experts, 2 per token, packed gate/up experts split over tp (test_hf_experts.py).
-MIXTURE_OF_EXPERTS = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8)}
+MIXTURE_OF_EXPERTS = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None, head_dim=8),
+}
 
 
 # Multi-head latent attention, dense (every block's MLP plain, no experts): heads and kv heads equal,

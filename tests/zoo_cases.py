@@ -1,7 +1,9 @@
 """The population of transformers' causal LMs mesh3d promises to take: every architecture of the
 installed transformers whose config declares a `base_model_pp_plan`, each built tiny from its own
-config class, every dropout off. The one-process reference is transformers' own model
-(hf_cases.reference_run's pattern): one SGD step with masked targets.
+config class, every dropout off; a mixture of experts whose config names a router_aux_loss_coef
+with its router's load-balancing loss on (coefficient ROUTER_AUX_COEF), as its users train it. The
+one-process reference is transformers' own model (hf_cases.reference_run's pattern): one SGD step
+with masked targets (accumulated over the microbatches where the router loss is on).
 
 Shrinking is generic: the usual size attributes are set where the config has them (a hidden size
 of 64, 4 layers, 4 heads over 2 kv heads, 4 experts, small latent-attention ranks, ...), layer
@@ -21,6 +23,7 @@ TOLERANCE = 1e-5
 HIDDEN = 64
 HEAD_DIM = 16
 LAYERS = 4
+ROUTER_AUX_COEF = 0.1  # the router loss large enough to move the routers' parameters measurably
 
 # Set where the config has the attribute (and its default is not None, for optional sizes).
 SIZES = dict(
@@ -148,6 +151,8 @@ def tiny_config(model_type: str):
     for name, value in defaults.items():
         if isinstance(value, float) and ("dropout" in name or "pdrop" in name):
             given[name] = 0.0
+    if defaults.get("router_aux_loss_coef") is not None:  # trained as their users train them: with the router loss
+        given.update(output_router_logits=True, router_aux_loss_coef=ROUTER_AUX_COEF)
     given.update(SHRINK_OVERRIDES.get(model_type, {}))
     config = config_class(**given)
     for name, value in given.items():  # again as attributes: older configs map their own names only this way
@@ -180,10 +185,23 @@ def masked_batch(batch_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Te
     return ids[:, :-1].contiguous(), targets
 
 
-def reference_step(model_type: str, batch) -> tuple[float, dict[str, torch.Tensor]]:
-    """transformers' model in one process, one SGD step: the loss and the state after it."""
+def reference_step(model_type: str, batch, microbatches: int = 1) -> tuple[float, dict[str, torch.Tensor]]:
+    """transformers' model in one process, one SGD step: the loss and the state after it. With the
+    router's load-balancing loss on, the step accumulates `microbatches` microbatches, each adding
+    its cross-entropy sum over the batch's target count and coef x its aux_loss / microbatches."""
     model = tiny_model(model_type)
     inputs, targets = batch
+    if getattr(model.config, "output_router_logits", False):
+        counted, loss = (targets != -100).sum(), 0.0
+        for rows in torch.arange(len(inputs)).chunk(microbatches):
+            out = model(inputs[rows], use_cache=False)
+            part = F.cross_entropy(out.logits.flatten(0, 1).float(), targets[rows].flatten(), reduction="sum") / counted
+            if isinstance(out.aux_loss, torch.Tensor):  # none where no block routes
+                part = part + model.config.router_aux_loss_coef * out.aux_loss / microbatches
+            part.backward()
+            loss += part.item()
+        torch.optim.SGD(model.parameters(), lr=LR).step()
+        return loss, {k: v.detach().clone() for k, v in model.state_dict().items()}
     logits = model(inputs, use_cache=False).logits
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
     loss.backward()

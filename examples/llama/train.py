@@ -198,6 +198,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "skipped": not stepped,
             "tokens": (step + 1) * progress.tokens_per_step,
         }
+        terms = pm.loss_terms
+        if "router_aux" in terms:  # a mixture of experts' router loss: the loss is their sum
+            record["cross_entropy"], record["router_aux"] = terms["loss_fn"], terms["router_aux"]
         if evaluator and due(step + 1, args.eval_every, args.steps):
             record.update(evaluator(pm))
         history.append(record)
@@ -212,8 +215,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 if "eval_loss" in record
                 else ""
             )
+            router = (
+                f"  (ce {record['cross_entropy']:.4f} + router {record['router_aux']:.4f})"
+                if "router_aux" in record
+                else ""
+            )
             print(
                 progress.line(step + 1, record["loss"], lr, record["grad_norm"], seconds)
+                + router
                 + evaluated
                 + ("  SKIPPED (non-finite gradient norm)" if not stepped else ""),
                 flush=True,

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from mesh3d.model.router_aux import RouterAux
+
 if TYPE_CHECKING:
     from mesh3d.model.traced.capture import TracedModel
 
@@ -49,6 +51,9 @@ class Anatomy:
     # ids), or None: the model builds its mask itself (context_parallel/sdpa_calls.py)
     cp_mask_input: str | None = None
     cp_refusal: str | None = None  # why the model cannot run under cp > 1 (raised then, by name)
+    # A mixture of experts' router load-balancing loss: every stage but the last returns (activation,
+    # routing sums), every stage but the first takes them, the last returns (output, sums) (router_aux.py)
+    router_aux: RouterAux | None = None
 
     def container(self, module: nn.Module) -> nn.Module:
         """The blocks' container in `module` (the whole model or a stage cut from it)."""

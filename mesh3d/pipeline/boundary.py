@@ -87,6 +87,8 @@ class BoundaryShapes:
                 _check_joinable(index, [specs[(p, index)] for p in routes.producers(index)])
                 out = stage(*[t for p in routes.producers(index) for t in in_flight.pop((p, index))], **extra)
             if index == last:
+                if getattr(stage, "router_aux", None) is not None and isinstance(out, tuple) and len(out) == 2:
+                    out = out[0]  # the output the loss takes; the routing sums beside it go to it too (router_aux.py)
                 if not isinstance(out, torch.Tensor):
                     raise TypeError(
                         f"the last pipeline stage ({index}) returned {type(out).__name__}; the model's output, "

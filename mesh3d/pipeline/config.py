@@ -110,7 +110,8 @@ class PipelineConfig:
                 f"activation_checkpoint={activation_checkpoint!r}; choose one of {list(ACTIVATION_CHECKPOINT_MODES)}"
             )
         ranges = stage_layer_ranges(model, anatomy, pp * virtual_stages, stage_balance, end_weight, layers_per_stage)
-        traced, routes = None, StageRoutes.chain(len(ranges))
+        # a router loss's sums travel beside the activation (model/router_aux.py)
+        traced, routes = None, StageRoutes.chain(len(ranges), 1 if anatomy.router_aux is None else 2)
         if anatomy.traced is not None:
             traced = anatomy.traced.split([anatomy.block_path(blocks[r.start]) for r in ranges[1:]])
             routes = StageRoutes(len(ranges), traced.skips, traced.takes)

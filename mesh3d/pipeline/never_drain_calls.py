@@ -94,7 +94,7 @@ class NeverDrainCalls:
             for action in actions:
                 step.execute(action, is_last_backward=False)  # a never-drain step asks its update rule
             totals = step.finish()  # its sends done, its losses summed
-            step.losses, step.counts = [], []
+            step.losses, step.counts, step.router_terms = [], [], []
             return totals
         except BaseException as error:
             self.mark_failed(f"{what} raised {type(error).__name__}")

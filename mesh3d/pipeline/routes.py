@@ -55,9 +55,9 @@ class StageRoutes:
     takes: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
 
     @classmethod
-    def chain(cls, n_stages: int) -> StageRoutes:
-        """Each stage hands its one output to the next."""
-        return cls(n_stages, (), {(s, s + 1): (0,) for s in range(n_stages - 1)})
+    def chain(cls, n_stages: int, outputs: int = 1) -> StageRoutes:
+        """Each stage hands its one output (or its first `outputs` ones) to the next."""
+        return cls(n_stages, (), {(s, s + 1): tuple(range(outputs)) for s in range(n_stages - 1)})
 
     def __post_init__(self):
         object.__setattr__(self, "skips", check_skips(self.skips, self.n_stages))

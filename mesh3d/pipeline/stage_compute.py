@@ -43,10 +43,11 @@ class MicrobatchLoss(Protocol):
     (step/global_loss.py builds it from the user's loss_fn and the step's scale)."""
 
     def __call__(
-        self, output: torch.Tensor, target: torch.Tensor, microbatch: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(loss value to report, the count it stands for, the scaled tensor to backpropagate) of
-        the step's `microbatch`-th microbatch."""
+        self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], target: torch.Tensor, microbatch: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss value to report, the count it stands for, the scaled tensor to backpropagate, the
+        router term to report) of the step's `microbatch`-th microbatch; `output` is the last
+        stage's, with the microbatch's routing sums where the model has a router loss."""
 
     def context(self) -> AbstractContextManager:
         """The context the loss's backward runs in (tensor parallelism's loss_parallel)."""
@@ -117,6 +118,7 @@ class StageCompute:
         self.selective_caches: dict[tuple[int, int], AbstractContextManager] = {}  # their cached results ("selective")
         self.losses: list[torch.Tensor] = []
         self.counts: list[torch.Tensor] = []
+        self.router_terms: list[torch.Tensor] = []
 
     def execute(self, action: Action, is_last_backward: bool) -> None:
         """Run one action (a never-drain step asks its update rule whether a backward is the last)."""
@@ -200,9 +202,10 @@ class StageCompute:
             if cached is not None:
                 self.selective_caches[(stage, mb)] = cached
             if last:
-                value, count, out = self.loss(out, self.targets[mb], mb % local.microbatches)
+                value, count, out, router = self.loss(out, self.targets[mb], mb % local.microbatches)
                 self.losses.append(value)
                 self.counts.append(count)
+                self.router_terms.append(router)
             else:
                 messages = self._messages(stage, out)
                 out = join(messages)
@@ -285,5 +288,6 @@ class StageCompute:
         self.mailbox.close()
         if self.losses:
             # float64: a count over a large global batch is exact, and so is the final sum of sums.
-            return torch.stack([torch.stack(self.losses).double().sum(), torch.stack(self.counts).double().sum()])
-        return torch.zeros(2, dtype=torch.float64, device=self.stages.device)
+            sums = [torch.stack(values).double().sum() for values in (self.losses, self.counts, self.router_terms)]
+            return torch.stack(sums)
+        return torch.zeros(3, dtype=torch.float64, device=self.stages.device)

@@ -13,9 +13,16 @@ one step at a time, wrapped with that step's scale (`ScaledLoss`). Per step:
    their targets (the loss's `count(target)`, or the loss called on a zero output) and add the
    counts over dp (and cp: each cp rank counts its tokens' targets) with one small all-reduce
    among themselves;
-3. after the schedule, one world all-reduce of (sum of loss values, sum of counts) gives every
-   rank the global loss, read once: with the batch check's flag, the step's only device-to-host
-   synchronizations (the count of step 2 stays on the device, and so do the divisors made of it).
+3. after the schedule, one world all-reduce of (sum of loss values, sum of counts, router
+   terms) gives every rank the global loss, read once: with the batch check's flag, the step's only
+   device-to-host synchronizations (the count of step 2 stays on the device, and so do the divisors
+   made of it).
+
+A mixture of experts whose config asks for the router's load-balancing loss (model/router_aux.py)
+hands the last stage its microbatch's routing sums beside the output; the loss adds
+`coef x aux / (dp x m)` per microbatch: what one process accumulating the same dp x m microbatches
+computes, each microbatch's term at that weight (and the whole term to each update of a schedule
+whose every microbatch is an update of its own).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 from mesh3d.distributed.agree import gather_or_raise
 from mesh3d.distributed.host_to_device import to_device
@@ -40,25 +48,57 @@ from mesh3d.model.loss import (
     probe_counts,
     probe_kind,
 )
+from mesh3d.model.router_aux import RouterAux
 from mesh3d.pipeline.boundary import Boundaries
+
+
+@dataclass(frozen=True)
+class RouterTerm:
+    """The router's load-balancing loss as one step adds it, per microbatch: `backward_weight` x
+    this rank's part of it into the tensor backpropagated (data parallelism then averages over
+    dp x cp), `report_weight` x it into the value reported (summed over the world)."""
+
+    aux: RouterAux
+    backward_weight: float
+    report_weight: float
+    group: object | None  # the cp ranks sharing a microbatch's tokens (None at cp = 1)
+
+    def __call__(self, sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.group is not None:
+            sums = self.aux.over_group(sums, self.group)
+        part = self.aux.loss(sums)
+        return part.detach().float() * self.report_weight, part * self.backward_weight
 
 
 @dataclass(frozen=True)
 class ScaledLoss:
     """The loss of one step or evaluation as the last stage computes it (the pipeline runtime's
     MicrobatchLoss): loss_fn under its context, scaled before backward so that gradients
-    accumulate to those of the global loss."""
+    accumulate to those of the global loss; with a router term, the output comes with the
+    microbatch's routing sums and their loss is added."""
 
     loss_fn: LossFn
     context: Callable[[], AbstractContextManager]
     scale: LossScale
+    router: RouterTerm | None = None
 
     def __call__(
-        self, output: torch.Tensor, target: torch.Tensor, microbatch: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], target: torch.Tensor, microbatch: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        sums = None
+        if self.router is not None:
+            output, sums = output
         with self.context():
             result = self.loss_fn(output, target)
-        return self.scale.apply(result, microbatch)
+        value, count, scaled = self.scale.apply(result, microbatch)
+        if sums is None:
+            return value, count, scaled, torch.zeros((), device=value.device)
+        reported, term = self.router(sums)
+        if isinstance(scaled, DTensor):  # loss parallel: the loss is replicated over tp, as the routers are
+            term = DTensor.from_local(
+                term.to(scaled.dtype), scaled.device_mesh, [Replicate()] * scaled.device_mesh.ndim
+            )
+        return value, count, scaled + term.to(scaled.dtype), reported
 
 
 class GlobalLoss:
@@ -74,6 +114,8 @@ class GlobalLoss:
         per_microbatch: every microbatch's gradient is an update of its own (schedule
             "pipedream"): each is scaled as a whole batch would be (a mean: by 1; a pair: by its
             own global count, over the dp ranks' microbatches of the same index).
+        router_aux: the model's router load-balancing loss, added to every microbatch's (None:
+            the model has none, or its config does not ask for it).
     """
 
     def __init__(
@@ -84,7 +126,9 @@ class GlobalLoss:
         microbatches: int,
         has_last_stage: bool,
         per_microbatch: bool = False,
+        router_aux: RouterAux | None = None,
     ):
+        self.router_aux = router_aux
         self.per_microbatch = per_microbatch  # each microbatch is a minibatch of its own ("pipedream")
         self.layout = layout
         self.loss_fn = loss_fn
@@ -92,6 +136,7 @@ class GlobalLoss:
         self.microbatches = microbatches
         self.has_last_stage = has_last_stage
         self._kinds: dict[tuple, str] = {}  # by microbatch input and target shapes and dtypes
+        self.terms: dict[str, float] = {}  # the last step's or evaluation's loss, by part (`total`)
 
     @property
     def ignore_index(self) -> int:
@@ -121,11 +166,24 @@ class GlobalLoss:
     def for_step(self, boundaries: Boundaries, kind: str, targets: torch.Tensor) -> ScaledLoss:
         """The loss of a training step, as the last stage computes it: scaled by 1/m for a mean
         loss; for a pair loss by the global count, found here before the first backward."""
-        return ScaledLoss(self.loss_fn, self.loss_context, self._scale(boundaries, kind, targets))
+        scale = self._scale(boundaries, kind, targets)
+        return ScaledLoss(self.loss_fn, self.loss_context, scale, self._router_term(train=True))
 
     def for_evaluation(self, kind: str) -> ScaledLoss:
         """The loss of a forward-only pass: nothing is backpropagated, the values are all that count."""
-        return ScaledLoss(self.loss_fn, self.loss_context, LossScale(kind, divisor=1.0))
+        return ScaledLoss(self.loss_fn, self.loss_context, LossScale(kind, divisor=1.0), self._router_term(False))
+
+    def _router_term(self, train: bool) -> RouterTerm | None:
+        """coef x aux / (dp x m) per microbatch (module docstring). Data parallelism averages the
+        gradients over dp x cp, and a microbatch's loss is the sum of its cp ranks' parts: each
+        part goes backward times cp / m (times cp where every microbatch is an update of its own)."""
+        if self.router_aux is None:
+            return None
+        layout, m, coef = self.layout, self.microbatches, self.router_aux.coef
+        per_update = 1 if self.per_microbatch else m
+        group = layout.group("cp") if layout.cp > 1 else None
+        backward = coef * layout.cp / per_update if train else 0.0
+        return RouterTerm(self.router_aux, backward, coef / (layout.dp * m), group)
 
     def _scale(self, boundaries: Boundaries, kind: str, targets: torch.Tensor) -> LossScale:
         m = self.microbatches
@@ -146,8 +204,8 @@ class GlobalLoss:
         return LossScale(PAIR, divisor, local.sum())
 
     def total(self, totals: torch.Tensor, loss: ScaledLoss | None = None) -> torch.Tensor:
-        """Every rank's [loss values, counts] summed over the world: the global loss, on every rank
-        (a 0-dim float32 tensor on the host).
+        """Every rank's [loss values, counts, router terms] summed over the world: the global loss,
+        on every rank (a 0-dim float32 tensor on the host); `terms` keeps its parts.
 
         Only last-stage ranks at tp rank 0 contribute (the other tp ranks hold the same values).
         Given the step's `loss`, a pair loss whose counts during the step differ from those found
@@ -163,11 +221,13 @@ class GlobalLoss:
         everything = torch.cat([mine, recount])
         if self.layout.world_size > 1:
             dist.all_reduce(everything)
-        value, count, mismatches = everything.tolist()  # the step's one read of the loss
+        value, count, router, mismatches = everything.tolist()  # the step's one read of the loss
         if mismatches:
             raise ValueError(
                 "loss_fn returned counts during the step that differ from those it gave before the step on the "
                 "same targets; a (loss_sum, count) loss's count must depend on the target only"
             )
+        main = value / count if count else 0.0
+        self.terms = {"loss_fn": main, "router_aux": router} if self.router_aux is not None else {"loss_fn": main}
         # On the host: its value is here already, so reading it (`.item()`) waits for nothing.
-        return torch.tensor(value / count if count else 0.0, dtype=torch.float32)
+        return torch.tensor(main + router, dtype=torch.float32)

@@ -15,6 +15,7 @@ under torchrun, from a directory holding only their config (mesh3d initializes t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,15 @@ from test_train_hf import _logits, _relative, _run
 transformers = pytest.importorskip("transformers")
 
 MOE = {
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8),
+    # with the router's load-balancing loss on: the metrics carry it beside the cross-entropy
+    "qwen3_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        head_dim=8,
+        output_router_logits=True,
+        router_aux_loss_coef=0.02,
+    ),
     "deepseek_v3": dict(
         first_k_dense_replace=1,
         n_routed_experts=4,
@@ -65,6 +74,12 @@ def test_a_moe_model_trains_at_pp2_dp2_and_exports_as_itself(arch, tmp_path):
          "--export-hf", str(tmp_path / "trained"), torchrun=4)  # fmt: skip
     losses = _losses(metrics)
     assert np.isfinite(losses).all() and losses[-1] < losses[0] - 0.1, losses
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    if MOE[arch].get("output_router_logits"):
+        assert all(row["router_aux"] > 0 and row["cross_entropy"] > 0 for row in rows)
+        assert all(abs(row["cross_entropy"] + row["router_aux"] - row["loss"]) <= 1e-5 * row["loss"] for row in rows)
+    else:
+        assert not any("router_aux" in row for row in rows)
     trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "trained")
     assert type(trained).__name__ == type(_loaded_by_name(tmp_path / "trained")).__name__
     assert trained.config.model_type == arch

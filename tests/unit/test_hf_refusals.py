@@ -136,12 +136,14 @@ def test_a_dropout_after_the_embedding_stands_down_on_later_stages(model_type):
     assert anatomy.first[1] in anatomy.identity_when_dropped and anatomy.first[0] not in anatomy.identity_when_dropped
 
 
-def test_a_router_auxiliary_loss_is_refused_by_name():
-    # transformers adds coef x a load-balancing loss over all layers' router logits of the whole batch:
-    # not a sum over stages or microbatches, so the pipeline's loss could not equal it.
-    with pytest.raises(ValueError, match=r"^Qwen3MoeForCausalLM \(qwen3_moe\): .*output_router_logits=True"):
-        anatomy_of(hf_cases.meta_hf_model("qwen3_moe", output_router_logits=True))
-    assert anatomy_of(hf_cases.meta_hf_model("qwen3_moe")).layers == "model.layers"  # off: transformers' own loss
+def test_a_router_auxiliary_loss_is_taken_where_the_stages_sums_give_it():
+    # transformers adds coef x a load-balancing loss made of sums over every layer's router logits:
+    # the stages hand the sums on (model/router_aux.py); test_router_loss.py checks the zoo.
+    from mesh3d.model.router_aux import RouterAux
+
+    anatomy = anatomy_of(hf_cases.meta_hf_model("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.02))
+    assert anatomy.router_aux == RouterAux(0.02, 4, 2)
+    assert anatomy_of(hf_cases.meta_hf_model("qwen3_moe")).router_aux is None  # off: the cross-entropy alone
 
 
 @pytest.mark.parametrize(

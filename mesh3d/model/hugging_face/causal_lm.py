@@ -32,9 +32,10 @@ from torch import nn
 
 from mesh3d.model.anatomy import Anatomy
 from mesh3d.model.hugging_face.context_parallel import MASK_INPUT, context_parallel_problem
-from mesh3d.model.hugging_face.router_loss import router_loss_problem
+from mesh3d.model.hugging_face.router_loss import record_router_logits, recorded_router_logits, router_aux_of
 from mesh3d.model.hugging_face.seeded_init import init_stage_weights
 from mesh3d.model.hugging_face.tp_plan import tensor_parallel_sizes, translate_tp_plan
+from mesh3d.model.router_aux import RouterAux, from_wire, to_wire
 
 # The per-sample inputs a Hugging Face stage hands its base model, where that model's forward takes them.
 PER_SAMPLE_INPUTS = ("position_ids", "attention_mask")
@@ -69,7 +70,8 @@ def hugging_face_anatomy(model: nn.Module) -> Anatomy:
     at = names.index(blocks[0])
     before, after = names[:at], names[at + 1 :]
     problem = _plan_problem(pp_plan, before, blocks[0], after) or _stateful_extra(model, base, prefix, head, names)
-    problem = problem or router_loss_problem(config)
+    router_aux, router_problem = router_aux_of(model)
+    problem = problem or router_problem
     if problem:
         raise ValueError(f"{arch} ({config.model_type}): {problem}; mesh3d cannot split it exactly")
     head_path = next(name for name, module in model.named_modules() if module is head)
@@ -82,7 +84,7 @@ def hugging_face_anatomy(model: nn.Module) -> Anatomy:
         # The base forward applies what follows the embedding (GPT-NeoX's, Phi's, GPT-J's dropout) to
         # inputs_embeds and the final norm to the blocks' output on every stage: identity where dropped.
         identity_when_dropped=tuple(f"{prefix}.{n}" for n in (*before[1:], *after)),
-        make_stage=functools.partial(_make_stage, prefix, copy.deepcopy(config)),
+        make_stage=functools.partial(_make_stage, prefix, copy.deepcopy(config), router_aux),
         tp_plan=tp_plan,
         tp_plan_refusal=tp_plan_refusal,
         tensor_parallel_sizes=tensor_parallel_sizes(config),
@@ -91,6 +93,7 @@ def hugging_face_anatomy(model: nn.Module) -> Anatomy:
         fake_shape_run=True,  # transformers' mask code reads the position ids' values
         cp_mask_input=MASK_INPUT if MASK_INPUT in inspect.signature(base.forward).parameters else None,
         cp_refusal=context_parallel_problem(config),
+        router_aux=router_aux,
     )
 
 
@@ -116,7 +119,15 @@ def _stateful_extra(model: nn.Module, base: nn.Module, prefix: str, head: nn.Mod
     return None
 
 
-def _make_stage(prefix: str, config, stage: nn.Module, is_first: bool, is_last: bool, layer_range: range) -> nn.Module:
+def _make_stage(
+    prefix: str,
+    config,
+    router_aux: RouterAux | None,
+    stage: nn.Module,
+    is_first: bool,
+    is_last: bool,
+    layer_range: range,
+) -> nn.Module:
     """Turn a cut copy into a stage that runs the architecture's own forward (module docstring)."""
     layer_types = list(getattr(config, "layer_types", None) or [])
     if layer_types:
@@ -128,6 +139,9 @@ def _make_stage(prefix: str, config, stage: nn.Module, is_first: bool, is_last: 
     # Every stage builds the rotary angles and the mask itself, so each takes what the base model takes.
     taken = inspect.signature(getattr(stage, prefix).forward).parameters
     stage.per_sample_inputs = tuple(name for name in PER_SAMPLE_INPUTS if name in taken)
+    stage.router_aux = router_aux
+    if router_aux is not None:
+        record_router_logits(stage, stage)
     return stage
 
 
@@ -167,10 +181,27 @@ def _stage_init_weights(self) -> None:
     self.initialize_weights()
 
 
-def _stage_forward(self, x, **per_sample):
+def _stage_forward(self, x, *router_sums, **per_sample):
     original, prefix, is_first, is_last = self._mesh3d_role
     given = {"input_ids": x} if is_first else {"inputs_embeds": x}
     given.update(per_sample)  # position_ids, attention_mask: the microbatch's, as transformers' forward takes them
-    if is_last:
-        return original.forward(self, **given, use_cache=False).logits
-    return getattr(self, prefix)(**given, use_cache=False).last_hidden_state
+    aux = self.router_aux
+    if aux is None:
+        if is_last:
+            return original.forward(self, **given, use_cache=False).logits
+        return getattr(self, prefix)(**given, use_cache=False).last_hidden_state
+    # The router loss: this stage's layers added to the sums received (router_loss.py); transformers'
+    # own loss stands down (output_router_logits=False), the hooks record the logits.
+    with recorded_router_logits() as records:
+        if is_last:
+            out = original.forward(self, **given, use_cache=False, output_router_logits=False).logits
+        else:
+            out = getattr(self, prefix)(**given, use_cache=False, output_router_logits=False).last_hidden_state
+    sums = aux.start(out.device) if is_first else from_wire(router_sums[0])
+    mask = per_sample.get("attention_mask")
+    mask = (
+        mask if mask is not None and mask.dim() == 2 else None
+    )  # a padding mask (cp's prepared 4-d masks pad nothing)
+    for logits in records:
+        sums = aux.add_layer(sums, logits, mask)
+    return (out, sums) if is_last else (out, to_wire(sums, out.dtype))

@@ -58,16 +58,23 @@ def _stage_problem(model_class: type, config_json: str) -> str | None:
     ranges = [range(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
     try:
         with torch.no_grad():
-            want = small(input_ids=ids, use_cache=False).logits
-            got = ids
+            whole = small(input_ids=ids, use_cache=False)
+            want = whole.logits
+            got = (ids,)
             for index, layer_range in enumerate(ranges):
-                got = cut_stage(small, anatomy, index, len(ranges), layer_range)(got)
+                got = cut_stage(small, anatomy, index, len(ranges), layer_range)(*got)
+                got = got if isinstance(got, tuple) else (got,)
+            got, *router_sums = got
     except Exception as error:  # noqa: BLE001 - a forward that fails here would fail in the pipeline
         return (
             f"a small instance of this configuration fails to run, whole or cut into pipeline stages "
             f"({type(error).__name__}: {error}); check that transformers runs the configuration itself (e.g. "
             "latent attention needs num_key_value_heads == num_attention_heads)"
         )
+    if anatomy.router_aux is not None:
+        problem = _router_loss_problem(anatomy.router_aux.loss(router_sums[0]), whole.aux_loss)
+        if problem:
+            return problem
     if got.shape != want.shape:
         return f"its stages, composed, give logits of shape {tuple(got.shape)}, its forward {tuple(want.shape)}"
     difference = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
@@ -77,6 +84,24 @@ def _stage_problem(model_class: type, config_json: str) -> str | None:
             f"composed differ from the model's own forward by {difference:.3g} relative; typically a multiplier "
             "applied to inputs_embeds, which every stage would apply again). mesh3d refuses it rather than train a "
             "different model: write it to the mesh3d protocol (docs/model_protocol.md)"
+        )
+    return None
+
+
+def _router_loss_problem(got: torch.Tensor, want) -> str | None:
+    """The router loss composed from the stages' sums against the architecture's own `aux_loss`."""
+    if not isinstance(want, torch.Tensor):
+        return (
+            "its config asks for the router's auxiliary loss, but its forward returns none to check mesh3d's against "
+            "(aux_loss); set config.output_router_logits = False"
+        )
+    difference = ((got - want).abs() / want.abs().clamp_min(1e-30)).item()
+    if not difference <= TOLERANCE:
+        return (
+            "its router's auxiliary loss is not transformers' load-balancing loss over every layer's router logits "
+            f"(on a small instance, mesh3d's sums over the stages give {got.item():.6g}, "
+            f"its forward {want.item():.6g}); "
+            "set config.output_router_logits = False to train the cross-entropy alone"
         )
     return None
 
