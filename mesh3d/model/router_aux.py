@@ -7,17 +7,18 @@ probability the router gives it, summed over experts, times the expert count. tr
 computes it from three sums accumulated layer by layer: the top-k assignments per expert (a
 histogram, no gradient), the routing probabilities per expert, and the rows counted. Sums over
 layers are sums over stages, so each stage adds its own layers to the sums it received and sends
-them on with its activation (`RouterStatistics`); the last stage holds the microbatch's sums over
-every layer and computes the loss from them, and its gradient reaches each stage's routers back
-through the messages, as the activations' does. Nothing else crosses stages and no schedule
-changes.
+them on with its activation (`RouterAux.add_layer`, `to_wire`); the last stage holds the
+microbatch's sums over every layer and computes the loss from them, and its gradient reaches each
+stage's routers back through the messages, as the activations' does. No schedule changes: the
+sums ride messages the schedule sends anyway.
 
 The sums travel in the message's dtype: under 16-bit activations as the fp32 sums' bit patterns
 (two 16-bit elements per value, gradients likewise), so no rounding enters on the wire.
 
 Under context parallelism a microbatch's tokens are spread over the cp ranks: the assignment
-counts and rows are summed over the cp group (they carry no gradient) and each rank's loss term
-takes its own probability sums, the terms adding up, over the cp ranks, to the microbatch's loss.
+counts and rows are summed over the cp group (they carry no gradient; one small all-reduce in
+the last stage's loss, and again where that loss is recomputed) and each rank's loss term takes
+its own probability sums, the terms adding up, over the cp ranks, to the microbatch's loss.
 """
 
 from __future__ import annotations
@@ -102,19 +103,20 @@ def from_wire(wire: torch.Tensor) -> torch.Tensor:
 class _BitsOnTheWire(torch.autograd.Function):
     @staticmethod
     def forward(ctx, sums: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return sums.detach().contiguous().view(dtype).clone()
+        return sums.detach().clone().view(dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad.contiguous().view(torch.float32).clone(), None
+        # clone first: a view of a message at an odd offset cannot be reinterpreted in place
+        return grad.clone().view(torch.float32), None
 
 
 class _BitsOffTheWire(torch.autograd.Function):
     @staticmethod
     def forward(ctx, wire: torch.Tensor) -> torch.Tensor:
         ctx.dtype = wire.dtype
-        return wire.detach().contiguous().view(torch.float32).clone()
+        return wire.detach().clone().view(torch.float32)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad.contiguous().view(ctx.dtype).clone()
+        return grad.clone().view(ctx.dtype)

@@ -64,7 +64,7 @@ class NeverDrainCalls:
         per_sample: Sequence[dict[str, torch.Tensor]] = (),
     ) -> torch.Tensor:
         """One call on this batch's microbatches (`start` builds the step when nothing is in
-        flight); returns [sum of the loss values, sum of their counts] computed here."""
+        flight); returns [sum of the loss values, sum of their counts, sum of the router terms] computed here."""
         m = self.stream.rule.microbatches
         self._refuse_after_failure()
         if self.in_flight is not None and self.in_flight.specs != specs:

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
 
 from mesh3d.distributed.agree import gather_or_raise
 from mesh3d.distributed.host_to_device import to_device
@@ -94,10 +93,6 @@ class ScaledLoss:
         if sums is None:
             return value, count, scaled, torch.zeros((), device=value.device)
         reported, term = self.router(sums)
-        if isinstance(scaled, DTensor):  # loss parallel: the loss is replicated over tp, as the routers are
-            term = DTensor.from_local(
-                term.to(scaled.dtype), scaled.device_mesh, [Replicate()] * scaled.device_mesh.ndim
-            )
         return value, count, scaled + term.to(scaled.dtype), reported
 
 

@@ -44,9 +44,15 @@ class HeldOutEvaluator:
         self.per_sample = per_sample or (lambda inputs: {})  # the batch's other inputs, as the training step's
 
     def __call__(self, pm: ParallelModel) -> dict[str, float]:
-        losses = [pm.evaluate(inputs, targets, **self.per_sample(inputs)).item() for inputs, targets in self.batches]
-        loss = sum(losses) / len(losses)
-        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0))}  # exp(80) ~ 5e34: no overflow
+        """The mean loss over the held-out batches and the perplexity of its cross-entropy (a router
+        loss, where the model adds one, counts in the loss but is no likelihood)."""
+        losses, cross_entropies = [], []
+        for inputs, targets in self.batches:
+            losses.append(pm.evaluate(inputs, targets, **self.per_sample(inputs)).item())
+            terms = pm.loss_terms
+            cross_entropies.append(terms["loss_fn"] if "router_aux" in terms else losses[-1])
+        loss, cross_entropy = sum(losses) / len(losses), sum(cross_entropies) / len(cross_entropies)
+        return {"eval_loss": loss, "eval_perplexity": math.exp(min(cross_entropy, 80.0))}  # exp(80) ~ 5e34
 
 
 def due(step: int, every: int, last_step: int) -> bool:

@@ -8,7 +8,7 @@ every parameter, fp32, rel 1e-5). One launch of 4 ranks, (pp, dp, cp, tp):
 
 - (2, 2, 1, 1) under ZBV (split backward, two stages a rank) with FSDP, and with a padding mask
   (the sums weighted by it, as transformers weights them);
-- (2, 1, 1, 2) interleaved 1F1B with tensor parallelism (loss parallel);
+- (2, 1, 1, 2) interleaved 1F1B with tensor parallelism (the experts split over tp, the routers whole);
 - (2, 1, 2, 1) context parallelism: a microbatch's tokens on two ranks, its counts summed over them;
 - Mixtral at (4, 1, 1, 1), 1F1B with selective activation checkpointing, and (2, 2, 1, 1) DDP.
 

@@ -83,3 +83,15 @@ def test_the_zoo_with_its_router_loss_on_is_exact_or_refused_by_name():
     for model_type, (name, message) in refused.items():  # by name
         assert message.startswith(f"{name} ({model_type}): "), message
     assert len(exact) >= 14 and len(dense) <= 1, (exact, refused, dense)
+
+
+def test_the_planner_measures_a_model_with_its_router_loss_on():
+    # its stages hand the sums on beside the activation; the probe measures the activation alone
+    import hf_cases
+
+    import mesh3d
+
+    model = hf_cases.meta_hf_model("qwen3_moe", output_router_logits=True)
+    sizes = dict(gpus=2, gpus_per_node=2, hardware="h100", seq_len=hf_cases.SEQ_LEN, global_batch=4)
+    plans = mesh3d.plan(model, fix={"pp": 2, "tp": 1, "schedule": "1f1b", "activation_checkpoint": "never"}, **sizes)
+    assert plans and all(p.pp == 2 and p.memory_per_rank.activations > 0 for p in plans)

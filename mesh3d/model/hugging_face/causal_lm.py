@@ -197,7 +197,8 @@ def _stage_forward(self, x, *router_sums, **per_sample):
             out = original.forward(self, **given, use_cache=False, output_router_logits=False).logits
         else:
             out = getattr(self, prefix)(**given, use_cache=False, output_router_logits=False).last_hidden_state
-    sums = aux.start(out.device) if is_first else from_wire(router_sums[0])
+    # A stage called on its own (the planner's probe) starts from no sums; the runtime always hands them on.
+    sums = from_wire(router_sums[0]) if router_sums and not is_first else aux.start(out.device)
     mask = per_sample.get("attention_mask")
     mask = (
         mask if mask is not None and mask.dim() == 2 else None

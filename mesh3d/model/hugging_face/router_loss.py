@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from contextvars import ContextVar
 
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -62,9 +61,10 @@ def _recorder(model: nn.Module) -> tuple[type | None, str | None, int, str | Non
     return target, spec.class_name, spec.index, spec.layer_name
 
 
-# The router logits of the stage forward running now (a list), None between them: a context
-# variable rather than state on the stage, so hooks stay valid in copies of the stage.
-_RECORDS: ContextVar[list | None] = ContextVar("mesh3d_router_records", default=None)
+# The router logits of the stage forward running now (the last list), empty between forwards:
+# module state rather than the stage's, so hooks stay valid in copies of the stage, and a plain
+# list, which torch.compile traces through (a ContextVar breaks a compiled block's graph).
+_RECORDING: list[list] = []
 
 
 def record_router_logits(stage: nn.Module, model_like: nn.Module) -> None:
@@ -79,22 +79,22 @@ def record_router_logits(stage: nn.Module, model_like: nn.Module) -> None:
 def _is_router(name: str, module: nn.Module, recorder: tuple) -> bool:
     target, class_name, _, layer_name = recorder
     matches = isinstance(module, target) if target is not None else type(module).__name__.endswith(class_name)
-    return matches and (layer_name is None or layer_name in name)
+    return matches and (layer_name is None or f".{layer_name}." in f".{name}.")  # whole path parts
 
 
 @contextlib.contextmanager
 def recorded_router_logits():
     """The router logits the stage's hooked modules give while inside, in the order they ran."""
     records: list = []
-    token = _RECORDS.set(records)
+    _RECORDING.append(records)
     try:
         yield records
     finally:
-        _RECORDS.reset(token)
+        _RECORDING.pop()
 
 
 def _record(index: int, module: nn.Module, args, output) -> None:
-    records = _RECORDS.get()
-    if records is not None:
+    if _RECORDING:
         logits = output[index] if isinstance(output, (tuple, list)) else output
-        records.append(logits.full_tensor() if isinstance(logits, DTensor) else logits)
+        if logits is not None:  # transformers skips a router that gave none
+            _RECORDING[-1].append(logits.full_tensor() if isinstance(logits, DTensor) else logits)

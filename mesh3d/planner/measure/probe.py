@@ -199,6 +199,8 @@ def _forward(stage: nn.Module, x: torch.Tensor, targets: torch.Tensor | None, mo
 
     def call(inp):
         out = stage(inp)
+        if isinstance(out, tuple) and getattr(stage, "router_aux", None) is not None:
+            out = out[0]  # a router loss's few sums beside the activation (model/router_aux.py): not counted
         return getattr(out, "logits", out)
 
     if mode == "always":
