@@ -13,6 +13,8 @@ SCALARS = {
     "lr": "train/lr",
     "grad_norm": "train/grad_norm",
     "tokens_per_s": "train/tokens_per_s",
+    "cross_entropy": "train/cross_entropy",  # with a router loss: the loss's two parts
+    "router_aux": "train/router_aux",
     "eval_loss": "eval/loss",
     "eval_perplexity": "eval/perplexity",
 }
