@@ -200,9 +200,8 @@ def _stage_forward(self, x, *router_sums, **per_sample):
     # A stage called on its own (the planner's probe) starts from no sums; the runtime always hands them on.
     sums = from_wire(router_sums[0]) if router_sums and not is_first else aux.start(out.device)
     mask = per_sample.get("attention_mask")
-    mask = (
-        mask if mask is not None and mask.dim() == 2 else None
-    )  # a padding mask (cp's prepared 4-d masks pad nothing)
+    if mask is not None and mask.dim() != 2:
+        mask = None  # only a 2-d padding mask weighs the sums (cp's prepared 4-d masks pad nothing)
     for logits in records:
         sums = aux.add_layer(sums, logits, mask)
     return (out, sums) if is_last else (out, to_wire(sums, out.dtype))
