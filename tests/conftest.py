@@ -31,3 +31,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if any(folder in Path(item.path).parents for folder in launching):
             item.add_marker(pytest.mark.distributed)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_group_left_behind():
+    """A unit test module that starts a process group in this process (build_mesh's world of one)
+    leaves none to the next module: the two pytest workers run the files in an order of their own,
+    and the planner's probe needs a process without one (planner/measure/probe.py)."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

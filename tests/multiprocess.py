@@ -70,10 +70,31 @@ def _mp_context():
     return _context
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# The suite runs on two pytest-xdist workers (pyproject.toml). A port the kernel picks (bind to 0) may
+# go to the other worker's launch, or to gloo's own connections, between this check and the
+# rendezvous store's bind. So each worker takes ports from a block of its own below Linux's
+# ephemeral range (32768-60999), where the kernel never hands one out.
+_PORT_BLOCK_START = 20000
+_PORT_BLOCK_SIZE = 1000
+_ports_taken = 0
+
+
+def free_port() -> int:
+    """A localhost port nothing listens on, from this pytest worker's own block."""
+    global _ports_taken
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    base = _PORT_BLOCK_START + index * _PORT_BLOCK_SIZE
+    for _ in range(_PORT_BLOCK_SIZE):
+        port = base + _ports_taken % _PORT_BLOCK_SIZE
+        _ports_taken += 1
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use, or still in TIME_WAIT from an earlier launch
+                continue
+            return port
+    raise RuntimeError(f"no free port in {base}-{base + _PORT_BLOCK_SIZE - 1}")
 
 
 def _rank_main(fn: Callable, args: tuple, rank: int, env: dict, results: Any) -> None:
@@ -120,7 +141,7 @@ def run_on_ranks(
     added to each rank's environment (a None value removes the variable there)."""
     ctx = _mp_context()
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world_size):
         rank_env = {

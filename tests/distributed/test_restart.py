@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 
 import pytest
+from multiprocess import free_port
 from safetensors.torch import load_file
-from test_torchrun import ROOT, _env, _free_port, finish_agents, start_agents, two_agent_command
+from test_torchrun import ROOT, _env, finish_agents, start_agents, two_agent_command
 
 TRAIN = [
     "examples/llama/train.py",
@@ -182,7 +183,7 @@ def test_every_process_of_two_agents_killed_mid_step_then_started_again(tmp_path
         "--export-hf",
         str(tmp_path / "final"),
     ]
-    first = [*two_agent_command(_free_port(), 2), *cmd_tail]
+    first = [*two_agent_command(free_port(), 2), *cmd_tail]
     agents = start_agents(first, {**_env(), "MESH3D_FAULT": "hang@0:step:4"})
     try:
         _wait_for_step(tmp_path / "metrics.jsonl", 3, agents)  # step 2's checkpoint is published
@@ -197,7 +198,7 @@ def test_every_process_of_two_agents_killed_mid_step_then_started_again(tmp_path
             agent.communicate()
     assert not (tmp_path / "ckpt" / "step4").exists()
 
-    again = [*two_agent_command(_free_port(), 2), *cmd_tail]
+    again = [*two_agent_command(free_port(), 2), *cmd_tail]
     outputs = finish_agents(start_agents(again, _env()), again)
     assert any(f"resumed from {tmp_path / 'ckpt' / 'step2'}" in done.stdout for done in outputs)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

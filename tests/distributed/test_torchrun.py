@@ -8,12 +8,12 @@ each rank's own report that every tensor-parallel group lies within one node.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from multiprocess import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ["examples/llama/train.py", "--seq-len", "64", "--global-batch", "16", "--log-every", "1"]
@@ -30,12 +30,6 @@ def _env() -> dict:
 
 def _losses(metrics: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _check(done: subprocess.CompletedProcess) -> None:
@@ -130,7 +124,7 @@ def finish_agents(agents: list[subprocess.Popen], cmd: list[str]) -> list[subpro
 def test_two_nodes_on_loopback(tmp_path, single_process_losses):
     metrics, report = tmp_path / "metrics.jsonl", tmp_path / "placement.json"
     cmd = [
-        *two_agent_command(_free_port(), 4),
+        *two_agent_command(free_port(), 4),
         *TRAIN,
         "--pp",
         "2",
