@@ -11,6 +11,16 @@ Global rank r = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank. An opt
 size 1 is not a dim of the DeviceMesh at all, so a layout without it has exactly the mesh, the
 coordinates and the rank order it had before the axis existed: ("pp", "dp", "tp").
 
+One more axis is carved out of these rather than added to them, so it leaves the world size alone:
+
+    ep   expert parallelism         ep consecutive ranks of a stage's dp x cp x tp hold 1/ep of
+                                    every block's experts each; the stage's ranks at the same
+                                    ep_rank (edp of them) hold the same experts
+
+A stage's ranks are numbered s = (dp_rank * cp + cp_rank) * tp + tp_rank, so ep_rank = s % ep and
+the expert mesh is ("pp", "edp", "ep") over the global ranks in order. With ep = 1 there is no
+expert mesh at all.
+
 Pure arithmetic, no torch, no communication: every rank reaches the same verdict before any
 collective.
 """
@@ -28,6 +38,13 @@ OPTIONAL_AXES = ("cp",)
 DATA_AXES = ("dp", "cp")
 # The name of the one mesh dim spanning DATA_AXES when more than one of them is in the mesh.
 DATA_DIM = "dp_cp"
+# The axes whose ranks share a pipeline stage; expert parallelism splits their product.
+STAGE_AXES = ("dp", "cp", "tp")
+# The carved axis, and the dims of the mesh it makes when larger than 1.
+EXPERT_AXIS = "ep"
+EXPERT_DIMS = ("pp", "edp", "ep")
+# Every size a layout has, as errors print them: the mesh's axes, then the carved one.
+ALL_AXES = (*AXES, EXPERT_AXIS)
 
 
 def mesh_dims(sizes: dict[str, int]) -> tuple[str, ...]:
@@ -41,20 +58,27 @@ def data_dims(sizes: dict[str, int]) -> tuple[str, ...]:
     return tuple(axis for axis in DATA_AXES if axis in dims)
 
 
+def stage_size(sizes: dict[str, int]) -> int:
+    """How many ranks share a pipeline stage: dp x cp x tp."""
+    return math.prod(sizes[axis] for axis in STAGE_AXES)
+
+
 def describe(sizes: dict[str, int], separator: str = ", ") -> str:
-    """'pp=2, dp=1, tp=2' (cp named only where it is larger than 1), as errors and reprs print sizes."""
-    return separator.join(f"{axis}={sizes[axis]}" for axis in mesh_dims(sizes))
+    """'pp=2, dp=1, tp=2' (cp and ep named only where larger than 1), as errors and reprs print sizes."""
+    shown = [*mesh_dims(sizes), *([EXPERT_AXIS] if sizes.get(EXPERT_AXIS, 1) > 1 else [])]
+    return separator.join(f"{axis}={sizes[axis]}" for axis in shown)
 
 
 def resolve_sizes(world_size: int, **given: int) -> dict[str, int]:
     """Check the axes' sizes against the world size and resolve dp=-1 to "the rest of the world".
 
     `given`: a size per axis name (an axis left out is 1, dp -1). Returns {axis: size} for every
-    axis in AXES. Raises ValueError naming the sizes and what to change.
+    axis in ALL_AXES. Raises ValueError naming the sizes and what to change.
     """
-    unknown = sorted(set(given) - set(AXES))
+    unknown = sorted(set(given) - set(ALL_AXES))
     if unknown:
-        raise ValueError(f"build_mesh: unknown axes {unknown}; the axes are {list(AXES)}")
+        raise ValueError(f"build_mesh: unknown axes {unknown}; the axes are {list(ALL_AXES)}")
+    expert = given.pop(EXPERT_AXIS, 1)
     sizes = {axis: given.get(axis, -1 if axis == "dp" else 1) for axis in AXES}
     shown = [axis for axis in AXES if axis not in OPTIONAL_AXES or sizes[axis] != 1]  # cp named where it is not 1
     where = ", ".join(f"{axis}={sizes[axis]}" for axis in shown) + f", world size={world_size}"
@@ -85,4 +109,19 @@ def resolve_sizes(world_size: int, **given: int) -> dict[str, int]:
             f"build_mesh: {every}={product} does not equal the world size ({where}); "
             f"choose sizes whose product is {world_size}, or pass dp=-1"
         )
+    sizes[EXPERT_AXIS] = _expert_size(expert, sizes, where)
     return sizes
+
+
+def _expert_size(ep, sizes: dict[str, int], where: str) -> int:
+    """ep checked against the ranks that share a stage, which it must divide."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"build_mesh: ep must be an int >= 1, got {ep!r} ({where})")
+    ranks = stage_size(sizes)
+    if ranks % ep != 0:
+        divisors = [d for d in range(1, ranks + 1) if ranks % d == 0]
+        raise ValueError(
+            f"build_mesh: ep={ep} must divide the ranks that share a pipeline stage, dp*cp*tp={ranks} "
+            f"({where}); choose ep among {divisors}"
+        )
+    return ep

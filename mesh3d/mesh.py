@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_nccl_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from mesh3d.axes import AXES, DATA_DIM, data_dims, describe, mesh_dims
+from mesh3d.axes import ALL_AXES, AXES, DATA_DIM, EXPERT_AXIS, EXPERT_DIMS, data_dims, describe, mesh_dims, stage_size
 from mesh3d.axes import resolve_sizes as resolve_axis_sizes
 from mesh3d.distributed.agree import check_same_everywhere
 from mesh3d.distributed.host_group import use_host_group
@@ -41,9 +41,19 @@ class Layout:
         device: the torch.device this rank computes on.
         backend: the process-group backend ("gloo" or "nccl").
         timeout: how long a collective or P2P wait lasts before it raises (the groups' timeout).
+        ep, ep_rank: expert parallelism's size and this rank's place in its group (axes.py): 1 and
+            0 without it.
+        expert_mesh: the ("pp", "edp", "ep") mesh of expert parallelism, None when ep = 1.
     """
 
-    def __init__(self, mesh: DeviceMesh, device: torch.device, backend: str, timeout: timedelta = DEFAULT_TIMEOUT):
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        device: torch.device,
+        backend: str,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        expert_mesh: DeviceMesh | None = None,
+    ):
         dims = tuple(mesh.mesh_dim_names or ())
         shape = dict(zip(dims, (int(s) for s in mesh.shape)))
         sizes = {axis: shape.get(axis, 1) for axis in AXES}
@@ -58,6 +68,12 @@ class Layout:
         self.pp, self.dp, self.cp, self.tp = (sizes[axis] for axis in AXES)
         at = dict(zip(dims, (int(c) for c in mesh.get_coordinate())))
         self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = (at.get(axis, 0) for axis in AXES)
+        if expert_mesh is not None and tuple(expert_mesh.mesh_dim_names or ()) != EXPERT_DIMS:
+            raise ValueError(f"Layout needs an expert mesh with dims {EXPERT_DIMS}, got {expert_mesh.mesh_dim_names}")
+        self.expert_mesh = expert_mesh
+        self.ep = int(expert_mesh.size(EXPERT_DIMS.index(EXPERT_AXIS))) if expert_mesh is not None else 1
+        sizes[EXPERT_AXIS] = self.ep
+        self.ep_rank = self.stage_index % self.ep
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         # The mesh's own groups serve any subgroup that spans an axis. Every rank records every
@@ -77,6 +93,16 @@ class Layout:
         """This rank's coordinate on each mesh dim: (pp_rank, dp_rank, tp_rank), or
         (pp_rank, dp_rank, cp_rank, tp_rank) when cp > 1."""
         return tuple(getattr(self, f"{dim}_rank") for dim in self.dims)
+
+    @property
+    def stage_index(self) -> int:
+        """This rank's place among the ranks that share its pipeline stage (dp x cp x tp), in rank order."""
+        return (self.dp_rank * self.cp + self.cp_rank) * self.tp + self.tp_rank
+
+    @property
+    def expert_replicas(self) -> int:
+        """How many ranks of a stage hold the same experts: dp x cp x tp / ep."""
+        return stage_size(self.sizes) // self.ep
 
     @property
     def data_parallel_size(self) -> int:
@@ -251,7 +277,7 @@ def _init_default_group(backend: str, device: torch.device, timeout: timedelta |
 
 
 def _describe_layouts(everyone: list[tuple[int, ...]]) -> str:
-    listing = ", ".join(f"rank {r}: {describe(dict(zip(AXES, sizes)), ' ')}" for r, sizes in enumerate(everyone))
+    listing = ", ".join(f"rank {r}: {describe(dict(zip(ALL_AXES, sizes)), ' ')}" for r, sizes in enumerate(everyone))
     return f"build_mesh: ranks asked for different layouts ({listing}); pass the same sizes on every rank"
 
 
@@ -260,6 +286,7 @@ def build_mesh(
     dp: int = -1,
     tp: int = 1,
     cp: int = 1,
+    ep: int = 1,
     *,
     device: str | torch.device | None = None,
     backend: str | None = None,
@@ -282,6 +309,10 @@ def build_mesh(
         cp: context-parallel degree: each sequence is cut over cp ranks (between dp and tp, so a
             cp group sits in a node next to tp); its ranks hold the same parameters, so data
             parallelism spans dp x cp. 1 (default) leaves the mesh as without it.
+        ep: expert-parallel degree: each block's experts split over ep consecutive ranks of the ranks
+            that share a stage (dp x cp x tp, which ep must divide), tokens sent to their experts'
+            ranks all-to-all; the world size does not change. The ranks holding the same experts
+            (dp x cp x tp / ep of them) shard them with FSDP. 1 (default): no expert mesh.
         device: "cpu", "cuda" (cuda:LOCAL_RANK, or cuda:0 when the process sees one GPU only) or
             "cuda:N"; default: CUDA when available, unless the process group is gloo.
         backend: process-group backend; default: "nccl" for CUDA, "gloo" for CPU.
@@ -298,7 +329,7 @@ def build_mesh(
     on to start the process group; under torchrun, the failed rank ends the job. Pass the same
     sizes on every rank.
     """
-    sizes = resolve_axis_sizes(_world_size_before_init(), pp=pp, dp=dp, tp=tp, cp=cp)
+    sizes = resolve_axis_sizes(_world_size_before_init(), pp=pp, dp=dp, tp=tp, cp=cp, ep=ep)
     dims = mesh_dims(sizes)
     timeout = _as_timeout(timeout)
     device = _pick_device(device, backend)
@@ -316,12 +347,22 @@ def build_mesh(
         backend = existing
     _start_host_group(backend, _default_timeout(backend, timeout))
     # Ranks that asked for different layouts would build misaligned groups and hang later.
-    check_same_everywhere(tuple(sizes[axis] for axis in AXES), _describe_layouts)
+    check_same_everywhere(tuple(sizes[axis] for axis in ALL_AXES), _describe_layouts)
     shape = tuple(sizes[dim] for dim in dims)
     mesh = init_device_mesh(
         device.type, shape, mesh_dim_names=dims, backend_override=_with_timeout(device, timeout, dims)
     )
-    return Layout(mesh, device, backend, _default_timeout(backend, timeout))
+    expert_mesh = None
+    if sizes[EXPERT_AXIS] > 1:
+        # A stage's ranks are consecutive global ranks, so (pp, edp, ep) is the world in rank order.
+        expert_shape = (sizes["pp"], stage_size(sizes) // sizes[EXPERT_AXIS], sizes[EXPERT_AXIS])
+        expert_mesh = init_device_mesh(
+            device.type,
+            expert_shape,
+            mesh_dim_names=EXPERT_DIMS,
+            backend_override=_with_timeout(device, timeout, EXPERT_DIMS),
+        )
+    return Layout(mesh, device, backend, _default_timeout(backend, timeout), expert_mesh)
 
 
 def _start_host_group(backend: str, timeout: timedelta) -> None:

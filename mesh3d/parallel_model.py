@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import torch
@@ -10,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from mesh3d.data_parallel.gradient_sync import GradientSync
 from mesh3d.distributed.peer_timeout import located
+from mesh3d.expert_parallel.expert_load import ExpertLoad
 from mesh3d.mesh import Layout
 from mesh3d.model.loss import PAIR
 from mesh3d.model.state_map import StateMap
@@ -73,7 +75,9 @@ class ParallelModel:
         optimizer: torch.optim.Optimizer | None = None,
         index_bounds: dict[str, int] | None = None,
         sequence_shards: SequenceShards | None = None,
+        expert_load: ExpertLoad | None = None,
     ):
+        self._expert_load = expert_load
         self._index_bounds = index_bounds or {}
         self._shards = sequence_shards or SequenceShards(layout, runtime.schedule.microbatches, False)
         self._optimizer = optimizer
@@ -185,9 +189,19 @@ class ParallelModel:
 
     def _step(self, batch: RankBatch, boundaries: Boundaries, kind: str) -> torch.Tensor:
         loss = self._global_loss.for_step(boundaries, kind, batch.targets)
-        run = lambda: self._runtime.run(  # noqa: E731
-            batch.inputs, batch.targets, boundaries, loss, train=True, per_sample=batch.per_sample, around=batch.around
-        )
+
+        def run():
+            with self._expert_load.counting() if self._expert_load is not None else contextlib.nullcontext():
+                return self._runtime.run(
+                    batch.inputs,
+                    batch.targets,
+                    boundaries,
+                    loss,
+                    train=True,
+                    per_sample=batch.per_sample,
+                    around=batch.around,
+                )
+
         if self.never_drains:  # updates inside the pipeline; after a failure, refused until a checkpoint is loaded
             with self._runtime.never_drain.failure_marked(self._drop_partial_state):
                 return self._global_loss.total(run(), loss)
@@ -263,6 +277,13 @@ class ParallelModel:
         load-balancing loss, averaged over the microbatches) for a mixture of experts whose config
         asks for it; the loss returned is their sum."""
         return dict(self._global_loss.terms)
+
+    def expert_load(self) -> dict[str, torch.Tensor]:
+        """For a mixture of experts: {experts module name: how many tokens the router sent to each of
+        its experts in the last training step}, summed over every rank (int64, on CPU, the same on
+        every rank); what DeepSeek-V3's bias balancing steers by (mesh3d.train.expert_bias). A
+        collective: call it on every rank. Empty for a model without a declared experts module."""
+        return self._expert_load.gather() if self._expert_load is not None else {}
 
     @property
     def peak_live_activations(self) -> int:

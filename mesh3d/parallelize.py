@@ -35,6 +35,8 @@ from mesh3d.context_parallel.model_check import POSITIONS, check_blocks_attend, 
 from mesh3d.data_parallel.mixed_precision import MixedPrecision
 from mesh3d.data_parallel.wrap import DataParallelConfig, apply_data_parallel
 from mesh3d.distributed.agree import check_same_everywhere
+from mesh3d.expert_parallel.apply import apply_expert_parallel, resolve_expert_parallel
+from mesh3d.expert_parallel.expert_load import ExpertLoad
 from mesh3d.mesh import Layout, build_mesh
 from mesh3d.model.anatomy import Anatomy
 from mesh3d.model.compiled_blocks import compile_blocks, resolve_compile
@@ -69,6 +71,7 @@ def parallelize(
     dp: int | None = None,
     tp: int | None = None,
     cp: int | None = None,
+    ep: int | None = None,
     schedule: str = "interleaved_1f1b",
     microbatches: int | None = None,
     virtual_stages: int | None = None,
@@ -101,9 +104,12 @@ def parallelize(
             nn.Sequential (its children are the blocks), or any other module torch.export
             captures, given `example_inputs` (traced: torch's pipeline frontend cuts it, stage
             boundaries may carry several tensors, skip connections go straight to their stage).
-        layout: from `build_mesh`; or give pp=/dp=/tp=/cp= and the mesh is built here. With
+        layout: from `build_mesh`; or give pp=/dp=/tp=/cp=/ep= and the mesh is built here. With
             cp > 1 each sequence is cut over the cp ranks (docs/parallelize.md#context-parallelism):
             the model must take `position_ids` and attend through F.scaled_dot_product_attention.
+            With ep > 1 each block's experts are split over ep ranks and tokens dispatched to them
+            all-to-all (docs/parallelize.md#expert-parallelism): a Hugging Face mixture of experts
+            whose config declares its experts (base_model_ep_plan).
         schedule: the pipeline schedule (docs/pipeline.md#schedules), with its default
             virtual_stages and the microbatch counts it runs:
             "gpipe": virtual_stages 1; microbatches any count.
@@ -175,7 +181,7 @@ def parallelize(
             model given with values.
     """
     anatomy = anatomy_of(model, example_inputs, split_points)  # which way the model came in, before any collective
-    layout = _resolve_layout(layout, pp, dp, tp, cp)
+    layout = _resolve_layout(layout, pp, dp, tp, cp, ep)
     precision = MixedPrecision.resolve(model, param_dtype, reduce_dtype)
     replicas = layout.data_parallel_size  # dp x cp: context-parallel ranks hold the same parameters
     data = DataParallelConfig.resolve(dp_mode, reshard_after_forward, layout.pp, replicas, precision)
@@ -188,6 +194,7 @@ def parallelize(
         anatomy.tensor_parallel_sizes,
         refusal=anatomy.tp_plan_refusal,
     )
+    experts, tensor = resolve_expert_parallel(anatomy.expert_plan, anatomy.expert_plan_refusal, layout, tensor)
     pipe = PipelineConfig.resolve(
         model,
         anatomy,
@@ -202,7 +209,7 @@ def parallelize(
         split_points=split_points,
     )
     _check_optimizer(pipe, optimizer)
-    _check_same_config_everywhere(f"{pipe} {data} {tensor} compile={compile_backend}")
+    _check_same_config_everywhere(f"{pipe} {data} {tensor} ep={layout.ep} compile={compile_backend}")
 
     split = split_model(model, anatomy, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank), pipe.traced)
     takes = [stage_input_names(stage) for stage in split.meta_stages]
@@ -215,6 +222,8 @@ def parallelize(
     tied.tie_locally()
     if not split.from_meta:
         make_replicas_identical(stages, layout)  # values given: sharding starts from the first rank's
+    if experts is not None:
+        apply_expert_parallel(stages, experts, layout)
     if tensor.plan:
         # a microbatch: the traced model's own, token ids for a model that declares a vocabulary (tp of
         # them: sequence parallelism splits the sequence over tp, and a model's max length is at least that)
@@ -227,7 +236,9 @@ def parallelize(
     if compile_backend is not None:
         compile_blocks(stages.values(), anatomy, compile_backend, split_backward=pipe.schedule.splits_backward)
     grad_sync = None
-    if data.wraps(replicas) or pipe.never_drains:  # never-drain: versions are swapped through FSDP (weight_versions.py)
+    if (
+        data.wraps(replicas) or pipe.never_drains or experts is not None
+    ):  # split experts: FSDP over their replicas  # never-drain: versions are swapped through FSDP (weight_versions.py)
         tied.separate_stages()  # each stage is its own FSDP/DDP root: no Parameter shared by two
         grad_sync = apply_data_parallel(stages, layout, data, anatomy.blocks)
     if split.from_meta:
@@ -286,7 +297,15 @@ def parallelize(
             any(POSITIONS in names for names in takes),
             anatomy.cp_mask_input if any(anatomy.cp_mask_input in names for names in takes) else None,
         ),
+        _expert_load(anatomy, split, stages, layout),
     )
+
+
+def _expert_load(anatomy: Anatomy, split: Split, stages: dict[int, nn.Module], layout: Layout) -> ExpertLoad | None:
+    """Per-expert token counts for a model whose experts modules are declared (at any ep)."""
+    if anatomy.expert_plan is None:
+        return None
+    return ExpertLoad(anatomy.expert_plan, [name for name, _ in split.meta_model.named_modules()], stages, layout)
 
 
 def _check_optimizer(pipe: PipelineConfig, optimizer) -> None:
@@ -319,11 +338,12 @@ def _build_optimizer(factory, stages: dict[int, nn.Module]) -> torch.optim.Optim
     return built
 
 
-def _resolve_layout(layout: Layout | None, pp: int | None, dp: int | None, tp: int | None, cp: int | None) -> Layout:
+def _resolve_layout(
+    layout: Layout | None, pp: int | None, dp: int | None, tp: int | None, cp: int | None, ep: int | None
+) -> Layout:
+    given = {"pp": pp, "dp": dp, "tp": tp, "cp": cp, "ep": ep}
     if layout is None:
-        sizes = {"pp": pp, "dp": dp, "tp": tp, "cp": cp}
-        return build_mesh(**{axis: size for axis, size in sizes.items() if size is not None})
-    given = {"pp": pp, "dp": dp, "tp": tp, "cp": cp}
+        return build_mesh(**{axis: size for axis, size in given.items() if size is not None})
     clash = {k: v for k, v in given.items() if v is not None and v != getattr(layout, k)}
     if clash:
         raise ValueError(f"parallelize: got a layout {layout!r} and different sizes {clash}; pass one or the other")

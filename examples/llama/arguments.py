@@ -57,6 +57,20 @@ def build_parser(description: str | None = None) -> Parser:
         "(--seq-len a multiple of 2*N)",
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (consecutive ranks, one node)")
+    p.add_argument(
+        "--expert-bias-rate",
+        type=float,
+        default=0.0,
+        help="DeepSeek-V3's auxiliary-loss-free balancing: after each step every router's e_score_correction_bias "
+        "moves by this much toward the experts' mean load (DeepSeek-V3: 0.001; 0: off, as transformers trains)",
+    )
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel degree: each block's experts split over N ranks of a stage (N divides dp*cp*tp "
+        "and the expert count; a --hf-model mixture of experts with a base_model_ep_plan)",
+    )
     p.add_argument("--schedule", default=LIBRARY_DEFAULTS["schedule"], choices=sorted(mesh3d.pipeline.SCHEDULES))
     p.add_argument("--microbatches", type=int, default=None, help="per step and dp rank (default: pp)")
     p.add_argument(

@@ -68,6 +68,7 @@ from mesh3d.train import (  # noqa: E402
     HeldOutEvaluator,
     Progress,
     due,
+    update_expert_bias,
 )
 from mesh3d.train.flops import device_name, flops_per_token, peak_flops  # noqa: E402
 
@@ -80,7 +81,7 @@ def set_up(args):
     """Everything a configuration error can come from, before the first step; the same on every rank."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    layout = mesh3d.build_mesh(pp=args.pp, dp=args.dp, cp=args.cp, tp=args.tp, timeout=args.timeout)
+    layout = mesh3d.build_mesh(pp=args.pp, dp=args.dp, cp=args.cp, tp=args.tp, ep=args.ep, timeout=args.timeout)
     arguments.settle_cuda_defaults(args, layout.device)  # bf16 and TF32 on CUDA unless asked otherwise
     if args.placement_report:
         report = placement_report(layout)
@@ -184,6 +185,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             stepped = guard.allows(grad_norm)
             if stepped:
                 optimizer.step()
+        if args.expert_bias_rate:  # the loads summed over every rank: the same update on each
+            update_expert_bias(pm, pm.expert_load(), args.expert_bias_rate)
         seconds = time.perf_counter() - step_start
         record = {
             "step": step + 1,

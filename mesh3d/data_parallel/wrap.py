@@ -19,6 +19,7 @@ from torch.distributed.fsdp import fully_shard
 
 from mesh3d.data_parallel.gradient_sync import GradientSync
 from mesh3d.data_parallel.mixed_precision import MixedPrecision
+from mesh3d.expert_parallel.experts_style import is_split_experts
 from mesh3d.mesh import Layout
 
 DP_MODES = ("fsdp", "ddp")
@@ -93,10 +94,32 @@ def apply_data_parallel(
 
         wrap = functools.partial(replicate, mesh=mesh)
     for stage in stages.values():
+        _wrap_split_experts(stage, layout, config)
         for block in blocks(stage):
             wrap(block, mp_policy=config.precision.policy(root=False))
         wrap(stage, mp_policy=config.precision.policy(root=True))
     return GradientSync(stages, reshard_between_backwards=config.mode == "fsdp" and config.reshard_after_forward)
+
+
+def _wrap_split_experts(stage: nn.Module, layout: Layout, config: DataParallelConfig) -> None:
+    """Each experts module split over ep (expert_parallel/) sharded (or replicated) over the ranks that
+    hold the same experts, the expert mesh's edp dim. Each of those ranks computed its experts on the
+    tokens of a whole ep group, every token once, so the gradient wanted is their sum divided as the
+    rest of the model's is, by dp x cp (data parallelism's average), not by edp."""
+    if layout.ep == 1:
+        return
+    mesh = layout.expert_mesh["edp"]
+    policy = config.precision.policy(root=False)
+    for module in stage.modules():
+        if not is_split_experts(module):
+            continue
+        if config.mode == "fsdp":
+            fully_shard(module, mesh=mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=policy)
+        else:
+            from torch.distributed._composable.replicate_with_fsdp import replicate  # see apply_data_parallel
+
+            replicate(module, mesh=mesh, mp_policy=policy)
+        module.set_gradient_divide_factor(float(layout.data_parallel_size))
 
 
 @functools.cache

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from mesh3d.expert_parallel.plan import ExpertPlan
 from mesh3d.model.router_aux import RouterAux
 
 if TYPE_CHECKING:
@@ -54,6 +55,10 @@ class Anatomy:
     # A mixture of experts' router load-balancing loss: every stage but the last returns (activation,
     # routing sums), every stage but the first takes them, the last returns (output, sums) (router_aux.py)
     router_aux: RouterAux | None = None
+    # Expert parallelism: which modules hold experts (expert_parallel/plan.py), or why the model's experts
+    # cannot be split (raised when ep > 1)
+    expert_plan: ExpertPlan | None = None
+    expert_plan_refusal: str = "ep > 1 splits the experts of a Hugging Face mixture of experts; this model has none"
 
     def container(self, module: nn.Module) -> nn.Module:
         """The blocks' container in `module` (the whole model or a stage cut from it)."""

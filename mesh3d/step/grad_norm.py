@@ -1,4 +1,4 @@
-"""The whole model's gradient norm over pp, dp and tp, each value counted once, and clipping by it.
+"""The whole model's gradient norm over pp, dp, cp, tp and ep, each value counted once, and clipping by it.
 
 Foreach kernels (one per group of gradients of the same device, dtype and replica count, as
 torch.nn.utils.clip_grad_norm_ groups them), one all-reduce, and no device-to-host read: the norm
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mesh3d.axes import AXES, DATA_AXES, DATA_DIM
+from mesh3d.axes import AXES, DATA_AXES, DATA_DIM, EXPERT_AXIS, stage_size
 from mesh3d.distributed.shards import local_tensor
 from mesh3d.mesh import Layout
 
@@ -75,5 +75,8 @@ def _replicas(tensor: torch.Tensor, layout: Layout) -> int:
     if isinstance(tensor, DTensor):
         names = tensor.device_mesh.mesh_dim_names or ()
         sharded = {name for name, placement in zip(names, tensor.placements) if not placement.is_replicate()}
+        if EXPERT_AXIS in names:  # split experts: on the expert mesh, whose dims divide a stage's ranks
+            sizes = dict(zip(names, tensor.device_mesh.shape))
+            return stage_size(layout.sizes) // math.prod(sizes[name] for name in sharded)
     sharded |= set(DATA_AXES) if DATA_DIM in sharded else set()  # dp and cp flattened into one dim
     return math.prod(layout.sizes[axis] for axis in AXES if axis != "pp" and axis not in sharded)

@@ -12,6 +12,8 @@
 - flops.py: FLOPs per token counted over one forward and backward of the model
   (`flops_per_token`), the device's peak FLOP/s (`peak_flops`), and the model FLOPs utilization
   (`mfu`);
+- expert_bias.py: DeepSeek-V3's auxiliary-loss-free balancing, each router's bias moved toward
+  the experts' mean load after a step (`update_expert_bias`, from `pm.expert_load()`);
 - progress.py: the progress line (step, loss, lr, elapsed time, ETA, tokens/s, MFU) in human
   units (`Progress`, `human_count`, `human_duration`).
 
@@ -20,6 +22,7 @@ above the rest of mesh3d (they use checkpoint, data and a ParallelModel); no oth
 imports them (only the package face, `mesh3d.train`).
 """
 
+from mesh3d.train.expert_bias import update_expert_bias
 from mesh3d.train.flops import flops_per_token, mfu, peak_flops
 from mesh3d.train.heldout_eval import HeldOutEvaluator, due
 from mesh3d.train.nonfinite_steps import BadLossGuard, BadStepGuard, TooManyBadSteps
@@ -41,4 +44,5 @@ __all__ = [
     "peak_flops",
     "resume_from",
     "resume_latest",
+    "update_expert_bias",
 ]

@@ -10,7 +10,8 @@ every parameter, fp32, rel 1e-5). One launch of 4 ranks, (pp, dp, cp, tp):
   (the sums weighted by it, as transformers weights them);
 - (2, 1, 1, 2) interleaved 1F1B with tensor parallelism (the experts split over tp, the routers whole);
 - (2, 1, 2, 1) context parallelism: a microbatch's tokens on two ranks, its counts summed over them;
-- Mixtral at (4, 1, 1, 1), 1F1B with selective activation checkpointing, and (2, 2, 1, 1) DDP.
+- Mixtral at (4, 1, 1, 1), 1F1B with selective activation checkpointing, and (2, 2, 1, 1) DDP;
+- expert parallelism: Qwen3-MoE at (2, 2, 1, 1) ep 2 under ZBV, padded; Mixtral at (1, 2, 1, 2) ep 4.
 
 `pm.loss_terms` gives the cross-entropy and the router term apart, each equal to the reference's.
 """
@@ -39,6 +40,9 @@ CASES = [
     ("qwen3_moe", (2, 1, 2, 1), dict(schedule="1f1b", microbatches=2), "masked"),
     ("mixtral", (4, 1, 1, 1), dict(schedule="1f1b", microbatches=4, activation_checkpoint="selective"), "masked"),
     ("mixtral", (2, 2, 1, 1), dict(schedule="1f1b", microbatches=2, dp_mode="ddp"), "masked"),
+    # expert parallelism: the experts split over ep ranks, the routers where they were
+    ("qwen3_moe", (2, 2, 1, 1), dict(schedule="zbv", microbatches=2, ep=2), "padded"),
+    ("mixtral", (1, 2, 1, 2), dict(schedule="gpipe", microbatches=2, ep=4), "masked"),
 ]
 
 
@@ -51,7 +55,7 @@ def _on_rank() -> list:
 
     results = []
     for arch, (pp, dp, cp, tp), kwargs, data in CASES:
-        layout = mesh3d.build_mesh(pp=pp, dp=dp, cp=cp, tp=tp)
+        layout = mesh3d.build_mesh(pp=pp, dp=dp, cp=cp, tp=tp, ep=kwargs.get("ep", 1))
         pm = mesh3d.parallelize(hf_cases.hf_model(arch, **ROUTED[arch]), layout, **kwargs)
         losses = hf_cases.optimizer_steps(pm, layout, torch.optim.SGD(pm.parameters(), lr=hf_cases.LR), _batches(data))
         results.append((losses, pm.full_state_dict(), pm.loss_terms))

@@ -1,14 +1,16 @@
 """train.py --hf-model with mixture-of-experts models (issue 38): Qwen3-MoE and DeepSeek-V3 (latent
 attention, a dense first block, routed and shared experts), tiny, at (pp, dp, tp) = (2, 2, 1)
-under torchrun, from a directory holding only their config (mesh3d initializes the weights):
+with the experts split over ep = 2 (`--ep 2`), under torchrun, from a directory holding only their
+config (mesh3d initializes the weights, each rank its own experts):
 
 - `--steps 8 --export-hf`: it trains (the loss on a repeating corpus falls), and the export is its
   own architecture to transformers: `from_pretrained` gives the logits of the model built from the
   config with the exported tensors loaded by name, strictly (every expert weight read, none
   initialized anew by transformers).
-- the export given back as `--hf-model` at (2, 2, 1), `--steps 0 --export-hf`: imported, split
-  into stages, gathered and written again, `from_pretrained` of it gives the first export's
-  logits (1e-5): fused gate/up, down, router and shared experts each land in place.
+- the export given back as `--hf-model` at (2, 2, 1), ep 2, `--steps 0 --export-hf`: imported
+  (each rank reading its own experts), split into stages, gathered and written again,
+  `from_pretrained` of it gives the first export's logits (1e-5): fused gate/up, down, router and
+  shared experts each land in place.
 
 (A directory transformers 5 itself saves, experts one by one: test_hf_experts.py.)
 """
@@ -67,7 +69,7 @@ def test_a_moe_model_trains_at_pp2_dp2_and_exports_as_itself(arch, tmp_path):
     hf_config(arch, **MOE[arch]).save_pretrained(tmp_path / arch)  # the config alone: mesh3d initializes
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.tile(np.arange(3, 35, dtype=np.int64), 128))  # a repeating corpus: learnable
-    layout = ["--pp", "2", "--dp", "2", "--token-file", str(tokens), "--seq-len", "8"]
+    layout = ["--pp", "2", "--dp", "2", "--ep", "2", "--token-file", str(tokens), "--seq-len", "8"]
 
     metrics = tmp_path / "m.jsonl"
     _run("--hf-model", str(tmp_path / arch), *layout, "--steps", "8", "--metrics", str(metrics),

@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "mesh3d"
 # Lowest first: mesh -> split -> tensor -> data parallel -> pipeline runtime -> step -> the face -> checkpoint -> train.
 FLOORS = [
     ("distributed", "data", "tensor", "axes", "context_parallel"),
-    ("mesh",),
+    ("mesh", "expert_parallel"),
     ("model", "data_parallel"),
     ("pipeline",),
     ("step",),

@@ -30,6 +30,7 @@ import inspect
 
 from torch import nn
 
+from mesh3d.expert_parallel.plan import translate_ep_plan
 from mesh3d.model.anatomy import Anatomy
 from mesh3d.model.hugging_face.context_parallel import MASK_INPUT, context_parallel_problem
 from mesh3d.model.hugging_face.router_loss import record_router_logits, recorded_router_logits, router_aux_of
@@ -76,6 +77,7 @@ def hugging_face_anatomy(model: nn.Module) -> Anatomy:
         raise ValueError(f"{arch} ({config.model_type}): {problem}; mesh3d cannot split it exactly")
     head_path = next(name for name, module in model.named_modules() if module is head)
     tp_plan, tp_plan_refusal = translate_tp_plan(model)
+    expert_plan, expert_plan_refusal = translate_ep_plan(model)
     return Anatomy(
         name=f"{arch} (Hugging Face)",
         layers=f"{prefix}.{blocks[0]}",
@@ -94,6 +96,8 @@ def hugging_face_anatomy(model: nn.Module) -> Anatomy:
         cp_mask_input=MASK_INPUT if MASK_INPUT in inspect.signature(base.forward).parameters else None,
         cp_refusal=context_parallel_problem(config),
         router_aux=router_aux,
+        expert_plan=expert_plan,
+        expert_plan_refusal=expert_plan_refusal or "",
     )
 
 
