@@ -120,6 +120,11 @@ def _wrap_split_experts(stage: nn.Module, layout: Layout, config: DataParallelCo
 
             replicate(module, mesh=mesh, mp_policy=policy)
         module.set_gradient_divide_factor(float(layout.data_parallel_size))
+        if config.mode == "fsdp" and mesh.size() > 1 and "nccl" not in layout.backend:
+            # gloo has no PREMUL_SUM, which FSDP's reduce-scatter would use for this factor: sum, then
+            # divide. Not for DDP, whose one-rank reduce-scatter divides already (forcing sums there
+            # would divide a second time after the all-reduce, torch 2.13), nor on one rank.
+            module.set_force_sum_reduction_for_comms(True)
 
 
 @functools.cache

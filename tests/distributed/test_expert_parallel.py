@@ -45,7 +45,8 @@ CASES = [
     ("qwen3_moe", (2, 2, 1, 1), 2, dict(schedule="zbv", microbatches=2)),
     ("qwen3_moe", (1, 2, 1, 2), 4, dict(schedule="gpipe", microbatches=2)),
     ("mixtral", (2, 1, 1, 2), 2, dict(schedule="1f1b", microbatches=2, compile="aot_eager")),
-    ("mixtral", (1, 4, 1, 1), 4, dict(schedule="gpipe", microbatches=2, dp_mode="ddp")),
+    ("mixtral", (1, 4, 1, 1), 2, dict(schedule="gpipe", microbatches=2, dp_mode="ddp")),  # 2 replicas of each expert
+    ("qwen3_moe", (1, 4, 1, 1), 2, dict(schedule="gpipe", microbatches=2)),  # FSDP over 2 holders of each expert
     ("deepseek_v3", (2, 2, 1, 1), 2, dict(schedule="interleaved_1f1b", microbatches=2)),
     ("deepseek_v3", (1, 2, 1, 2), 4, dict(schedule="gpipe", microbatches=2)),
     ("qwen3_moe", (1, 2, 2, 1), 4, dict(schedule="gpipe", microbatches=2, activation_checkpoint="always")),
