@@ -115,7 +115,13 @@ def resolve_sizes(world_size: int, **given: int) -> dict[str, int]:
 
 def _expert_size(ep, sizes: dict[str, int], where: str) -> int:
     """ep checked against the ranks that share a stage, which it must divide."""
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+    try:
+        if isinstance(ep, bool):
+            raise TypeError
+        ep = operator.index(ep)
+    except TypeError:
+        raise ValueError(f"build_mesh: ep must be an int >= 1, got {ep!r} ({where})") from None
+    if ep < 1:
         raise ValueError(f"build_mesh: ep must be an int >= 1, got {ep!r} ({where})")
     ranks = stage_size(sizes)
     if ranks % ep != 0:

@@ -31,6 +31,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if any(folder in Path(item.path).parents for folder in launching):
             item.add_marker(pytest.mark.distributed)
+    # The files that launch ranks first, the unit tests' many short files after: the two pytest-xdist
+    # workers (pyproject.toml) then end together, the short files filling in, rather than one worker
+    # finishing a long launch alone. Stable, so each file keeps its own order.
+    items.sort(key=lambda item: item.get_closest_marker("distributed") is None)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             stepped = guard.allows(grad_norm)
             if stepped:
                 optimizer.step()
-        if args.expert_bias_rate:  # the loads summed over every rank: the same update on each
+        if args.expert_bias_rate and stepped:  # the loads summed over every rank: the same update on each
             update_expert_bias(pm, pm.expert_load(), args.expert_bias_rate)
         seconds = time.perf_counter() - step_start
         record = {

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from torch import nn
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import SequenceParallel
 
 from mesh3d.expert_parallel.experts_style import split_experts
@@ -29,11 +30,18 @@ def resolve_expert_parallel(
 
 def _splits_the_sequence(tensor: TensorParallelConfig) -> bool:
     """Whether the plan shards activations along the sequence (dim 1) between modules, so a tp group's
-    ranks would hold different tokens. Qwen3's per-head norms use SequenceParallel over dim 0 of their
-    own heads' values only (model/hugging_face/tp_plan.py): not that."""
-    return any(
-        isinstance(style, SequenceParallel) and style.sequence_sharding[0].dim != 0 for style in tensor.plan.values()
-    )
+    ranks would hold different tokens: a SequenceParallel over it, or a style whose input or output
+    layouts shard dim 1. Qwen3's per-head norms use SequenceParallel over dim 0 of their own heads'
+    values only (model/hugging_face/tp_plan.py): not that."""
+    for style in tensor.plan.values():
+        if isinstance(style, SequenceParallel) and style.sequence_sharding[0].dim != 0:
+            return True
+        for attr in ("input_layouts", "output_layouts", "desired_input_layouts"):
+            layouts = getattr(style, attr, None)
+            layouts = layouts if isinstance(layouts, (tuple, list)) else (layouts,)
+            if any(isinstance(layout, Shard) and layout.dim == 1 for layout in layouts):
+                return True
+    return False
 
 
 def apply_expert_parallel(stages: dict[int, nn.Module], plan: ExpertPlan, layout: Layout) -> None:

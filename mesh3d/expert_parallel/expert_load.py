@@ -51,8 +51,9 @@ class ExpertLoad:
     def _count(self, row: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._counting or torch._C._current_graph_task_id() != -1:  # -1: not inside a backward
             return
-        chosen = args[1] if len(args) > 1 else kwargs["top_k_index"]
-        self.counts[row] += torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
+        chosen = (args[1] if len(args) > 1 else kwargs["top_k_index"]).reshape(-1)
+        # scatter_add, not bincount: bincount reads its input's range to the host
+        self.counts[row].scatter_add_(0, chosen, torch.ones_like(chosen, dtype=self.counts.dtype))
 
     def gather(self) -> dict[str, torch.Tensor]:
         """{experts module name: tokens routed to each of its experts in the last step}, on CPU, the same

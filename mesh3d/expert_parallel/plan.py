@@ -73,6 +73,13 @@ def translate_ep_plan(model: nn.Module) -> tuple[ExpertPlan | None, str | None]:
         for name, module in modules.items():
             if not fnmatchcase(name, pattern):
                 continue
+            declared = getattr(module, "num_experts", None)
+            weights = {int(p.shape[0]) for p in module.parameters()}
+            if not isinstance(declared, int) or weights != {declared}:
+                return None, (
+                    f"{arch}: its experts module {name!r} declares num_experts={declared!r} but holds weights of "
+                    f"{sorted(weights)} experts; mesh3d splits only a count its weights share; use ep=1"
+                )
             for param_name, param in module.named_parameters():
                 if param_name not in named:
                     return None, (

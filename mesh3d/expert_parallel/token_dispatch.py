@@ -3,7 +3,8 @@
 Each of the ep ranks of a group holds E/ep experts whole (rank e the experts e*E/ep ...). A rank
 sorts its (token, chosen expert) pairs by expert, which groups them by owner; one small all-to-all
 of the per-expert counts tells every rank how many rows it will receive for each of its experts
-(the counts are read to the host: the splits are uneven, nothing is dropped, no capacity factor);
+(the counts are read to the host, the layer's one host stop: the splits are uneven, nothing is
+dropped, no capacity factor);
 the rows go out in one all-to-all, the owners run their experts on them (each row with its one
 expert, weight 1), and the results come back in a second all-to-all, in the order they left. The
 sender weights each result by its routing weight and sums a token's k results, as transformers'
@@ -83,7 +84,8 @@ def dispatch_to_experts(
     expert_ids = top_k_index.reshape(-1)
     order = torch.argsort(expert_ids, stable=True)  # grouped by expert, so by owner rank
     send_rows = hidden[order // top_k]
-    send_counts = torch.bincount(expert_ids, minlength=num_local * ep).view(ep, num_local)
+    send_counts = torch.zeros(num_local * ep, dtype=torch.long, device=expert_ids.device)
+    send_counts = send_counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids)).view(ep, num_local)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=ep_group)
     send, recv = (counts.sum(dim=1).tolist() for counts in (send_counts, recv_counts))  # the host sync
@@ -92,10 +94,11 @@ def dispatch_to_experts(
     # the rows arrive by sender, each sender's by expert: the local expert of each row
     local_ids = torch.arange(num_local, device=rows.device).repeat(ep)
     local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1), output_size=rows.shape[0]).unsqueeze(-1)
-    ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
-    out = experts_forward(rows, local_ids, ones)
-    if rows.shape[0] == 0:
-        out = out + connect()
+    if rows.shape[0]:
+        ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
+        out = experts_forward(rows, local_ids, ones)
+    else:  # nothing routed here: no kernel runs on zero rows, and the experts still get a (zero) gradient
+        out = rows + connect()
     back = _AllToAll.apply(out, recv, send, ep_group)
 
     per_choice = torch.empty_like(back).index_copy(0, order, back)  # back in (token, choice) order

@@ -159,8 +159,9 @@ def test_expert_parallel_equals_transformers_in_one_process():
 
 
 MOMENTUM = 0.9
-# (pp, dp, ep, schedule) of each leg: steps 1-2 saved at ep 2, step 3 resumed at ep 4 and saved, step 4 at ep 1
-LEGS = [((2, 2, 2), "zbv"), ((1, 4, 4), "gpipe"), ((2, 2, 1), "1f1b")]
+# (pp, dp, ep, schedule) of each leg: steps 1-2 saved at ep 2 (two ranks hold each expert, FSDP-sharded),
+# step 3 resumed at ep 4 and saved, step 4 at ep 1
+LEGS = [((1, 4, 2), "gpipe"), ((1, 4, 4), "gpipe"), ((2, 2, 1), "zbv")]
 
 
 def _save_resume_export(root: str) -> dict:

@@ -4,6 +4,7 @@ take, and the refusals, each naming what to change. The distributed test is test
 from __future__ import annotations
 
 import hf_cases
+import numpy as np
 import pytest
 
 from mesh3d.axes import describe
@@ -25,6 +26,19 @@ def test_ep_is_carved_from_the_ranks_of_a_stage():
         axis_sizes(8, pp=2, tp=2, ep=8)  # the world, but not one stage's ranks
     with pytest.raises(ValueError, match="ep must be an int >= 1"):
         axis_sizes(8, pp=2, ep=0)
+    assert axis_sizes(8, pp=2, tp=2, ep=np.int64(2))["ep"] == 2  # numpy integers, as for the other axes
+
+
+def test_a_tp_plan_that_splits_the_sequence_is_refused_with_ep():
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
+
+    from mesh3d.expert_parallel.apply import _splits_the_sequence
+    from mesh3d.tensor.plan import TensorParallelConfig
+
+    assert not _splits_the_sequence(TensorParallelConfig({"q_norm": SequenceParallel(sequence_dim=0)}))  # Qwen3's
+    assert _splits_the_sequence(TensorParallelConfig({"norm": SequenceParallel()}))
+    assert _splits_the_sequence(TensorParallelConfig({"o_proj": RowwiseParallel(output_layouts=Shard(1))}))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
@@ -53,6 +67,13 @@ def test_a_style_without_an_exact_translation_is_refused_by_name():
     model.config.base_model_ep_plan = {**model.config.base_model_ep_plan, "layers.*.mlp.experts.norm": "colwise"}
     plan, refusal = translate_ep_plan(model)
     assert plan is None and "'model.layers.*.mlp.experts.norm' the style 'colwise'" in refusal
+
+
+def test_an_experts_count_its_weights_do_not_share_is_refused():
+    model = hf_cases.meta_hf_model("qwen3_moe", num_experts=8)
+    model.model.layers[1].mlp.experts.num_experts = 4
+    found, refusal = translate_ep_plan(model)
+    assert found is None and "declares num_experts=4 but holds weights of [8] experts" in refusal
 
 
 def test_an_experts_parameter_the_plan_does_not_split_is_refused():
