@@ -236,9 +236,8 @@ def parallelize(
     if compile_backend is not None:
         compile_blocks(stages.values(), anatomy, compile_backend, split_backward=pipe.schedule.splits_backward)
     grad_sync = None
-    if (
-        data.wraps(replicas) or pipe.never_drains or experts is not None
-    ):  # split experts: FSDP over their replicas  # never-drain: versions are swapped through FSDP (weight_versions.py)
+    # never-drain: versions are swapped through FSDP (weight_versions.py); split experts: FSDP over their replicas
+    if data.wraps(replicas) or pipe.never_drains or experts is not None:
         tied.separate_stages()  # each stage is its own FSDP/DDP root: no Parameter shared by two
         grad_sync = apply_data_parallel(stages, layout, data, anatomy.blocks)
     if split.from_meta:

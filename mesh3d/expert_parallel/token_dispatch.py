@@ -88,7 +88,7 @@ def dispatch_to_experts(
     send_counts = send_counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids)).view(ep, num_local)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=ep_group)
-    send, recv = (counts.sum(dim=1).tolist() for counts in (send_counts, recv_counts))  # the host sync
+    send, recv = torch.stack([send_counts.sum(dim=1), recv_counts.sum(dim=1)]).tolist()  # the one host stop
 
     rows = _AllToAll.apply(send_rows, send, recv, ep_group)
     # the rows arrive by sender, each sender's by expert: the local expert of each row
