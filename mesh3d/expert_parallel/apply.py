@@ -21,14 +21,14 @@ def resolve_expert_parallel(
     """(the plan to apply, None at ep = 1; the tensor-parallel config without the experts modules,
     which hold whole experts under ep instead of every expert's slice). Raises ValueError, pure, on
     every rank alike."""
-    check_expert_parallel(plan, refusal, layout.ep, _splits_the_sequence(tensor))
+    check_expert_parallel(plan, refusal, layout.ep, splits_the_sequence(tensor))
     if layout.ep == 1:
         return None, tensor
     kept = {name: style for name, style in tensor.plan.items() if not plan.matches(name)}
     return plan, dataclasses.replace(tensor, plan=kept)
 
 
-def _splits_the_sequence(tensor: TensorParallelConfig) -> bool:
+def splits_the_sequence(tensor: TensorParallelConfig) -> bool:
     """Whether the plan shards activations along the sequence (dim 1) between modules, so a tp group's
     ranks would hold different tokens: a SequenceParallel over it, or a style whose input or output
     layouts shard dim 1. Qwen3's per-head norms use SequenceParallel over dim 0 of their own heads'

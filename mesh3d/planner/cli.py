@@ -23,10 +23,10 @@ from mesh3d.planner.hardware import HARDWARE
 from mesh3d.planner.model_source import PRESETS
 from mesh3d.planner.predict.memory import MemoryBreakdown
 from mesh3d.planner.ranking import Plan, plan
-from mesh3d.planner.search_space import FIXABLE, memory_limit_bytes, resolve_hardware
+from mesh3d.planner.search_space import FIXABLE, LAYOUT, memory_limit_bytes, resolve_hardware
 
 GIB = 2**30
-_INT_KEYS = ("pp", "dp", "cp", "tp", "virtual_stages", "microbatches")
+_INT_KEYS = ("pp", "dp", "cp", "tp", "ep", "virtual_stages", "microbatches")
 # The table's short column names work in --fix too.
 _KEY_ALIASES = {"v": "virtual_stages", "m": "microbatches", "ac": "activation_checkpoint"}
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "none": None}
@@ -56,7 +56,7 @@ class _UsageError(ValueError):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mesh3d-plan",
-        description="Rank the (pp, dp, cp, tp, schedule, microbatches, checkpointing) layouts of a model on a "
+        description="Rank the (pp, dp, cp, tp, ep, schedule, microbatches, checkpointing) layouts of a model on a "
         "cluster by predicted tokens/s per GPU, keeping those that fit in memory.",
     )
     p.add_argument(
@@ -174,6 +174,7 @@ def table(plans: list[Plan]) -> str:
         "dp",
         "cp",
         "tp",
+        "ep",
         "schedule",
         "v",
         "m",
@@ -197,6 +198,7 @@ def table(plans: list[Plan]) -> str:
                 str(p.dp),
                 str(p.cp),
                 str(p.tp),
+                str(p.ep),
                 p.schedule,
                 str(p.virtual_stages),
                 str(p.microbatches),
@@ -221,8 +223,7 @@ def table(plans: list[Plan]) -> str:
 
 
 def _layout_differences(best: Plan, other: Plan) -> str:
-    names = ("pp", "dp", "cp", "tp", "schedule", "virtual_stages", "microbatches", "activation_checkpoint", "dp_mode")
-    diffs = [f"{n} {getattr(best, n)} vs {getattr(other, n)}" for n in names if getattr(best, n) != getattr(other, n)]
+    diffs = [f"{n} {getattr(best, n)} vs {getattr(other, n)}" for n in LAYOUT if getattr(best, n) != getattr(other, n)]
     return ", ".join(diffs) if diffs else "the same layout"
 
 
@@ -260,10 +261,17 @@ def why(best: Plan, runner_up: Plan | None) -> str:
             f"{_seconds(b.p2p_seconds, unit)}"
             + (
                 f", context-parallel K/V exchanges {_seconds(a.cp_seconds, unit)} vs {_seconds(b.cp_seconds, unit)} "
-                "per stage and microbatch."
+                "per stage and microbatch"
                 if a.cp_seconds or b.cp_seconds
-                else "."
+                else ""
             )
+            + (
+                f", expert all-to-alls {_seconds(a.ep_seconds, unit)} vs {_seconds(b.ep_seconds, unit)} "
+                "per stage and microbatch"
+                if a.ep_seconds or b.ep_seconds
+                else ""
+            )
+            + "."
         )
     ma, mb = best.memory_per_rank, runner_up.memory_per_rank
     mem_top = max(_MEMORY_TERMS, key=lambda t: abs(getattr(ma, t) - getattr(mb, t)))

@@ -1,9 +1,9 @@
 """`mesh3d.plan`: every layout of a model on a cluster, the ones that fit, ranked by tokens/s per GPU.
 
-For each candidate (pp, dp, cp, tp, schedule, virtual_stages, microbatches, activation_checkpoint,
+For each candidate (pp, dp, cp, tp, ep, schedule, virtual_stages, microbatches, activation_checkpoint,
 dp_mode) the planner builds the schedule mesh3d would run, predicts the fullest rank's memory
 (predict/memory.py) and the step's time (predict/step_time.py) from costs measured on the model itself
-(measure/probe.py, once per tp and cp degree), drops what does not fit and ranks the rest.
+(measure/probe.py, once per tp and cp degree; under ep, measure/experts.py), drops what does not fit and ranks the rest.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from mesh3d.pipeline.tied import find_ties
 from mesh3d.planner.hardware import Hardware
 from mesh3d.planner.measure.costs import ModelCosts
 from mesh3d.planner.measure.data_parallel_timing import time_data_parallel
+from mesh3d.planner.measure.experts import at_expert_parallel, routing_sizes, without_experts
 from mesh3d.planner.measure.measured_stages import planner_anatomy, token_ids
 from mesh3d.planner.measure.part_timing import time_model
 from mesh3d.planner.measure.probe import measure_model_anywhere
@@ -33,6 +34,7 @@ from mesh3d.planner.search_space import (
     check_sizes,
     context_parallel_degrees,
     context_parallel_refusal,
+    expert_parallel_degrees,
     memory_limit_bytes,
     nothing_fits,
     resolve_hardware,
@@ -68,6 +70,7 @@ class Plan:
     split_points: tuple[str, ...] | None = None  # as given to `plan`
     reshard_after_forward: bool | None = None  # FSDP over dp x cp > 1; None under DDP or dp x cp = 1
     cp: int = 1  # context parallelism: each sequence cut over cp ranks (a cp group shares its rows)
+    ep: int = 1  # expert parallelism: each block's experts split over ep ranks of a stage
 
     def parallelize_kwargs(self) -> dict:
         """What to hand `mesh3d.parallelize(model, **kwargs)` to run exactly this plan (a traced
@@ -77,6 +80,7 @@ class Plan:
             dp=self.dp,
             tp=self.tp,
             **({"cp": self.cp} if self.cp > 1 else {}),
+            **({"ep": self.ep} if self.ep > 1 else {}),
             schedule=self.schedule,
             virtual_stages=self.virtual_stages,
             microbatches=self.microbatches,
@@ -96,7 +100,8 @@ class Plan:
     def row(self) -> str:
         dtype = "fp32" if self.param_dtype is None else str(self.param_dtype).removeprefix("torch.")
         return (
-            f"pp={self.pp} dp={self.dp}{f' cp={self.cp}' if self.cp > 1 else ''} tp={self.tp} "
+            f"pp={self.pp} dp={self.dp}{f' cp={self.cp}' if self.cp > 1 else ''} tp={self.tp}"
+            f"{f' ep={self.ep}' if self.ep > 1 else ''} "
             f"{self.schedule} v={self.virtual_stages} "
             f"m={self.microbatches} ac={self.activation_checkpoint} {self.dp_mode}"
             f"{' reshard' if self.reshard_after_forward and self.pp > 1 else ''} {dtype}"
@@ -135,7 +140,8 @@ def plan(
         fix: pin choices by the plan's attribute names, e.g. {"pp": 8, "schedule": "1f1b"} or
             {"cp": 4} (context parallelism: searched unpinned from constants.CP_SEARCHED_FROM_SEQ_LEN
             tokens on, where the model takes it and seq_len cuts into 2 x cp chunks; a pinned cp a
-            model cannot run is refused by name as parallelize would).
+            model cannot run is refused by name as parallelize would), or {"ep": 2} (expert
+            parallelism: searched unpinned for a mixture of experts that declares its experts).
         tp_plan: a tensor-parallel plan, when the model's own declaration is not the one to use.
         split_points: the blocks where stages 1, 2, ... begin, as `parallelize` takes them (a
             traced model's blocks are then that container's children): only layouts of
@@ -176,6 +182,29 @@ def plan(
         )
     )
     cp_choices = context_parallel_degrees(model, anatomy, gpus, gpus_per_node, fix, hw, seq_len)
+    ep_choices = expert_parallel_degrees(model, anatomy, gpus, gpus_per_node, fix, hw, plan_tp)
+
+    @functools.cache
+    def costs_at(tp, dtype, cp, ep):
+        if ep == 1:
+            return measure(tp, dtype, cp)
+        # the same probe without the experts' tp entries: their whole weights, the tp traffic left
+        whole = measure(1, dtype, cp) if tp == 1 else measure_whole_experts(tp, dtype, cp)
+        return at_expert_parallel(measure(tp, dtype, cp), whole, anatomy.expert_plan, ep, *routing_sizes(model))
+
+    measure_whole_experts = functools.cache(
+        lambda tp, dtype, cp: measure_model_anywhere(
+            model,
+            anatomy,
+            split_points,
+            tp=tp,
+            tp_plan=without_experts(plan_tp, anatomy.expert_plan),
+            microbatch_size=1,
+            seq_len=seq_len,
+            param_dtype=dtype,
+            cp=cp,
+        )
+    )
     # A measured machine times the model's parts at each microbatch size it plans (predict/step_time.py).
     timed = functools.cache(
         lambda tp, dtype, mbs: time_model(
@@ -213,10 +242,11 @@ def plan(
         tensor_parallel=bool(plan_tp),
         seq_len=seq_len,
         cp_choices=cp_choices,
+        ep_choices=ep_choices,
     ):
         if split_counts is not None and cand["pp"] * cand["virtual_stages"] != len(split_counts):
             continue  # the split points name the stages
-        costs = measure(cand["tp"], cand["param_dtype"], cand["cp"])
+        costs = costs_at(cand["tp"], cand["param_dtype"], cand["cp"], cand["ep"])
         refusal = context_parallel_refusal(costs, anatomy.name)
         if refusal is not None:
             if "cp" in fix:
@@ -237,13 +267,15 @@ def plan(
             cand["activation_checkpoint"],
             param_bytes,
             compute_bytes,
-            wraps=data_ranks > 1 or cand["param_dtype"] is not None,
+            wraps=data_ranks > 1 or cand["ep"] > 1 or cand["param_dtype"] is not None,
             tied_end=tied,
             reshard_after_forward=cand["reshard_after_forward"],
+            expert_dp=data_ranks * cand["tp"] // cand["ep"] if cand["ep"] > 1 else 1,
         )
         walk = (
             cand["tp"],
             cand["cp"],
+            cand["ep"],
             cand["param_dtype"],
             cand["schedule"],
             cand["pp"],
@@ -259,7 +291,7 @@ def plan(
         if memory.total > limit:
             smallest_need = memory.total if smallest_need is None else min(smallest_need, memory.total)
             continue
-        links = Links.of(hw, cand["pp"], cand["dp"], cand["tp"], gpus_per_node, cand["cp"])
+        links = Links.of(hw, cand["pp"], cand["dp"], cand["tp"], gpus_per_node, cand["cp"], cand["ep"])
         fp32 = cand["param_dtype"] is None or cand["param_dtype"] == torch.float32
         step_costs = timed(cand["tp"], cand["param_dtype"], cand["microbatch_size"]) if hw.times_the_model else costs
         overhead = (
@@ -296,6 +328,7 @@ def plan(
                 None if split_points is None else tuple(split_points),
                 cand["reshard_after_forward"],
                 cand["cp"],
+                cand["ep"],
             )
         )
     if not plans:

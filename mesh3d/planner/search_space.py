@@ -11,33 +11,27 @@ import re
 import torch
 
 from mesh3d.context_parallel.model_check import check_kind
+from mesh3d.expert_parallel.apply import splits_the_sequence
+from mesh3d.expert_parallel.plan import check_expert_parallel
 from mesh3d.model.stage_inputs import stage_input_names
 from mesh3d.pipeline.config import ACTIVATION_CHECKPOINT_MODES
 from mesh3d.pipeline.schedule.catalog import SCHEDULES, check_schedule_config
 from mesh3d.planner import constants as C
 from mesh3d.planner.hardware import HARDWARE, Hardware
 from mesh3d.planner.measure.costs import ModelCosts
+from mesh3d.planner.measure.experts import TOP_K_ATTRIBUTES, routing_sizes
 from mesh3d.planner.measure.machine_bench import measure_this_machine
 from mesh3d.planner.measure.measured_stages import measured_stages
+from mesh3d.tensor.plan import TensorParallelConfig
 
 # The never-drain schedules (pipedream, pipedream_2bw) hold stashed weight versions and overlap
 # calls; the planner's memory walk and step timeline model one flushing step, so it leaves them out.
 PLANNED_SCHEDULES = [name for name, spec in SCHEDULES.items() if not spec.never_drains]
 
-FIXABLE = (
-    "pp",
-    "dp",
-    "cp",
-    "tp",
-    "schedule",
-    "virtual_stages",
-    "microbatches",
-    "activation_checkpoint",
-    "dp_mode",
-    "reshard_after_forward",
-    "param_dtype",
-    "compile",
-)
+# A plan's layout, as the CLI's table lists it and tells two plans apart.
+LAYOUT = ("pp", "dp", "cp", "tp", "ep", "schedule", "virtual_stages", "microbatches")
+LAYOUT += ("activation_checkpoint", "dp_mode")
+FIXABLE = (*LAYOUT, "reshard_after_forward", "param_dtype", "compile")
 
 
 def divisors(n: int) -> list[int]:
@@ -45,13 +39,24 @@ def divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(
-    gpus, gpus_per_node, global_batch, n_blocks, tp_sizes, fix, tensor_parallel=True, seq_len=None, cp_choices=(1,)
+    gpus,
+    gpus_per_node,
+    global_batch,
+    n_blocks,
+    tp_sizes,
+    fix,
+    tensor_parallel=True,
+    seq_len=None,
+    cp_choices=(1,),
+    ep_choices=(1,),
 ):
     """Every layout mesh3d accepts for these sizes, with `fix` applied; tp = 1 only, unless fixed,
     for a model without a tensor-parallel plan. `cp_choices`: the context-parallel degrees the
     model can take (context_parallel_degrees), each kept where it cuts `seq_len` into 2 x cp
     chunks and, unless pinned, where its cp x tp ranks fit in a node (each layer's K/V all-gather
-    wants NVLink); the global batch divides over dp alone (a cp group's ranks share their rows)."""
+    wants NVLink); the global batch divides over dp alone (a cp group's ranks share their rows).
+    `ep_choices` (expert_parallel_degrees): each kept where it divides the stage's dp x cp x tp
+    ranks and, unless pinned, fits in a node (its all-to-alls every block want NVLink)."""
 
     def allowed(name, values):
         return [fix[name]] if name in fix else values
@@ -74,40 +79,45 @@ def candidate_layouts(
             if "dp" in fix and fix["dp"] != dp or global_batch % dp:
                 continue
             local = global_batch // dp
-            for schedule in allowed("schedule", ["1f1b"] if pp == 1 else list(PLANNED_SCHEDULES)):
-                spec = SCHEDULES[schedule]
-                v_choices = (
-                    [spec.fixed_virtual_stages]
-                    if spec.fixed_virtual_stages
-                    else ([1, 2, 4] if spec.multi_stage else [1])
-                )
-                for v in allowed("virtual_stages", [v for v in v_choices if pp * v <= n_blocks]):
-                    for m in allowed("microbatches", [m for m in divisors(local) if m <= 4 * pp * v or m == pp]):
-                        if local % m:
-                            continue
-                        try:  # each schedule's own minimum (dualpipev: m >= 2*pp; memory and time walk its lists)
-                            check_schedule_config(schedule, pp, m, v)
-                        except ValueError:
-                            continue
-                        for ac in allowed("activation_checkpoint", list(ACTIVATION_CHECKPOINT_MODES)):
-                            # FSDP/DDP span dp x cp: the ranks of a cp group hold the same parameters
-                            for mode, reshard in _data_parallel_choices(allowed, dp * cp, pp):
-                                yield dict(
-                                    pp=pp,
-                                    dp=dp,
-                                    cp=cp,
-                                    tp=tp,
-                                    schedule=schedule,
-                                    virtual_stages=v,
-                                    microbatches=m,
-                                    activation_checkpoint=ac,
-                                    dp_mode=mode,
-                                    reshard_after_forward=reshard,
-                                    param_dtype=fix.get("param_dtype", torch.bfloat16),
-                                    compile=fix.get("compile", False),
-                                    local_batch=local,
-                                    microbatch_size=local // m,
-                                )
+            for ep in [e for e in ep_choices if (dp * cp * tp) % e == 0 and (e <= gpus_per_node or "ep" in fix)]:
+                yield from _schedules(allowed, fix, n_blocks, pp, dp, cp, tp, ep, local)
+
+
+def _schedules(allowed, fix, n_blocks, pp, dp, cp, tp, ep, local):
+    """The schedule, microbatch, checkpointing and data-parallel choices of one (pp, dp, cp, tp, ep)."""
+    for schedule in allowed("schedule", ["1f1b"] if pp == 1 else list(PLANNED_SCHEDULES)):
+        spec = SCHEDULES[schedule]
+        v_choices = (
+            [spec.fixed_virtual_stages] if spec.fixed_virtual_stages else ([1, 2, 4] if spec.multi_stage else [1])
+        )
+        for v in allowed("virtual_stages", [v for v in v_choices if pp * v <= n_blocks]):
+            for m in allowed("microbatches", [m for m in divisors(local) if m <= 4 * pp * v or m == pp]):
+                if local % m:
+                    continue
+                try:  # each schedule's own minimum (dualpipev: m >= 2*pp; memory and time walk its lists)
+                    check_schedule_config(schedule, pp, m, v)
+                except ValueError:
+                    continue
+                for ac in allowed("activation_checkpoint", list(ACTIVATION_CHECKPOINT_MODES)):
+                    # FSDP/DDP span dp x cp: the ranks of a cp group hold the same parameters
+                    for mode, reshard in _data_parallel_choices(allowed, dp * cp, pp):
+                        yield dict(
+                            pp=pp,
+                            dp=dp,
+                            cp=cp,
+                            tp=tp,
+                            ep=ep,
+                            schedule=schedule,
+                            virtual_stages=v,
+                            microbatches=m,
+                            activation_checkpoint=ac,
+                            dp_mode=mode,
+                            reshard_after_forward=reshard,
+                            param_dtype=fix.get("param_dtype", torch.bfloat16),
+                            compile=fix.get("compile", False),
+                            local_batch=local,
+                            microbatch_size=local // m,
+                        )
 
 
 def context_parallel_degrees(model, anatomy, gpus, gpus_per_node, fix, hardware: Hardware, seq_len: int) -> list[int]:
@@ -139,6 +149,38 @@ def context_parallel_degrees(model, anatomy, gpus, gpus_per_node, fix, hardware:
     except ValueError:
         return [1]
     return [c for c in divisors(gpus) if c <= gpus_per_node]
+
+
+def expert_parallel_degrees(model, anatomy, gpus, gpus_per_node, fix, hardware: Hardware, tp_plan) -> list[int]:
+    """The ep degrees to plan: `fix`'s, refused by name (as parallelize would) where the model, its
+    tp plan or the hardware cannot take it; else, for a mixture of experts whose config declares
+    its experts (base_model_ep_plan), every divisor of its expert count up to a node; 1 alone for
+    any other model and on a measured machine."""
+    plan = anatomy.expert_plan
+
+    def refused(ep: int) -> None:
+        check_expert_parallel(
+            plan, anatomy.expert_plan_refusal, ep, splits_the_sequence(TensorParallelConfig(plan=dict(tp_plan or {})))
+        )
+        if ep > 1 and routing_sizes(model) is None:
+            raise ValueError(
+                f"plan: ep={ep}, but the config of {anatomy.name} names neither how many experts a token is routed "
+                f"to ({', '.join(TOP_K_ATTRIBUTES)}) nor its hidden_size, which size the all-to-alls; use ep=1"
+            )
+        if ep > 1 and hardware.times_the_model:
+            raise ValueError(
+                f"plan: ep={ep} on {hardware.name!r}: a measured machine times the experts as one rank runs "
+                "them all, not their all-to-alls; plan expert parallelism for a GPU preset or a Hardware, or fix ep=1"
+            )
+
+    if "ep" in fix:
+        refused(fix["ep"])
+        return [fix["ep"]]
+    try:
+        refused(2)
+    except ValueError:
+        return [1]
+    return [e for e in divisors(plan.num_experts) if e <= gpus_per_node and gpus % e == 0]
 
 
 def _data_parallel_choices(allowed, dp: int, pp: int):
@@ -199,7 +241,7 @@ def check_fix(fix: dict | None) -> dict:
         )
     if "compile" in fix and not isinstance(fix["compile"], bool):
         raise ValueError(f"plan: fix compile={fix['compile']!r}; give True or False")
-    for name in ("pp", "dp", "cp", "tp", "virtual_stages", "microbatches"):
+    for name in ("pp", "dp", "cp", "tp", "ep", "virtual_stages", "microbatches"):
         if name in fix and (isinstance(fix[name], bool) or not isinstance(fix[name], int) or fix[name] < 1):
             raise ValueError(f"plan: fix {name}={fix[name]!r}; give a positive integer")
     return fix

@@ -33,12 +33,12 @@ def test_a_tp_plan_that_splits_the_sequence_is_refused_with_ep():
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
 
-    from mesh3d.expert_parallel.apply import _splits_the_sequence
+    from mesh3d.expert_parallel.apply import splits_the_sequence
     from mesh3d.tensor.plan import TensorParallelConfig
 
-    assert not _splits_the_sequence(TensorParallelConfig({"q_norm": SequenceParallel(sequence_dim=0)}))  # Qwen3's
-    assert _splits_the_sequence(TensorParallelConfig({"norm": SequenceParallel()}))
-    assert _splits_the_sequence(TensorParallelConfig({"o_proj": RowwiseParallel(output_layouts=Shard(1))}))
+    assert not splits_the_sequence(TensorParallelConfig({"q_norm": SequenceParallel(sequence_dim=0)}))  # Qwen3's
+    assert splits_the_sequence(TensorParallelConfig({"norm": SequenceParallel()}))
+    assert splits_the_sequence(TensorParallelConfig({"o_proj": RowwiseParallel(output_layouts=Shard(1))}))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])

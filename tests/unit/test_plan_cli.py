@@ -82,6 +82,7 @@ def _layout(p) -> list[str]:
         str(p.dp),
         str(p.cp),
         str(p.tp),
+        str(p.ep),
         p.schedule,
         str(p.virtual_stages),
         str(p.microbatches),
@@ -108,16 +109,16 @@ def test_table_is_plans_top_ten_in_order_with_its_numbers(top_ten, reference):
     assert f"{len(reference)} layouts fit; the top 10" in top_ten
     for i, (row, p) in enumerate(zip(rows, reference), 1):
         assert row[0] == str(i)
-        assert row[1:10] == _layout(p)
-        assert row[10] == f"{p.tokens_per_second_per_gpu:,.0f}"
-        assert row[11] == f"{p.mfu:.1%}" and row[13] == f"{p.bubble_fraction:.1%}"
-        assert math.isclose(float(row[12]), p.step_seconds, rel_tol=1e-2)
-        assert math.isclose(float(row[14]), p.memory_per_rank.total / 2**30, rel_tol=1e-2)
+        assert row[1:11] == _layout(p)
+        assert row[11] == f"{p.tokens_per_second_per_gpu:,.0f}"
+        assert row[12] == f"{p.mfu:.1%}" and row[14] == f"{p.bubble_fraction:.1%}"
+        assert math.isclose(float(row[13]), p.step_seconds, rel_tol=1e-2)
+        assert math.isclose(float(row[15]), p.memory_per_rank.total / 2**30, rel_tol=1e-2)
         largest = max(
             ("parameters", "gradients", "optimizer", "activations", "recompute", "communication", "context_parallel"),
             key=lambda term: getattr(p.memory_per_rank, term),
         )
-        assert row[15] == largest
+        assert row[16] == largest
 
 
 def test_why_names_the_term_that_differs_most(top_ten, reference):
@@ -147,17 +148,18 @@ def test_why_follows_the_terms_not_the_layout(reference):
 def test_all_lists_every_plan(config_dir, reference):
     rows = _rows(_run(_argv(config_dir, "--fix", "tp=1", "--all")))
     assert [row[0] for row in rows] == [str(i) for i in range(1, len(reference) + 1)]
-    assert [row[1:10] for row in rows] == [_layout(p) for p in reference]
+    assert [row[1:11] for row in rows] == [_layout(p) for p in reference]
 
 
 def test_fix_pins_typed_values(config_dir):
     fix = cli.parse_fix(
-        ["tp=1", "pp=2", "cp=1", "schedule=1f1b", "ac=always", "param_dtype=fp32", "compile=true", "m=4"]
+        ["tp=1", "pp=2", "cp=1", "ep=1", "schedule=1f1b", "ac=always", "param_dtype=fp32", "compile=true", "m=4"]
     )
     assert fix == dict(
         tp=1,
         pp=2,
         cp=1,
+        ep=1,
         schedule="1f1b",
         activation_checkpoint="always",
         param_dtype=torch.float32,
@@ -187,8 +189,8 @@ def test_fix_pins_typed_values(config_dir):
         fix=dict(tp=1, pp=2, schedule="1f1b", activation_checkpoint="always", param_dtype=torch.float32),
     )
     rows = _rows(out)
-    assert [row[1:10] for row in rows] == [_layout(p) for p in expected]
-    assert all(row[1] == "2" and row[5] == "1f1b" and row[8] == "always" for row in rows)
+    assert [row[1:11] for row in rows] == [_layout(p) for p in expected]
+    assert all(row[1] == "2" and row[6] == "1f1b" and row[9] == "always" for row in rows)
     assert "param_dtype float32" in out
 
 

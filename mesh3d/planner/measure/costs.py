@@ -72,6 +72,13 @@ class PartCosts:
     split_backward_seconds: float = 0.0
     weight_half_seconds: float = 0.0
     cp: AttentionExchange = field(default_factory=AttentionExchange)  # context parallelism's exchange
+    # Under expert parallelism (measure/experts.py): the experts' weights as one ep rank holds them
+    # (E/ep whole experts, apart from param_shapes: data parallelism shards them over the ranks that
+    # hold the same experts), the bytes one all-to-all of rows sends per sequence of a microbatch, and
+    # the all-to-alls a forward issues (a backward issues those of rows again).
+    expert_shapes: tuple[tuple[int, ...], ...] = ()
+    dispatch_bytes: float = 0.0
+    dispatches: int = 0
 
     def minus(self, other: PartCosts, names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> PartCosts:
         return PartCosts(
@@ -100,7 +107,7 @@ def _by_kind_minus(
 
 @dataclass(frozen=True)
 class ModelCosts:
-    """A block and the two ends, per microbatch of `microbatch_size` x `seq_len`, at `tp` and `cp`."""
+    """A block and the two ends, per microbatch of `microbatch_size` x `seq_len`, at `tp`, `cp` and `ep`."""
 
     tp: int
     microbatch_size: int
@@ -114,3 +121,4 @@ class ModelCosts:
     # whatever its blocks: by stage kind "first", "middle", "last"
     checkpointed_stage: dict[str, int]
     cp: int = 1
+    ep: int = 1

@@ -5,6 +5,8 @@
   ceil(rows/dp) rows, the fullest) or DDP's replica; gradients and both AdamW moments as the
   parameters, in the parameters' dtype; a tied weight once per stage that holds it when data
   parallelism wraps the stages (each stage is its own root), else once per rank;
+  under ep, a block's experts are E/ep whole experts (measure/experts.py), sharded over the ranks
+  that hold the same experts (dp x cp x tp / ep) instead;
 - activations: the rank's own action list walked in order (its order is its time), each forward
   adding what its mode keeps, each backward (B, or W after I) releasing it; parameters a forward
   saves are not activations (the probe's meter skips them: they are held once, as parameters or
@@ -73,6 +75,7 @@ class StagePlacement:
     tied_end: bool  # the first and last ends share a weight
     # FSDP frees a block's gathered parameters after its forward; None: parallelize's default (pp = 1)
     reshard_after_forward: bool | None = None
+    expert_dp: int = 1  # under ep: the ranks that hold the same experts (dp x cp x tp / ep)
 
     @property
     def reshards(self) -> bool:
@@ -98,11 +101,21 @@ def _stage_parts(costs: ModelCosts, stage: int, place: StagePlacement) -> list[t
 
 
 def stage_parameter_elements(costs: ModelCosts, stage: int, place: StagePlacement, sharded: bool = True) -> int:
-    dp = place.dp if sharded else 1
+    dp, edp = (place.dp, place.expert_dp) if sharded else (1, 1)
     return sum(
-        count * sum(_shard_rows(s, dp, place.dp_mode) for s in part.param_shapes)
+        count
+        * (
+            sum(_shard_rows(s, dp, place.dp_mode) for s in part.param_shapes)
+            + sum(_shard_rows(s, edp, place.dp_mode) for s in part.expert_shapes)
+        )
         for part, count in _stage_parts(costs, stage, place)
     )
+
+
+def rank_expert_elements(costs: ModelCosts, rank: int, place: StagePlacement) -> int:
+    """Unsharded elements of the experts pp rank `rank` holds under ep (0 at ep = 1)."""
+    block = sum(math.prod(s) for s in costs.block.expert_shapes)
+    return block * sum(len(place.stage_layers[s]) for s in place.schedule.local_stages(rank))
 
 
 def _tied_elements(costs: ModelCosts, place: StagePlacement, sharded: bool = True) -> int:
@@ -217,25 +230,29 @@ def rank_memory(
     params = rank_parameter_elements(costs, rank, place) * place.param_bytes
     activations, recompute = kept if kept is not None else rank_activations(costs, rank, place)
     unsharded = rank_parameter_elements(costs, rank, place, sharded=False)
-    if place.dp_mode == "fsdp" and place.dp > 1:
-        stages = place.schedule.local_stages(rank)
-        if not place.reshards:  # gathered from the first forward to the last backward
-            gathered = unsharded * place.compute_bytes
-        else:  # a block at a time, the next one prefetched; the root's own parameters kept, and their flat buffer
-            block = sum(math.prod(s) for s in costs.block.param_shapes)
-            blocks = sum(len(place.stage_layers[s]) for s in stages)
-            own = unsharded - blocks * block
-            gathered = (min(2, blocks) * block + 2 * own) * place.compute_bytes
-        comm = gathered
-    elif place.wraps and place.compute_bytes != place.param_bytes:
-        comm = unsharded * place.compute_bytes  # the compute-dtype copy of every parameter
-    else:
-        comm = 0
+    experts = rank_expert_elements(costs, rank, place)
+    blocks = sum(len(place.stage_layers[s]) for s in place.schedule.local_stages(rank))
+    comm = 0
+    # The experts (under ep) are FSDP's or DDP's over their own group, wrapped even where it is one
+    # rank (data_parallel/wrap.py); the rest over dp x cp.
+    for elements, gathers, block_shapes in (
+        (unsharded - experts, place.dp > 1, costs.block.param_shapes),
+        (experts, experts > 0, costs.block.expert_shapes),
+    ):
+        if place.dp_mode == "fsdp" and gathers:
+            if not place.reshards:  # gathered from the first forward to the last backward
+                comm += elements * place.compute_bytes
+            else:  # a block at a time, the next one prefetched; the root's own parameters kept, and their flat buffer
+                block = sum(math.prod(s) for s in block_shapes)
+                own = elements - blocks * block
+                comm += (min(2, blocks) * block + 2 * own) * place.compute_bytes
+            if place.schedule.microbatches > 1:
+                # Reduced once per step (data_parallel/gradient_sync.py): until the last backward FSDP
+                # accumulates each gathered parameter's whole gradient, beside the reduced shards.
+                comm += elements * place.param_bytes
+        elif place.wraps and place.compute_bytes != place.param_bytes:
+            comm += elements * place.compute_bytes  # the compute-dtype copy of every parameter
     comm += 2 * costs.message_bytes * place.microbatch_size * len(place.schedule.local_stages(rank))
-    if place.dp_mode == "fsdp" and place.dp > 1 and place.schedule.microbatches > 1:
-        # Reduced once per step (data_parallel/gradient_sync.py): until the last backward FSDP
-        # accumulates each gathered parameter's whole gradient, beside the reduced shards.
-        comm += unsharded * place.param_bytes
     holds_blocks = any(place.stage_layers[s] for s in place.schedule.local_stages(rank))
     whole = _whole_sequence_bytes(costs.block, place.microbatch_size) if holds_blocks else 0
     during_backward = activations + recompute + comm + whole

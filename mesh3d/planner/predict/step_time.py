@@ -6,7 +6,9 @@ collectives and its recomputation. Under context parallelism the FLOPs are one c
 on its tokens, the attention's second forward in backward included) and each attention call adds
 its K/V all-gather to the forward (and to a recompute), and a second all-gather and the fp32
 reduce-scatter of dK/dV to the backward, over the cp group's links, none hidden (the attention
-waits for them). The simulator (pipeline/schedule/timeline.py) plays the
+waits for them). Under expert parallelism each block's forward adds its all-to-alls of routed
+rows (the dispatch and the combine) and of their counts, its backward the two of rows again, over
+the ep group's link, none hidden (measure/experts.py). The simulator (pipeline/schedule/timeline.py) plays the
 schedule's real action lists with each stage's own costs and the P2P time of a boundary
 message, so the bubble is the schedule's, not a closed form. FSDP/DDP traffic overlaps the
 compute (what exceeds it shows), and the optimizer's update is memory-bound.
@@ -38,9 +40,10 @@ class Links:
     dp: float  # data parallelism's group: dp x cp
     pp: float
     cp: float = 0.0
+    ep: float = 0.0  # expert parallelism's group: ep consecutive ranks of a stage
 
     @classmethod
-    def of(cls, hardware: Hardware, pp: int, dp: int, tp: int, gpus_per_node: int, cp: int = 1) -> Links:
+    def of(cls, hardware: Hardware, pp: int, dp: int, tp: int, gpus_per_node: int, cp: int = 1, ep: int = 1) -> Links:
         """Ranks are laid out tp fastest, then cp, dp, pp (axes.py): an axis stays in a node while
         its span of ranks fits in one."""
 
@@ -48,7 +51,7 @@ class Links:
             bandwidth = hardware.intra_node_bandwidth if span <= gpus_per_node else hardware.inter_node_bandwidth
             return bandwidth * C.ACHIEVABLE_LINK_FRACTION
 
-        return cls(link(tp), link(dp * cp * tp), link(pp * dp * cp * tp), link(cp * tp))
+        return cls(link(tp), link(dp * cp * tp), link(pp * dp * cp * tp), link(cp * tp), link(ep))
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class StepTime:
     backward_seconds: tuple[float, ...] = ()  # the whole backward, recomputation included
     weight_grad_seconds: tuple[float, ...] = ()  # the W part of a split backward (zero-bubble schedules)
     cp_seconds: float = 0.0  # context parallelism's K/V exchange of the heaviest stage's microbatch
+    ep_seconds: float = 0.0  # expert parallelism's all-to-alls of the heaviest stage's microbatch
 
 
 def step_time(
@@ -88,7 +92,7 @@ def step_time(
     timed = hardware.times_the_model  # costs carry seconds timed at this microbatch size (measure/part_timing.py)
     forward, backward, weight_half = [], [], []
     splits = place.schedule.splits_backward
-    tp_time = cp_time = 0.0
+    tp_time = cp_time = ep_time = 0.0
     for stage in range(len(place.stage_layers)):
         parts = _stage_parts(costs, stage, place)
         if timed:
@@ -108,14 +112,20 @@ def step_time(
         elif costs.tp > 1:
             tp_s = (tp_bytes / links.tp + tp_count * hardware.collective_latency) * (1 - C.TP_HIDDEN_FRACTION)
         gather_s, reduce_s = _exchange_seconds(parts, mbs, links, hardware)
-        f = fwd_s + tp_s / 2 + gather_s
+        dispatch_f, dispatch_b = _dispatch_seconds(parts, mbs, links, hardware)
+        f = fwd_s + tp_s / 2 + gather_s + dispatch_f
         # a checkpoint's recompute gathers K and V again, the selective one too (it caches the
         # attention's result, not the all-gather before it)
-        recompute = {"always": f, "except_last": f, "selective": C.SELECTIVE_RECOMPUTE_FRACTION * fwd_s + gather_s}
+        recompute = {
+            "always": f,
+            "except_last": f,
+            "selective": C.SELECTIVE_RECOMPUTE_FRACTION * fwd_s + gather_s + dispatch_f,
+        }
         forward.append(f)
-        backward.append(bwd_s + tp_s / 2 + gather_s + reduce_s + recompute.get(mode, 0.0))
+        backward.append(bwd_s + tp_s / 2 + gather_s + reduce_s + dispatch_b + recompute.get(mode, 0.0))
         tp_time = max(tp_time, tp_s)
         cp_time = max(cp_time, 2 * gather_s + reduce_s)
+        ep_time = max(ep_time, dispatch_f + dispatch_b)
     # Each stage plays at its own costs: the ends (embedding, output layer and loss) are heavier
     # than a stage of blocks alone, and under interleaving only two of a rank's stages carry them.
     if not splits:
@@ -152,6 +162,7 @@ def step_time(
         backward_seconds=tuple(backward),
         weight_grad_seconds=tuple(w),
         cp_seconds=cp_time,
+        ep_seconds=ep_time,
     )
 
 
@@ -167,6 +178,18 @@ def _exchange_seconds(parts, mbs: int, links: Links, hardware: Hardware) -> tupl
     return (gathered / links.cp + latency) * (1 - C.CP_HIDDEN_FRACTION), (reduced / links.cp + latency) * (
         1 - C.CP_HIDDEN_FRACTION
     )
+
+
+def _dispatch_seconds(parts, mbs: int, links: Links, hardware: Hardware) -> tuple[float, float]:
+    """(a forward's, a backward's) all-to-alls of a stage's microbatch under expert parallelism: the
+    routed rows over the ep group's link, none hidden (the experts wait for their rows, after a host
+    stop for the counts), a latency for each; 0 at ep = 1."""
+    forward_calls = sum(c * p.dispatches for p, c in parts)
+    if not forward_calls:
+        return 0.0, 0.0
+    rows = 2 * sum(c * p.dispatch_bytes for p, c in parts) * mbs / links.ep  # the dispatch and the combine
+    backward_calls = sum(c * 2 for p, c in parts if p.dispatches)
+    return rows + forward_calls * hardware.collective_latency, rows + backward_calls * hardware.collective_latency
 
 
 def _measured_collectives(by_kind: dict[str, tuple[float, int]], mbs: int, ranks: int, hardware: Hardware) -> float:
@@ -187,7 +210,7 @@ def _measured_collectives(by_kind: dict[str, tuple[float, int]], mbs: int, ranks
 def _rank_parameter_tensors(costs: ModelCosts, rank: int, place: StagePlacement) -> int:
     """How many parameter tensors pp rank `rank` updates."""
     return sum(
-        count * len(part.param_shapes)
+        count * (len(part.param_shapes) + len(part.expert_shapes))
         for stage in range(len(place.stage_layers))
         if place.schedule.stage_rank(stage) == rank
         for part, count in _stage_parts(costs, stage, place)
@@ -207,7 +230,8 @@ def _dp_seconds(
     per step; resharding after each forward (the default at pp = 1), every microbatch's forward
     and backward gather again (data_parallel/wrap.py). A machine with measured collectives (`Hardware.collective_times`)
     gives each its measured time at its size; otherwise ring traffic per rank over the link, plus
-    the latency per collective."""
+    the latency per collective. Under ep the experts' gradients are counted with the rest, over
+    dp x cp: their own group (dp x cp x tp / ep) moves (n - 1)/n of them, a share this leaves out."""
     dp = place.dp
     if dp == 1:
         return 0.0
@@ -254,9 +278,10 @@ def _rank_module_elements(costs: ModelCosts, rank: int, place: StagePlacement) -
     """Unsharded parameter elements of each module pp rank `rank` wraps for data parallelism: every
     block of its stages, and each stage's root (which holds the ends' parameters, if any)."""
     block = sum(math.prod(shape) for shape in costs.block.param_shapes)
+    experts = sum(math.prod(shape) for shape in costs.block.expert_shapes)  # wrapped on their own under ep
     modules = []
     for stage in place.schedule.local_stages(rank):
-        modules += [block] * len(place.stage_layers[stage])
+        modules += [block, experts] * len(place.stage_layers[stage])
         modules.append(
             sum(
                 count * sum(math.prod(shape) for shape in part.param_shapes)
