@@ -87,6 +87,7 @@ class Layout:
         # dp and cp flattened into one dim (a collective: made here, by every rank, in one order)
         data = data_dims(sizes)
         self._data_mesh = mesh[data[0]] if len(data) == 1 else mesh[data]._flatten(DATA_DIM, _options(device, timeout))
+        self._hybrid_meshes: dict[int, DeviceMesh] = {}
 
     @property
     def coordinate(self) -> tuple[int, ...]:
@@ -115,6 +116,21 @@ class Layout:
         ("dp_cp") when cp > 1 (context-parallel ranks hold the same parameters, so FSDP shards and
         gradients are reduced over both)."""
         return self._data_mesh
+
+    def hybrid_data_mesh(self, dp_shard: int) -> DeviceMesh:
+        """The 2-D mesh HSDP runs on, ("dp_replicate", "dp_shard"), or ("dp_replicate", "dp_shard_cp")
+        with cp > 1: dp's ranks in groups of `dp_shard` consecutive ones (one node, when they fit),
+        each group (with its cp ranks) sharding the parameters, the dp / dp_shard groups holding
+        replicas. Sliced from the layout's own mesh, so tensor parallelism's DTensors compose with it.
+        Made once per size; a collective over the whole world the first time (every rank asks in the
+        same order)."""
+        if dp_shard not in self._hybrid_meshes:
+            names = ("dp_replicate", "dp_shard" if self.cp == 1 else "dp_shard_cp")
+            options = dict.fromkeys(names, _options(self.device, self.timeout))
+            # dp x cp in rank order: groups of dp_shard x cp consecutive ones are dp_shard dp ranks with their cp ranks
+            sizes = (self.dp // dp_shard, dp_shard * self.cp)
+            self._hybrid_meshes[dp_shard] = self.data_mesh._unflatten(0, sizes, names, backend_override=options)
+        return self._hybrid_meshes[dp_shard]
 
     def data_group(self) -> dist.ProcessGroup:
         """The process group of the data-parallel ranks (dp x cp) of this rank: see `data_mesh`."""

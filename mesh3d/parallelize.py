@@ -81,6 +81,7 @@ def parallelize(
     stage_balance: str = "layers",
     end_weight: float = 0.0,
     dp_mode: str = "fsdp",
+    dp_shard: int | None = None,
     tp_plan: dict[str, ParallelStyle] | None = None,
     reshard_after_forward: bool | None = None,
     loss_parallel: bool = False,
@@ -143,11 +144,15 @@ def parallelize(
             count), used when layers_per_stage is not given.
         end_weight: with stage_balance="layers", the embedding and the output head each count as
             this many layers (so the first and last stages may get fewer blocks).
-        dp_mode: "fsdp" (default: FSDP2 `fully_shard` per block and per stage over the dp axis) or
-            "ddp" (full replicas, one gradient all-reduce per stage per step). Unused when dp == 1.
+        dp_mode: "fsdp" (default: FSDP2 `fully_shard` per block and per stage over the dp axis),
+            "hsdp" (FSDP2 within groups of `dp_shard` consecutive dp ranks, replicas across the
+            groups: one node's ranks shard, the nodes replicate) or "ddp" (full replicas, one
+            gradient all-reduce per stage per step). Unused when dp == 1.
+        dp_shard: with dp_mode="hsdp", the dp ranks of a sharding group (dividing dp; with cp > 1
+            each group's cp ranks shard with it). Only with "hsdp".
         tp_plan: {module-name pattern (fnmatch over the unsplit model's names): ParallelStyle};
             default the model's `tp_plan` attribute. Unused when tp == 1.
-        reshard_after_forward: FSDP only: free gathered parameters after each forward (and gather
+        reshard_after_forward: FSDP and HSDP only: free gathered parameters after each forward (and gather
             again for backward). Default False when pp > 1 (microbatches reuse them), else True.
         loss_parallel: keep the logits vocab-sharded and compute the loss under torch's
             loss_parallel(); the tp plan must leave the output head's result a DTensor sharded on
@@ -184,7 +189,9 @@ def parallelize(
     layout = _resolve_layout(layout, pp, dp, tp, cp, ep)
     precision = MixedPrecision.resolve(model, param_dtype, reduce_dtype)
     replicas = layout.data_parallel_size  # dp x cp: context-parallel ranks hold the same parameters
-    data = DataParallelConfig.resolve(dp_mode, reshard_after_forward, layout.pp, replicas, precision)
+    data = DataParallelConfig.resolve(
+        dp_mode, reshard_after_forward, layout.pp, replicas, precision, dp_shard, layout.dp
+    )
     compile_backend = resolve_compile(compile)
     tensor = TensorParallelConfig.resolve(
         model,

@@ -93,7 +93,9 @@ def pipeline_run(layout, tied: bool, data, args: ModelArgs | None = None, **para
     """The same training through mesh3d.parallelize; returns losses, norms, full state, the pm.
 
     Each data-parallel rank steps on its own contiguous share of every global batch."""
-    pm = mesh3d.parallelize(meta_model(tied, args=args), layout, loss_fn=loss_fn, **parallelize_kwargs)
+    # the example's mean loss unless given (loss_fn=None: mesh3d's default (sum, count), which cp needs)
+    parallelize_kwargs.setdefault("loss_fn", loss_fn)
+    pm = mesh3d.parallelize(meta_model(tied, args=args), layout, **parallelize_kwargs)
     optimizer = torch.optim.AdamW(pm.parameters(), lr=LR)
     losses, norms = [], []
     for inputs, targets in data:

@@ -81,6 +81,12 @@ def build_parser(description: str | None = None) -> Parser:
     )
     p.add_argument("--dp-mode", default=LIBRARY_DEFAULTS["dp_mode"], choices=list(DP_MODES))
     p.add_argument(
+        "--dp-shard",
+        type=int,
+        default=None,
+        help="with --dp-mode hsdp: the dp ranks that shard the parameters among them (a node's), replicas across",
+    )
+    p.add_argument(
         "--activation-checkpoint",
         default=LIBRARY_DEFAULTS["activation_checkpoint"],
         choices=list(ACTIVATION_CHECKPOINT_MODES),

@@ -100,6 +100,7 @@ def set_up(args):
         virtual_stages=args.virtual_stages,
         activation_checkpoint=args.activation_checkpoint,
         dp_mode=args.dp_mode,
+        dp_shard=args.dp_shard,
         # A Hugging Face model's plan is its own (its config's base_model_tp_plan)
         tp_plan=None if args.hf_model else llama_tp_plan(loss_parallel=args.loss_parallel),
         loss_parallel=args.loss_parallel,

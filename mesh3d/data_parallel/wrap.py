@@ -1,10 +1,12 @@
-"""Wrapping each pipeline stage for data parallelism over the mesh's dp axis: FSDP2 or DDP.
+"""Wrapping each pipeline stage for data parallelism over the mesh's dp axis: FSDP2, HSDP or DDP.
 
 Both modes use torch's composable data-parallel APIs, applied per block and then to the stage
 (the stage is the root): `fully_shard` (FSDP2) shards parameters, gradients and optimizer state
 over dp; `replicate` (DDP built on the same machinery) keeps full replicas and all-reduces
 gradients. Both expose `set_requires_gradient_sync`, which gradient_sync.py uses to reduce once
-per step.
+per step. HSDP is `fully_shard` on a 2-D mesh (Layout.hybrid_data_mesh): shards within groups of
+`dp_shard` dp ranks, replicas across them (the gradients reduce-scattered in a group, then
+all-reduced between groups).
 """
 
 from __future__ import annotations
@@ -22,26 +24,38 @@ from mesh3d.data_parallel.mixed_precision import MixedPrecision
 from mesh3d.expert_parallel.experts_style import is_split_experts
 from mesh3d.mesh import Layout
 
-DP_MODES = ("fsdp", "ddp")
+DP_MODES = ("fsdp", "hsdp", "ddp")
+SHARDING_MODES = ("fsdp", "hsdp")  # parameters sharded (FSDP2's fully_shard), resharded after forward
 
 
 @dataclass(frozen=True)
 class DataParallelConfig:
     """How the dp axis wraps each stage, after the argument checks (see `resolve`)."""
 
-    mode: str  # "fsdp" or "ddp"
-    reshard_after_forward: bool  # FSDP: free gathered parameters after each forward
+    mode: str  # "fsdp", "hsdp" or "ddp"
+    reshard_after_forward: bool  # FSDP/HSDP: free gathered parameters after each forward
     precision: MixedPrecision
+    dp_shard: int | None = None  # HSDP: the dp ranks of a sharding group
 
     @classmethod
     def resolve(
-        cls, dp_mode: str, reshard_after_forward: bool | None, pp: int, dp: int, precision: MixedPrecision
+        cls,
+        dp_mode: str,
+        reshard_after_forward: bool | None,
+        pp: int,
+        dp: int,
+        precision: MixedPrecision,
+        dp_shard: int | None = None,
+        dp_axis: int | None = None,
     ) -> DataParallelConfig:
         """Check parallelize's dp arguments (pure, the same on every rank) and fill in the default:
         with pp > 1 microbatches reuse gathered parameters, so FSDP keeps them until the last
-        backward; with dp = 1 (a wrap for mixed precision only) there is nothing to free."""
+        backward; with dp = 1 (a wrap for mixed precision only) there is nothing to free. `dp`:
+        the ranks holding the same parameters (dp x cp); `dp_axis`: the mesh's dp alone, which
+        HSDP's `dp_shard` divides (default `dp`)."""
         if dp_mode not in DP_MODES:
             raise ValueError(f"dp_mode={dp_mode!r}; choose one of {list(DP_MODES)}")
+        _check_dp_shard(dp_mode, dp_shard, dp if dp_axis is None else dp_axis)
         if dp_mode == "ddp" and reshard_after_forward is not None:
             raise ValueError(
                 f"reshard_after_forward={reshard_after_forward} was given with dp_mode='ddp', which keeps full "
@@ -50,14 +64,32 @@ class DataParallelConfig:
         if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward must be True, False or None, got {reshard_after_forward!r}")
         default = pp == 1 and dp > 1
-        return cls(dp_mode, default if reshard_after_forward is None else reshard_after_forward, precision)
+        reshard = default if reshard_after_forward is None else reshard_after_forward
+        return cls(dp_mode, reshard, precision, dp_shard if dp_mode == "hsdp" else None)
 
     def wraps(self, dp: int) -> bool:
         """Whether stages are wrapped at all: for data parallelism, or for mixed precision alone."""
         return dp > 1 or self.precision.enabled
 
     def __str__(self) -> str:
-        return f"dp_mode={self.mode} reshard={self.reshard_after_forward} {self.precision}"
+        shard = f" dp_shard={self.dp_shard}" if self.dp_shard else ""
+        return f"dp_mode={self.mode}{shard} reshard={self.reshard_after_forward} {self.precision}"
+
+
+def _check_dp_shard(dp_mode: str, dp_shard: int | None, dp: int) -> None:
+    if dp_mode != "hsdp":
+        if dp_shard is not None:
+            raise ValueError(
+                f"dp_shard={dp_shard} was given with dp_mode={dp_mode!r}; it sizes HSDP's sharding groups: "
+                "use dp_mode='hsdp', or drop dp_shard"
+            )
+        return
+    if isinstance(dp_shard, bool) or not isinstance(dp_shard, int) or dp_shard < 1 or dp % dp_shard:
+        divisors = [k for k in range(1, dp + 1) if dp % k == 0]
+        raise ValueError(
+            f"dp_mode='hsdp' needs dp_shard, the dp ranks that shard the parameters among them, dividing dp={dp}; "
+            f"got dp_shard={dp_shard!r}. Choose one of {divisors} (the GPUs of a node, typically)"
+        )
 
 
 def apply_data_parallel(
@@ -76,7 +108,9 @@ def apply_data_parallel(
     """
     _ignore_view_warning()
     mesh = layout.data_mesh  # dp, or dp x cp flattened: context-parallel ranks hold the same parameters
-    if config.mode == "fsdp":
+    if config.mode == "hsdp":
+        mesh = layout.hybrid_data_mesh(config.dp_shard)  # (replicas, shards): each group with its cp ranks
+    if config.mode in SHARDING_MODES:
         wrap = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=config.reshard_after_forward)
     else:
         # A private import, on purpose: no public torch API (2.13) gives DDP with what the rest of
@@ -98,7 +132,9 @@ def apply_data_parallel(
         for block in blocks(stage):
             wrap(block, mp_policy=config.precision.policy(root=False))
         wrap(stage, mp_policy=config.precision.policy(root=True))
-    return GradientSync(stages, reshard_between_backwards=config.mode == "fsdp" and config.reshard_after_forward)
+    return GradientSync(
+        stages, reshard_between_backwards=config.mode in SHARDING_MODES and config.reshard_after_forward
+    )
 
 
 def _wrap_split_experts(stage: nn.Module, layout: Layout, config: DataParallelConfig) -> None:
@@ -113,14 +149,14 @@ def _wrap_split_experts(stage: nn.Module, layout: Layout, config: DataParallelCo
     for module in stage.modules():
         if not is_split_experts(module):
             continue
-        if config.mode == "fsdp":
+        if config.mode in SHARDING_MODES:  # under HSDP too: the experts' own replicas are few
             fully_shard(module, mesh=mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=policy)
         else:
             from torch.distributed._composable.replicate_with_fsdp import replicate  # see apply_data_parallel
 
             replicate(module, mesh=mesh, mp_policy=policy)
         module.set_gradient_divide_factor(float(layout.data_parallel_size))
-        if config.mode == "fsdp" and mesh.size() > 1 and "nccl" not in layout.backend:
+        if config.mode in SHARDING_MODES and mesh.size() > 1 and "nccl" not in layout.backend:
             # gloo has no PREMUL_SUM, which FSDP's reduce-scatter would use for this factor: sum, then
             # divide. Not for DDP, whose one-rank reduce-scatter divides already (forcing sums there
             # would divide a second time after the all-reduce, torch 2.13), nor on one rank.

@@ -71,6 +71,7 @@ class Plan:
     reshard_after_forward: bool | None = None  # FSDP over dp x cp > 1; None under DDP or dp x cp = 1
     cp: int = 1  # context parallelism: each sequence cut over cp ranks (a cp group shares its rows)
     ep: int = 1  # expert parallelism: each block's experts split over ep ranks of a stage
+    dp_shard: int | None = None  # HSDP: the dp ranks (a node's) that shard a stage; replicas across nodes
 
     def parallelize_kwargs(self) -> dict:
         """What to hand `mesh3d.parallelize(model, **kwargs)` to run exactly this plan (a traced
@@ -95,6 +96,8 @@ class Plan:
             kwargs["split_points"] = list(self.split_points)
         if self.reshard_after_forward is not None:
             kwargs["reshard_after_forward"] = self.reshard_after_forward
+        if self.dp_shard is not None:
+            kwargs["dp_shard"] = self.dp_shard
         return kwargs
 
     def row(self) -> str:
@@ -104,6 +107,7 @@ class Plan:
             f"{f' ep={self.ep}' if self.ep > 1 else ''} "
             f"{self.schedule} v={self.virtual_stages} "
             f"m={self.microbatches} ac={self.activation_checkpoint} {self.dp_mode}"
+            f"{f' dp_shard={self.dp_shard}' if self.dp_shard else ''}"
             f"{' reshard' if self.reshard_after_forward and self.pp > 1 else ''} {dtype}"
             f"{' compile' if self.compile else ''}"
         )
@@ -258,11 +262,12 @@ def plan(
             param_bytes if cand["param_dtype"] is None else torch.empty((), dtype=cand["param_dtype"]).element_size()
         )
         data_ranks = cand["dp"] * cand["cp"]  # FSDP/DDP span dp x cp
+        hybrid = cand["dp_mode"] == "hsdp"  # FSDP over a node's dp ranks (and their cp), replicas across nodes
         place = StagePlacement(
             built,
             layers,
-            data_ranks,
-            cand["dp_mode"],
+            cand["dp_shard"] * cand["cp"] if hybrid else data_ranks,
+            "fsdp" if hybrid else cand["dp_mode"],
             cand["microbatch_size"],
             cand["activation_checkpoint"],
             param_bytes,
@@ -271,6 +276,7 @@ def plan(
             tied_end=tied,
             reshard_after_forward=cand["reshard_after_forward"],
             expert_dp=data_ranks * cand["tp"] // cand["ep"] if cand["ep"] > 1 else 1,
+            replicas=cand["dp"] // cand["dp_shard"] if hybrid else 1,
         )
         walk = (
             cand["tp"],
@@ -291,7 +297,9 @@ def plan(
         if memory.total > limit:
             smallest_need = memory.total if smallest_need is None else min(smallest_need, memory.total)
             continue
-        links = Links.of(hw, cand["pp"], cand["dp"], cand["tp"], gpus_per_node, cand["cp"], cand["ep"])
+        links = Links.of(
+            hw, cand["pp"], cand["dp"], cand["tp"], gpus_per_node, cand["cp"], cand["ep"], cand["dp_shard"]
+        )
         fp32 = cand["param_dtype"] is None or cand["param_dtype"] == torch.float32
         step_costs = timed(cand["tp"], cand["param_dtype"], cand["microbatch_size"]) if hw.times_the_model else costs
         overhead = (
@@ -329,6 +337,7 @@ def plan(
                 cand["reshard_after_forward"],
                 cand["cp"],
                 cand["ep"],
+                cand["dp_shard"],
             )
         )
     if not plans:

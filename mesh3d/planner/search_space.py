@@ -80,10 +80,10 @@ def candidate_layouts(
                 continue
             local = global_batch // dp
             for ep in [e for e in ep_choices if (dp * cp * tp) % e == 0 and (e <= gpus_per_node or "ep" in fix)]:
-                yield from _schedules(allowed, fix, n_blocks, pp, dp, cp, tp, ep, local)
+                yield from _schedules(allowed, fix, n_blocks, pp, dp, cp, tp, ep, local, gpus_per_node)
 
 
-def _schedules(allowed, fix, n_blocks, pp, dp, cp, tp, ep, local):
+def _schedules(allowed, fix, n_blocks, pp, dp, cp, tp, ep, local, gpus_per_node):
     """The schedule, microbatch, checkpointing and data-parallel choices of one (pp, dp, cp, tp, ep)."""
     for schedule in allowed("schedule", ["1f1b"] if pp == 1 else list(PLANNED_SCHEDULES)):
         spec = SCHEDULES[schedule]
@@ -100,7 +100,8 @@ def _schedules(allowed, fix, n_blocks, pp, dp, cp, tp, ep, local):
                     continue
                 for ac in allowed("activation_checkpoint", list(ACTIVATION_CHECKPOINT_MODES)):
                     # FSDP/DDP span dp x cp: the ranks of a cp group hold the same parameters
-                    for mode, reshard in _data_parallel_choices(allowed, dp * cp, pp):
+                    choices = _data_parallel_choices(allowed, dp, cp, tp, pp, gpus_per_node)
+                    for mode, reshard, dp_shard in choices:
                         yield dict(
                             pp=pp,
                             dp=dp,
@@ -113,6 +114,7 @@ def _schedules(allowed, fix, n_blocks, pp, dp, cp, tp, ep, local):
                             activation_checkpoint=ac,
                             dp_mode=mode,
                             reshard_after_forward=reshard,
+                            dp_shard=dp_shard,
                             param_dtype=fix.get("param_dtype", torch.bfloat16),
                             compile=fix.get("compile", False),
                             local_batch=local,
@@ -183,16 +185,25 @@ def expert_parallel_degrees(model, anatomy, gpus, gpus_per_node, fix, hardware: 
     return [e for e in divisors(plan.num_experts) if e <= gpus_per_node and gpus % e == 0]
 
 
-def _data_parallel_choices(allowed, dp: int, pp: int):
-    """(dp_mode, reshard_after_forward) pairs: FSDP over dp > 1 reshards after each forward or
-    keeps the stage gathered (parallelize's default: reshard at pp = 1, keep at pp > 1, where the
-    other choice trades memory for a gather per microbatch and is searched too); None where there
-    is nothing to reshard (DDP, dp = 1)."""
-    for mode in allowed("dp_mode", ["fsdp", "ddp"] if dp > 1 else ["fsdp"]):
-        if mode == "fsdp" and dp > 1:
-            yield from ((mode, r) for r in allowed("reshard_after_forward", [True] if pp == 1 else [False, True]))
+def _data_parallel_choices(allowed, dp: int, cp: int, tp: int, pp: int, gpus_per_node: int):
+    """(dp_mode, reshard_after_forward, dp_shard) of the ranks holding the same parameters (dp x cp):
+    FSDP over them reshards after each forward or keeps the stage gathered (parallelize's default:
+    reshard at pp = 1, keep at pp > 1, where the other choice trades memory for a gather per
+    microbatch and is searched too); HSDP too where dp spans nodes, sharded over a node's dp ranks
+    (dp_shard) and replicated across nodes; reshard None where there is nothing to reshard (DDP,
+    dp x cp = 1)."""
+    per_node = gpus_per_node // (cp * tp)  # dp ranks in a node (ranks are tp fastest, then cp, then dp)
+    hybrid = per_node >= 1 and dp > per_node and dp % per_node == 0
+    sharded = dp * cp > 1
+    for mode in allowed("dp_mode", ["fsdp", "ddp", *(["hsdp"] if hybrid else [])] if sharded else ["fsdp"]):
+        if mode == "hsdp" and not hybrid:
+            continue
+        dp_shard = per_node if mode == "hsdp" else None
+        if mode in ("fsdp", "hsdp") and sharded:
+            keep = [True] if pp == 1 else [False, True]
+            yield from ((mode, r, dp_shard) for r in allowed("reshard_after_forward", keep))
         elif allowed("reshard_after_forward", [None]) == [None]:
-            yield mode, None
+            yield mode, None, None
 
 
 def context_parallel_refusal(costs: ModelCosts, name: str) -> str | None:
@@ -231,8 +242,10 @@ def check_fix(fix: dict | None) -> dict:
             f"plan: fix activation_checkpoint={fix['activation_checkpoint']!r}; "
             f"choose one of {list(ACTIVATION_CHECKPOINT_MODES)}"
         )
-    if "dp_mode" in fix and fix["dp_mode"] not in ("fsdp", "ddp"):
-        raise ValueError(f"plan: fix dp_mode={fix['dp_mode']!r}; choose 'fsdp' or 'ddp'")
+    if "dp_mode" in fix and fix["dp_mode"] not in ("fsdp", "hsdp", "ddp"):
+        raise ValueError(
+            f"plan: fix dp_mode={fix['dp_mode']!r}; choose 'fsdp', 'hsdp' (planned where dp spans nodes) or 'ddp'"
+        )
     if "param_dtype" in fix and fix["param_dtype"] is not None and not isinstance(fix["param_dtype"], torch.dtype):
         raise ValueError(f"plan: fix param_dtype={fix['param_dtype']!r}; give a torch dtype (torch.bfloat16) or None")
     if "reshard_after_forward" in fix and not isinstance(fix["reshard_after_forward"], bool):

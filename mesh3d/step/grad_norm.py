@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mesh3d.axes import AXES, DATA_AXES, DATA_DIM, EXPERT_AXIS, stage_size
+from mesh3d.axes import stage_size
 from mesh3d.distributed.shards import local_tensor
 from mesh3d.mesh import Layout
 
@@ -69,14 +69,12 @@ def _by_device_and_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.device
 
 
 def _replicas(tensor: torch.Tensor, layout: Layout) -> int:
-    """How many ranks at this pp rank hold the same values as this rank's part of `tensor`:
-    the sizes of the dp and tp axes it is not sharded over."""
-    sharded = set()
-    if isinstance(tensor, DTensor):
-        names = tensor.device_mesh.mesh_dim_names or ()
-        sharded = {name for name, placement in zip(names, tensor.placements) if not placement.is_replicate()}
-        if EXPERT_AXIS in names:  # split experts: on the expert mesh, whose dims divide a stage's ranks
-            sizes = dict(zip(names, tensor.device_mesh.shape))
-            return stage_size(layout.sizes) // math.prod(sizes[name] for name in sharded)
-    sharded |= set(DATA_AXES) if DATA_DIM in sharded else set()  # dp and cp flattened into one dim
-    return math.prod(layout.sizes[axis] for axis in AXES if axis != "pp" and axis not in sharded)
+    """How many ranks at this pp rank hold the same values as this rank's part of `tensor`: a
+    stage's ranks (dp x cp x tp) over the shards of its mesh's dims that split it. Every mesh a
+    parameter lives on spans ranks of one stage: dp (or dp x cp flattened), tp, HSDP's replicas
+    and shards, the experts' edp and ep."""
+    if not isinstance(tensor, DTensor):
+        return stage_size(layout.sizes)
+    sizes = dict(zip(tensor.device_mesh.mesh_dim_names or (), tensor.device_mesh.shape))
+    split = [name for name, placement in zip(sizes, tensor.placements) if not placement.is_replicate()]
+    return stage_size(layout.sizes) // math.prod(sizes[name] for name in split)

@@ -1,5 +1,5 @@
 """bf16 mixed precision at (2,2,2) interleaved FSDP, (2,4,1) DDP and (4,1,2) ZBV (dp = 1): fp32
-parameters, a loss curve that follows fp32's, half the bytes across stage boundaries, and
+parameters, a loss curve that follows fp32's (30 steps at (2,2,2), the first 10 elsewhere), half the bytes across stage boundaries, and
 checkpoints of fp32 master weights that resume under another layout.
 
 The reference loss curve is one fp32 process on the same data. The data has a pattern to learn
@@ -20,6 +20,8 @@ GLOBAL_BATCH = 16
 STEPS = 30
 LR = 3e-3
 LAYOUTS = {(2, 2, 2): {}, (2, 4, 1): {"dp_mode": "ddp", "schedule": "1f1b"}, (4, 1, 2): {"schedule": "zbv"}}
+# The whole curve at (2,2,2); the other layouts follow its first steps, where the loss falls fastest.
+STEPS_AT = {(2, 2, 2): STEPS, (2, 4, 1): 10, (4, 1, 2): 10}
 
 
 def stride_batches(steps: int = STEPS, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -69,7 +71,7 @@ def _bf16_runs(data, checkpoint_dir):
         fp32 = mesh3d.parallelize(meta_model(False, args=tp_args(False)), layout, **options)
         _train(fp32, layout, data[:1])
         pm = mesh3d.parallelize(meta_model(False, args=tp_args(False)), layout, param_dtype=torch.bfloat16, **options)
-        losses, optimizer, grad_dtypes = _train(pm, layout, data)
+        losses, optimizer, grad_dtypes = _train(pm, layout, data[: STEPS_AT[sizes]])
         results[sizes] = {
             "losses": losses,
             "param dtypes": sorted({str(p.dtype) for p in pm.parameters()}),
@@ -116,7 +118,8 @@ def test_bf16_follows_fp32_with_half_the_bytes_and_resumes_elsewhere(tmp_path):
             assert abs(got["losses"][0] - reference[0]) <= 1e-2, (
                 f"{where}: first loss {got['losses'][0]} vs {reference[0]}"
             )
-            last, last_ref = sum(got["losses"][-5:]) / 5, sum(reference[-5:]) / 5
+            steps = STEPS_AT[sizes]
+            last, last_ref = sum(got["losses"][-5:]) / 5, sum(reference[steps - 5 : steps]) / 5
             assert abs(last - last_ref) <= 0.03 * last_ref, f"{where}: last-5 mean {last} vs fp32 {last_ref}"
             sent, received = got["bytes"]
             fp32_sent, fp32_received = got["fp32 bytes"]

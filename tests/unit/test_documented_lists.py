@@ -202,6 +202,6 @@ def test_the_documented_modes_are_the_ones_accepted():
 
     precision = MixedPrecision.resolve(tiny_model(1), None, torch.float32)
     for mode in DP_MODES:
-        DataParallelConfig.resolve(mode, None, 1, 2, precision)
+        DataParallelConfig.resolve(mode, None, 1, 2, precision, 2 if mode == "hsdp" else None)
     with pytest.raises(ValueError, match="dp_mode"):
         DataParallelConfig.resolve("zero3", None, 1, 2, precision)

@@ -293,3 +293,26 @@ def test_tensor_parallelism_is_measured_beside_a_process_group():
     alone = mesh3d.plan(debug_model(), fix=fix, **SIZES)
     assert [p.memory_per_rank for p in beside] == [p.memory_per_rank for p in alone]
     assert [p.step_seconds for p in beside] == [p.step_seconds for p in alone]
+
+
+def test_hsdp_is_planned_where_dp_spans_nodes_sharded_within_one():
+    """Two GPUs a node: dp = 4 at pp = tp = 1 spans two nodes, so HSDP shards over a node's 2 ranks
+    and replicates across the nodes: twice FSDP-over-4's parameter bytes, an all-reduce between
+    the nodes on top of the traffic within one, and parallelize's dp_shard in the plan."""
+    fix = {"pp": 1, "tp": 1, "microbatches": 1, "activation_checkpoint": "never", "param_dtype": None}
+    plans = mesh3d.plan(debug_model(), fix=fix, **{**SIZES, "gpus_per_node": 2})
+    by_mode = {p.dp_mode: p for p in plans}
+    assert set(by_mode) == {"fsdp", "hsdp", "ddp"}
+    hsdp, fsdp = by_mode["hsdp"], by_mode["fsdp"]
+    assert (
+        hsdp.dp_shard == 2
+        and hsdp.parallelize_kwargs()["dp_shard"] == 2
+        and "dp_shard" not in fsdp.parallelize_kwargs()
+    )
+    assert " hsdp dp_shard=2 " in hsdp.row()
+    assert hsdp.memory_per_rank.parameters == pytest.approx(2 * fsdp.memory_per_rank.parameters, rel=0.05)
+    assert hsdp.time.exposed_dp_seconds != fsdp.time.exposed_dp_seconds
+    within_a_node = mesh3d.plan(debug_model(), fix=fix, **SIZES)  # four GPUs a node: nothing to replicate
+    assert "hsdp" not in {p.dp_mode for p in within_a_node}
+    with pytest.raises(ValueError, match="choose 'fsdp', 'hsdp'"):
+        mesh3d.plan(debug_model(), fix={"dp_mode": "zero3"}, **SIZES)

@@ -65,7 +65,7 @@ class StagePlacement:
 
     schedule: Schedule
     stage_layers: list[range]
-    dp: int  # the ranks data parallelism spans: dp x cp (context-parallel ranks hold the same parameters)
+    dp: int  # the ranks a stage is sharded (or replicated) over: dp x cp, HSDP's dp_shard x cp
     dp_mode: str
     microbatch_size: int
     activation_checkpoint: str
@@ -76,6 +76,7 @@ class StagePlacement:
     # FSDP frees a block's gathered parameters after its forward; None: parallelize's default (pp = 1)
     reshard_after_forward: bool | None = None
     expert_dp: int = 1  # under ep: the ranks that hold the same experts (dp x cp x tp / ep)
+    replicas: int = 1  # HSDP: the groups holding replicas (dp the ranks sharding within one)
 
     @property
     def reshards(self) -> bool:

@@ -41,17 +41,30 @@ class Links:
     pp: float
     cp: float = 0.0
     ep: float = 0.0  # expert parallelism's group: ep consecutive ranks of a stage
+    replicas: float = 0.0  # HSDP's all-reduce between its groups: dp x cp x tp ranks, across nodes
 
     @classmethod
-    def of(cls, hardware: Hardware, pp: int, dp: int, tp: int, gpus_per_node: int, cp: int = 1, ep: int = 1) -> Links:
+    def of(
+        cls,
+        hardware: Hardware,
+        pp: int,
+        dp: int,
+        tp: int,
+        gpus_per_node: int,
+        cp: int = 1,
+        ep: int = 1,
+        dp_shard: int | None = None,
+    ) -> Links:
         """Ranks are laid out tp fastest, then cp, dp, pp (axes.py): an axis stays in a node while
-        its span of ranks fits in one."""
+        its span of ranks fits in one. Under HSDP data parallelism's own traffic spans a group of
+        `dp_shard` dp ranks, its all-reduce between groups the whole dp."""
 
         def link(span: int) -> float:
             bandwidth = hardware.intra_node_bandwidth if span <= gpus_per_node else hardware.inter_node_bandwidth
             return bandwidth * C.ACHIEVABLE_LINK_FRACTION
 
-        return cls(link(tp), link(dp * cp * tp), link(pp * dp * cp * tp), link(cp * tp), link(ep))
+        data = (dp_shard or dp) * cp * tp
+        return cls(link(tp), link(data), link(pp * dp * cp * tp), link(cp * tp), link(ep), link(dp * cp * tp))
 
 
 @dataclass(frozen=True)
@@ -230,11 +243,14 @@ def _dp_seconds(
     per step; resharding after each forward (the default at pp = 1), every microbatch's forward
     and backward gather again (data_parallel/wrap.py). A machine with measured collectives (`Hardware.collective_times`)
     gives each its measured time at its size; otherwise ring traffic per rank over the link, plus
-    the latency per collective. Under ep the experts' gradients are counted with the rest, over
+    the latency per collective. Under HSDP all of this runs within a group (`place.dp`, a node's
+    ranks) and each group's reduced shard is all-reduced between groups on top (_across_replicas).
+    Under ep the experts' gradients are counted with the rest, over
     dp x cp: their own group (dp x cp x tp / ep) moves (n - 1)/n of them, a share this leaves out."""
+    across = _across_replicas(costs, place, links, hardware)
     dp = place.dp
     if dp == 1:
-        return 0.0
+        return across
     pp = place.schedule.pp
     regathers = place.reshards
     gathers = 2 * place.schedule.microbatches if regathers else 1
@@ -259,19 +275,32 @@ def _dp_seconds(
                 "reduce_scatter", share * elements * grad_bytes, dp
             )
 
-        return wrapped + max(sum(moved(e) for e in _rank_module_elements(costs, r, place) if e) for r in range(pp))
+        modules_s = max(sum(moved(e) for e in _rank_module_elements(costs, r, place) if e) for r in range(pp))
+        return wrapped + modules_s + across
     latency = hardware.collective_latency
     # a module without parameters of its own (a middle stage's root) issues no collective
     modules = max(sum(1 for e in _rank_module_elements(costs, r, place) if e) for r in range(pp))
     if place.dp_mode == "ddp":
-        return 2 * share * unsharded * grad_bytes / links.dp + modules * latency + wrapped
+        return 2 * share * unsharded * grad_bytes / links.dp + modules * latency + wrapped + across
     traffic = share * unsharded * (gathers * place.compute_bytes + grad_bytes) / links.dp
     if overhead is not None:
-        return traffic + wrapped + modules * (gathers + 1) * latency
+        return traffic + wrapped + modules * (gathers + 1) * latency + across
     # Each gather copies the shards into the flat buffer and the gathered buffer out into the
     # parameters; the reduce-scatter copies the gradients in: read and write, memory-bound.
     copies = 2 * unsharded * (gathers * place.compute_bytes + grad_bytes) / hardware.memory_bandwidth
-    return traffic + copies + modules * (gathers + 1) * latency
+    return traffic + copies + modules * (gathers + 1) * latency + across
+
+
+def _across_replicas(costs: ModelCosts, place: StagePlacement, links: Links, hardware: Hardware) -> float:
+    """HSDP's all-reduce of each rank's reduced gradient shard (fp32) between its replica groups,
+    once per step (ring: 2 (r - 1)/r of the shard over the cross-node link); 0 without HSDP."""
+    r = place.replicas
+    if r == 1:
+        return 0.0
+    shard = max(rank_parameter_elements(costs, rank, place) for rank in range(place.schedule.pp)) * 4
+    if hardware.collective_times is not None:
+        return hardware.collective_times.seconds("all_reduce", 2 * (r - 1) / r * shard, r)
+    return 2 * (r - 1) / r * shard / links.replicas + hardware.collective_latency
 
 
 def _rank_module_elements(costs: ModelCosts, rank: int, place: StagePlacement) -> list[int]:
