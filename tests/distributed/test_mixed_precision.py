@@ -1,6 +1,7 @@
 """bf16 mixed precision at (2,2,2) interleaved FSDP, (2,4,1) DDP and (4,1,2) ZBV (dp = 1): fp32
-parameters, a loss curve that follows fp32's (30 steps at (2,2,2), the first 10 elsewhere), half the bytes across stage boundaries, and
-checkpoints of fp32 master weights that resume under another layout.
+parameters, a loss curve that follows fp32's (30 steps at (2,2,2), the first 10 elsewhere), half
+the bytes across stage boundaries, and checkpoints of fp32 master weights that resume under
+another layout.
 
 The reference loss curve is one fp32 process on the same data. The data has a pattern to learn
 (each sequence steps through the vocabulary by a fixed stride), so the loss falls far and the 3 %
