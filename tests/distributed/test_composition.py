@@ -141,6 +141,7 @@ def _bad_configs():
         "weight dim": lambda: _weight_dim_case(layout),
         "ddp with reshard": lambda: mesh3d.parallelize(model(), layout_dp, dp_mode="ddp", reshard_after_forward=True),
         "unknown dp mode": lambda: mesh3d.parallelize(model(), layout_dp, dp_mode="zero3"),
+        "hsdp group not dividing dp": lambda: mesh3d.parallelize(model(), layout_dp, dp_mode="hsdp", dp_shard=3),
     }
     messages = messages_of(cases)
     models = {}
@@ -257,7 +258,8 @@ EXPECTED = {
     "pattern matches nothing": "tp_plan: patterns ['layers.*.attn.wq'] match no module of Transformer",
     "weight dim": "tp=4 does not divide dim 0 (size 6) of 'layers.0.weight', which ColwiseParallel shards",
     "ddp with reshard": "reshard_after_forward=True was given with dp_mode='ddp'",
-    "unknown dp mode": "dp_mode='zero3'; choose one of ['fsdp', 'ddp']",
+    "unknown dp mode": "dp_mode='zero3'; choose one of ['fsdp', 'hsdp', 'ddp']",
+    "hsdp group not dividing dp": "dividing dp=2; got dp_shard=3. Choose one of [1, 2]",
     "sequence not divisible": "sequence length 6 is not divisible by tp=4",
     "loss parallel without sharded output": "loss_parallel=True needs the model output to stay a vocab-sharded DTensor",
 }
