@@ -188,14 +188,6 @@ def plan(
     cp_choices = context_parallel_degrees(model, anatomy, gpus, gpus_per_node, fix, hw, seq_len)
     ep_choices = expert_parallel_degrees(model, anatomy, gpus, gpus_per_node, fix, hw, plan_tp)
 
-    @functools.cache
-    def costs_at(tp, dtype, cp, ep):
-        if ep == 1:
-            return measure(tp, dtype, cp)
-        # the same probe without the experts' tp entries: their whole weights, the tp traffic left
-        whole = measure(1, dtype, cp) if tp == 1 else measure_whole_experts(tp, dtype, cp)
-        return at_expert_parallel(measure(tp, dtype, cp), whole, anatomy.expert_plan, ep, *routing_sizes(model))
-
     measure_whole_experts = functools.cache(
         lambda tp, dtype, cp: measure_model_anywhere(
             model,
@@ -209,6 +201,15 @@ def plan(
             cp=cp,
         )
     )
+
+    @functools.cache
+    def costs_at(tp, dtype, cp, ep):
+        if ep == 1:
+            return measure(tp, dtype, cp)
+        # the same probe without the experts' tp entries: their whole weights, the tp traffic left
+        whole = measure(1, dtype, cp) if tp == 1 else measure_whole_experts(tp, dtype, cp)
+        return at_expert_parallel(measure(tp, dtype, cp), whole, anatomy.expert_plan, ep, *routing_sizes(model))
+
     # A measured machine times the model's parts at each microbatch size it plans (predict/step_time.py).
     timed = functools.cache(
         lambda tp, dtype, mbs: time_model(

@@ -141,16 +141,9 @@ def context_parallel_degrees(model, anatomy, gpus, gpus_per_node, fix, hardware:
                 "sequences, not a cp rank's; plan context parallelism for a GPU preset or a Hardware, or fix cp=1"
             )
 
-    if "cp" in fix:
-        refused(fix["cp"])
-        return [fix["cp"]]
-    if seq_len < C.CP_SEARCHED_FROM_SEQ_LEN:
+    if "cp" not in fix and seq_len < C.CP_SEARCHED_FROM_SEQ_LEN:
         return [1]
-    try:
-        refused(2)
-    except ValueError:
-        return [1]
-    return [c for c in divisors(gpus) if c <= gpus_per_node]
+    return _pinned_or_searched("cp", fix, refused, lambda: [c for c in divisors(gpus) if c <= gpus_per_node])
 
 
 def expert_parallel_degrees(model, anatomy, gpus, gpus_per_node, fix, hardware: Hardware, tp_plan) -> list[int]:
@@ -175,14 +168,22 @@ def expert_parallel_degrees(model, anatomy, gpus, gpus_per_node, fix, hardware: 
                 "them all, not their all-to-alls; plan expert parallelism for a GPU preset or a Hardware, or fix ep=1"
             )
 
-    if "ep" in fix:
-        refused(fix["ep"])
-        return [fix["ep"]]
+    return _pinned_or_searched(
+        "ep", fix, refused, lambda: [e for e in divisors(plan.num_experts) if e <= gpus_per_node and gpus % e == 0]
+    )
+
+
+def _pinned_or_searched(axis: str, fix: dict, refused, searched) -> list[int]:
+    """A carved axis's degrees: the pinned one, or `refused` raises its reason (as parallelize
+    would); unpinned, `searched()` where the model takes the axis at all (degree 2), else 1 alone."""
+    if axis in fix:
+        refused(fix[axis])
+        return [fix[axis]]
     try:
         refused(2)
     except ValueError:
         return [1]
-    return [e for e in divisors(plan.num_experts) if e <= gpus_per_node and gpus % e == 0]
+    return searched()
 
 
 def _data_parallel_choices(allowed, dp: int, cp: int, tp: int, pp: int, gpus_per_node: int):
