@@ -247,10 +247,22 @@ def _dp_seconds(
     ranks) and each group's reduced shard is all-reduced between groups on top (_across_replicas).
     Under ep the experts' gradients are counted with the rest, over
     dp x cp: their own group (dp x cp x tp / ep) moves (n - 1)/n of them, a share this leaves out."""
-    across = _across_replicas(costs, place, links, hardware)
+    return _within_groups_seconds(costs, place, links, hardware, overhead) + _across_replicas(
+        costs, place, links, hardware
+    )
+
+
+def _within_groups_seconds(
+    costs: ModelCosts,
+    place: StagePlacement,
+    links: Links,
+    hardware: Hardware,
+    overhead: DataParallelOverhead | None = None,
+) -> float:
+    """_dp_seconds within each data-parallel group (all of dp x cp but under HSDP)."""
     dp = place.dp
     if dp == 1:
-        return across
+        return 0.0
     pp = place.schedule.pp
     regathers = place.reshards
     gathers = 2 * place.schedule.microbatches if regathers else 1
@@ -275,20 +287,19 @@ def _dp_seconds(
                 "reduce_scatter", share * elements * grad_bytes, dp
             )
 
-        modules_s = max(sum(moved(e) for e in _rank_module_elements(costs, r, place) if e) for r in range(pp))
-        return wrapped + modules_s + across
+        return wrapped + max(sum(moved(e) for e in _rank_module_elements(costs, r, place) if e) for r in range(pp))
     latency = hardware.collective_latency
     # a module without parameters of its own (a middle stage's root) issues no collective
     modules = max(sum(1 for e in _rank_module_elements(costs, r, place) if e) for r in range(pp))
     if place.dp_mode == "ddp":
-        return 2 * share * unsharded * grad_bytes / links.dp + modules * latency + wrapped + across
+        return 2 * share * unsharded * grad_bytes / links.dp + modules * latency + wrapped
     traffic = share * unsharded * (gathers * place.compute_bytes + grad_bytes) / links.dp
     if overhead is not None:
-        return traffic + wrapped + modules * (gathers + 1) * latency + across
+        return traffic + wrapped + modules * (gathers + 1) * latency
     # Each gather copies the shards into the flat buffer and the gathered buffer out into the
     # parameters; the reduce-scatter copies the gradients in: read and write, memory-bound.
     copies = 2 * unsharded * (gathers * place.compute_bytes + grad_bytes) / hardware.memory_bandwidth
-    return traffic + copies + modules * (gathers + 1) * latency + across
+    return traffic + copies + modules * (gathers + 1) * latency
 
 
 def _across_replicas(costs: ModelCosts, place: StagePlacement, links: Links, hardware: Hardware) -> float:
