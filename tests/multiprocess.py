@@ -74,16 +74,22 @@ def _mp_context():
 # go to the other worker's launch, or to gloo's own connections, between this check and the
 # rendezvous store's bind. So each worker takes ports from a block of its own below Linux's
 # ephemeral range (32768-60999), where the kernel never hands one out.
+# A session without workers (`-n 0`, a script) takes a block by its process id, so that two such
+# sessions side by side (a developer's run beside another's) rarely share one.
 _PORT_BLOCK_START = 20000
-_PORT_BLOCK_SIZE = 1000
+_PORT_BLOCK_SIZE = 500
+_WORKER_BLOCKS = 4
 _ports_taken = 0
 
 
 def free_port() -> int:
     """A localhost port nothing listens on, from this pytest worker's own block."""
     global _ports_taken
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is not None and worker[2:].isdigit():
+        index = int(worker[2:]) % _WORKER_BLOCKS
+    else:
+        index = _WORKER_BLOCKS + os.getpid() % 20  # blocks up to 32000, below the ephemeral range
     base = _PORT_BLOCK_START + index * _PORT_BLOCK_SIZE
     for _ in range(_PORT_BLOCK_SIZE):
         port = base + _ports_taken % _PORT_BLOCK_SIZE
