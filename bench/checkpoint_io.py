@@ -2,6 +2,7 @@
 
     python bench/checkpoint_io.py --config 1B                                  # one process (a GPU if present)
     torchrun --standalone --nproc-per-node 8 bench/checkpoint_io.py --pp 2 --dp 2 --tp 2 --config debug
+    torchrun --standalone --nproc-per-node 4 bench/checkpoint_io.py --pp 2 --dp 2 --config 495M --stall
 
 Builds the model, takes one AdamW step (so the optimizer has state), then saves a checkpoint
 with checksums and one without (`save(..., checksums=False)`), loads each into a fresh model and
@@ -10,11 +11,17 @@ checking every value came back), exports Hugging Face safetensors (optionally in
 imports them. Each save and load runs --repeats times, alternating with and without, and the
 fastest is kept. Rank 0 prints the wall times (every rank waits for the slowest), the bytes on
 disk, the write/read rates and the checksums' overhead.
+
+--stall measures instead what a save costs the training loop, blocking against async_save:
+training steps timed alone (the median is a step's time), then --repeats rounds of a blocking
+save (its stall: its time) and an async_save followed by steps (its stall: the time async_save
+blocked, the time the steps took beyond as many undisturbed steps, and any wait at the end).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -29,7 +36,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import mesh3d  # noqa: E402
-from examples.llama.config import get_config  # noqa: E402
+from examples.llama.config import ModelArgs, get_config  # noqa: E402
 from examples.llama.model import Transformer, count_parameters, llama_tp_plan, loss_fn  # noqa: E402
 from mesh3d.distributed.shards import local_tensor  # noqa: E402
 
@@ -51,10 +58,13 @@ def _timed(layout, fn) -> float:
 
 
 def _build(args, layout):
+    layers = {"n_layers": args.n_layers} if args.n_layers else {}
+    if args.config in SHAPES:
+        config = ModelArgs(**{**SHAPES[args.config], **layers}, max_seq_len=args.seq_len)
+    else:
+        config = get_config(args.config, max_seq_len=args.seq_len, **layers)
     with torch.device("meta"):
-        model = Transformer(
-            get_config(args.config, max_seq_len=args.seq_len, **({"n_layers": args.n_layers} if args.n_layers else {}))
-        )
+        model = Transformer(config)
     pm = mesh3d.parallelize(model, layout, loss_fn=loss_fn, tp_plan=llama_tp_plan())
     optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-4)
     return model, pm, optimizer
@@ -65,6 +75,56 @@ def _snapshot(pm, optimizer) -> list[torch.Tensor]:
     for state in optimizer.state.values():
         tensors += [local_tensor(v).cpu().clone() for v in state.values() if isinstance(v, torch.Tensor)]
     return tensors
+
+
+# The 495M-parameter shape of docs/performance.md (bench/memory_at_scale.py's default model).
+SHAPES = {"495M": dict(dim=1536, n_layers=16, n_heads=16, n_kv_heads=4, vocab_size=32000, multiple_of=256)}
+
+
+def _stall(args, layout, pm, optimizer, step) -> None:
+    """The training stall of a save, blocking against async_save (module docstring), printed by rank 0."""
+
+    def timed_step() -> float:
+        return _timed(layout, step)
+
+    alone = sorted(timed_step() for _ in range(args.stall_steps))
+    step_s = alone[len(alone) // 2]
+    root = Path(args.dir or tempfile.gettempdir()) / f"stall-{os.getpid() if layout.rank == 0 else ''}"
+    shared = [str(root)]
+    dist.broadcast_object_list(shared, src=0)
+    root = Path(shared[0])
+    first = _timed(layout, lambda: mesh3d.checkpoint.async_save(root / "warm1", pm, optimizer).wait())
+    rows = []
+    for i in range(args.repeats):
+        blocking = _timed(layout, lambda: mesh3d.checkpoint.save(root / f"blocking{i}", pm, optimizer, step=i))
+        handle = None
+
+        def start():
+            nonlocal handle
+            handle = mesh3d.checkpoint.async_save(root / f"async{i}", pm, optimizer, step=i)
+
+        returned = _timed(layout, start)
+        steps = [timed_step() for _ in range(max(2, math.ceil(blocking / step_s) + 1))]
+        waited = _timed(layout, handle.wait)
+        extra = sum(steps) - len(steps) * step_s
+        rows.append((blocking, returned, extra, waited, returned + extra + waited, len(steps)))
+        if layout.rank == 0:
+            gib = _disk_bytes(root / f"blocking{i}") / 1024**3
+            for old in root.iterdir():  # each round writes anew, no older files in the page cache to compete
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+    if layout.rank == 0:
+        print(f"{layout}\nstep alone {step_s:.2f} s (median of {len(alone)}: {', '.join(f'{t:.2f}' for t in alone)})")
+        print(f"checkpoint {gib:.3f} GiB; the first async_save (host copy made, group created): {first:.2f} s")
+        print("| round | blocking s | async_save returned s | steps' extra s | wait s | async stall s | / blocking |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for i, (blocking, returned, extra, waited, stall, n) in enumerate(rows):
+            print(
+                f"| {i + 1} | {blocking:.2f} | {returned:.2f} | {extra:+.2f} ({n} steps) | {waited:.2f} | {stall:.2f} "
+                f"| {100 * stall / blocking:.0f} % |",
+                flush=True,
+            )
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def main() -> None:
@@ -80,6 +140,8 @@ def main() -> None:
     p.add_argument("--writer-threads", type=int, default=1, help="files each rank writes in parallel")
     p.add_argument("--export-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=2, help="times each save and load runs (the fastest is kept)")
+    p.add_argument("--stall", action="store_true", help="the training stall of a save, blocking against async_save")
+    p.add_argument("--stall-steps", type=int, default=3, help="steps timed alone for --stall (the median is kept)")
     args = p.parse_args()
 
     layout = mesh3d.build_mesh(pp=args.pp, dp=args.dp, tp=args.tp)
@@ -94,9 +156,17 @@ def main() -> None:
     vocab = model.args.vocab_size
     tokens = torch.randint(0, vocab, (batch, args.seq_len + 1), generator=torch.Generator().manual_seed(0))
     share = slice(layout.dp_rank * batch // layout.dp, (layout.dp_rank + 1) * batch // layout.dp)
-    pm.step(tokens[share, :-1], tokens[share, 1:])
-    optimizer.step()
-    optimizer.zero_grad()
+
+    def step() -> None:
+        pm.step(tokens[share, :-1], tokens[share, 1:])
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    if args.stall:
+        _stall(args, layout, pm, optimizer, step)
+        dist.destroy_process_group()
+        return
     before = _snapshot(pm, optimizer)
 
     ckpt, unchecked = root / "ckpt" / "step1", root / "unchecked" / "step1"

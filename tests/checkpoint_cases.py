@@ -18,9 +18,9 @@ def dataset() -> TokenDataset:
     return TokenDataset(tokens, SEQ_LEN)
 
 
-def build(layout, tied: bool, *, small: bool = False, init_seed: int = 0, **parallelize_kwargs):
+def build(layout, tied: bool, *, small: bool = False, init_seed: int = 0, n_layers: int = 8, **parallelize_kwargs):
     """A parallelized tiny LLaMA (tp_args, or tiny_args when small), its AdamW and its loader."""
-    args = tiny_args(tied) if small else tp_args(tied)
+    args = tiny_args(tied, n_layers) if small else tp_args(tied, n_layers)
     pm = mesh3d.parallelize(meta_model(tied, args=args), layout, loss_fn=loss_fn, **parallelize_kwargs)
     if init_seed:
         for stage in pm.stages.values():

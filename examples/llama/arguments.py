@@ -188,6 +188,12 @@ def build_parser(description: str | None = None) -> Parser:
     p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (and after the last step)")
     p.add_argument("--keep-last", type=int, default=None, help="keep only the newest K checkpoints")
     p.add_argument(
+        "--async-checkpoint",
+        action="store_true",
+        help="write each checkpoint in the background while training goes on (mesh3d.checkpoint.async_save; "
+        "one host copy of the rank's model and optimizer state)",
+    )
+    p.add_argument(
         "--resume",
         action="store_true",
         help="continue from the newest checkpoint in --checkpoint-dir that loads, if any (and append to --metrics)",
@@ -239,8 +245,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         p.error("--resume needs --checkpoint-dir")
     if args.resume and args.resume_from:
         p.error("--resume takes the newest checkpoint, --resume-from a chosen one: pass one of them")
-    if (args.checkpoint_every or args.keep_last is not None) and not args.checkpoint_dir:
-        p.error("--checkpoint-every and --keep-last need --checkpoint-dir")
+    if (args.checkpoint_every or args.keep_last is not None or args.async_checkpoint) and not args.checkpoint_dir:
+        p.error("--checkpoint-every, --keep-last and --async-checkpoint need --checkpoint-dir")
     if args.timeout <= 0 or args.max_bad_steps < 1 or args.log_every < 1:
         p.error("--timeout must be > 0, --max-bad-steps >= 1 and --log-every >= 1")
     if args.checkpoint_every < 0 or (args.keep_last is not None and args.keep_last < 1):

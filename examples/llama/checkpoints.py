@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import mesh3d
@@ -67,10 +68,24 @@ def _saved_args(state: dict | None) -> dict | None:
     return saved if isinstance(saved, dict) else {}
 
 
-def save_checkpoint(pm, optimizer, loader, step: int, args, is_main: bool, fault: FaultInjection | None) -> None:
-    """A checkpoint of step `step` under --checkpoint-dir, keeping the last --keep-last."""
+@dataclass
+class Pending:
+    """A checkpoint being written in the background (--async-checkpoint), and when its save began."""
+
+    handle: mesh3d.checkpoint.AsyncSave
+    began: float
+
+
+def save_checkpoint(
+    pm, optimizer, loader, step: int, args, is_main: bool, fault: FaultInjection | None, pending: Pending | None = None
+) -> Pending | None:
+    """A checkpoint of step `step` under --checkpoint-dir, keeping the last --keep-last. With
+    --async-checkpoint it is written in the background: `pending` (the previous one's handle) is
+    waited for first, and the new one's handle returned for `finish_checkpoint`."""
+    finish_checkpoint(pending, is_main)
     began = time.perf_counter()
-    path = mesh3d.checkpoint.save(
+    save = mesh3d.checkpoint.async_save if args.async_checkpoint else mesh3d.checkpoint.save
+    saved = save(
         Path(args.checkpoint_dir) / f"step{step}",
         pm,
         optimizer,
@@ -78,10 +93,31 @@ def save_checkpoint(pm, optimizer, loader, step: int, args, is_main: bool, fault
         data_state=loader.state_dict(),
         extra={"args": vars(args)},
         keep_last=args.keep_last,
-        before_publish=fault.before_publish if fault else None,
+        before_publish=fault.before_publish(step) if fault else None,
     )
+    took = time.perf_counter() - began
+    if not args.async_checkpoint:
+        if is_main:
+            print(f"saved checkpoint {saved} in {took:.2f} s", flush=True)
+        return None
     if is_main:
-        print(f"saved checkpoint {path} in {time.perf_counter() - began:.2f} s", flush=True)
+        print(f"saving checkpoint {saved.path} in the background (training paused {took:.2f} s)", flush=True)
+    return Pending(saved, began)
+
+
+def finish_checkpoint(pending: Pending | None, is_main: bool) -> None:
+    """Wait for a checkpoint written in the background to be published (its failure raised)."""
+    if pending is None:
+        return
+    waited = time.perf_counter()
+    path = pending.handle.wait()
+    if is_main:
+        now = time.perf_counter()
+        print(
+            f"saved checkpoint {path} in {now - pending.began:.2f} s in the background "
+            f"(training waited {now - waited:.2f} s for it)",
+            flush=True,
+        )
 
 
 def export_hf(pm, args, is_main: bool) -> None:

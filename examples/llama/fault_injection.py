@@ -6,6 +6,7 @@ Off unless the environment variable MESH3D_FAULT is set. Its value is `ACTION@RA
                      forward, while its pipeline peers wait for its messages)
     kill@0:save:4    rank 0 SIGKILLs itself inside the save of the step-4 checkpoint, after every
                      shard is written and before the checkpoint is published under its name
+                     (with --async-checkpoint in the background write, training having gone on)
     stop@1:step:2    rank 1 SIGSTOPs itself inside step 2 (a hang: it never answers again)
     hang@1:step:2    rank 1 sleeps forever inside step 2 (a hang that SIGTERM still ends)
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +31,7 @@ _PHASES = ("step", "save")
 @dataclass
 class FaultInjection:
     """The fault this rank must suffer, if any; `arm` it on the model, `at_step` it every step, pass
-    `before_publish` to checkpoint.save."""
+    `before_publish(step)` to checkpoint.save."""
 
     signal: signal.Signals | None  # None: an endless loop
     phase: str
@@ -61,18 +63,26 @@ class FaultInjection:
             first_stage = pm.stages[min(pm.stages)]
             first_stage.register_forward_pre_hook(lambda module, args: self._fire_at(self.step))
 
-    def before_publish(self, written: Path) -> None:
-        """checkpoint.save's hook: every shard of the checkpoint is written, none published yet."""
-        if self.phase == "save":
-            self._fire_at(self.step)
+    def before_publish(self, saved_step: int) -> Callable[[Path], None]:
+        """checkpoint.save's hook for the checkpoint of `saved_step`: every shard of it is written,
+        none published yet. It fires by the step saved, not the loop's: an async save's hook runs
+        in its background thread while the loop has gone on."""
+
+        def hook(written: Path) -> None:
+            if self.phase == "save" and saved_step == self.step:
+                self._fire()
+
+        return hook
 
     def at_step(self, step: int) -> None:
         """The training loop is at `step` (counted from 1)."""
         self.current_step = step
 
     def _fire_at(self, step: int) -> None:
-        if self.current_step != step:
-            return
+        if self.current_step == step:
+            self._fire()
+
+    def _fire(self) -> None:
         if self.signal is None:
             while True:
                 time.sleep(1)

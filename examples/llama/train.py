@@ -48,7 +48,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mesh3d  # noqa: E402
 from examples.llama import arguments  # noqa: E402
-from examples.llama.checkpoints import export_hf, nothing_to_train, restore, save_checkpoint  # noqa: E402
+from examples.llama.checkpoints import (  # noqa: E402
+    export_hf,
+    finish_checkpoint,
+    nothing_to_train,
+    restore,
+    save_checkpoint,
+)
 from examples.llama.config_errors import flags_of, reported_once  # noqa: E402
 from examples.llama.fault_injection import FaultInjection  # noqa: E402
 from examples.llama.metrics_log import open_metrics  # noqa: E402
@@ -165,6 +171,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     guard = BadLossGuard(args.max_bad_steps) if pm.never_drains else BadStepGuard(args.max_bad_steps)
     history, restart = [], restart_count()  # which torchrun attempt
     last_saved = progress.start_step if resumed else None
+    pending = None  # --async-checkpoint: the save being written in the background
     for step in range(progress.start_step, args.steps):
         step_start = time.perf_counter()
         if fault:
@@ -233,11 +240,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             )
         guard.raise_if_too_many(step + 1, loss if pm.never_drains else grad_norm)
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            save_checkpoint(pm, optimizer, loader, step + 1, args, is_main, fault)
+            pending = save_checkpoint(pm, optimizer, loader, step + 1, args, is_main, fault, pending)
             last_saved = step + 1
     pm.flush()  # a never-drain schedule's last updates (save and export would flush too); nothing otherwise
     if args.checkpoint_dir and last_saved != max(args.steps, progress.start_step):
-        save_checkpoint(pm, optimizer, loader, max(args.steps, progress.start_step), args, is_main, fault)
+        pending = save_checkpoint(
+            pm, optimizer, loader, max(args.steps, progress.start_step), args, is_main, fault, pending
+        )
+    finish_checkpoint(pending, is_main)  # published before the export and the end of the process group
     for log in (metrics_file, tensorboard):
         if log:
             log.close()

@@ -2,6 +2,8 @@
 
     mesh3d.checkpoint.save(path, pm, optimizer=None, *, step, data_state=None, extra=None,
                            before_publish=None, checksums=True)
+    handle = mesh3d.checkpoint.async_save(path, pm, optimizer=None, ...)  # save's arguments; written
+    handle.wait()                                   # in the background: an AsyncSave (wait() / done())
     state = mesh3d.checkpoint.load(path, pm, optimizer=None)    # {"step", "data_state", "extra"}
     mesh3d.checkpoint.latest(root) -> path | None   # this process's listing; jobs resume with mesh3d.train
     mesh3d.checkpoint.complete_checkpoints(root) -> [path, ...]   # oldest first
@@ -13,6 +15,7 @@
 A damaged checkpoint raises DamagedCheckpoint (a ValueError).
 """
 
+from mesh3d.checkpoint.background_save import AsyncSave, async_save
 from mesh3d.checkpoint.directories import complete_checkpoints, latest
 from mesh3d.checkpoint.hf_adapter import HFAdapter
 from mesh3d.checkpoint.integrity import DamagedCheckpoint
@@ -20,8 +23,10 @@ from mesh3d.checkpoint.safetensors_io import export_safetensors, import_safetens
 from mesh3d.checkpoint.save_load import load, save
 
 __all__ = [
+    "AsyncSave",
     "DamagedCheckpoint",
     "HFAdapter",
+    "async_save",
     "complete_checkpoints",
     "export_safetensors",
     "import_safetensors",

@@ -5,26 +5,24 @@ the unsplit model's names (flat_state.py), and DCP records where each shard sits
 tensor, so any other (pp, dp, tp, virtual stages, dp_mode) reads exactly the pieces it needs.
 The train state is JSON (train_state.py). Every file gets a checksum (checksums.py), each rank
 hashing the files it wrote; `load` verifies them first (integrity.py). The directory appears
-under its name only once complete (directories.py).
+under its name only once complete (directories.py). A save's steps are saving.py's, which
+`async_save` (background_save.py) runs in a background thread instead; `save` and `load` first wait
+for an async_save in flight.
 """
 
 from __future__ import annotations
 
-import datetime
-import importlib.metadata
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from mesh3d.checkpoint import directories
-from mesh3d.checkpoint.checksums import sums_of, write_manifest
+from mesh3d.checkpoint.background_save import finish_previous
 from mesh3d.checkpoint.flat_state import (
     apply_loaded,
     check_against_checkpoint,
@@ -35,24 +33,12 @@ from mesh3d.checkpoint.flat_state import (
     unsaved_optimizer_params,
 )
 from mesh3d.checkpoint.integrity import read_whole
-from mesh3d.checkpoint.kept_versions import kept_entries, kept_targets, restore_kept, resume_problem, rule_state
+from mesh3d.checkpoint.kept_versions import kept_targets, restore_kept, resume_problem
+from mesh3d.checkpoint.saving import prepare, write_and_publish
 from mesh3d.checkpoint.strided_entries import as_checkpointable, deliberate_sharded_tensors, take_replaced_values
-from mesh3d.checkpoint.train_state import (
-    FORMAT,
-    RNG_DIR,
-    TRAIN_STATE_FILE,
-    VERSION,
-    check_json,
-    read_rng_state,
-    rng_file,
-    rng_state,
-    set_rng_state,
-    write_json,
-)
-from mesh3d.distributed.agree import attempt, gather_or_raise, raise_if_any
-from mesh3d.mesh import Layout
+from mesh3d.checkpoint.train_state import read_rng_state, set_rng_state
+from mesh3d.distributed.agree import raise_if_any
 from mesh3d.parallel_model import ParallelModel
-from mesh3d.step.finite import first_non_finite
 
 
 def save(
@@ -69,6 +55,9 @@ def save(
     checksums: bool = True,
 ) -> str:
     """Save model, optimizer and train state to the directory `path`, atomically. Call on every rank.
+
+    Training waits for the write; `async_save` takes the same arguments and writes in the background
+    (an async_save in flight is waited for first, here and in `load`).
 
     Under a never-drain schedule it flushes first (`pm.flush()`), and saves the weight versions the
     update rule still names for the next calls (checkpoint/kept_versions.py): a resume continues
@@ -92,10 +81,10 @@ def save(
             files (its temporary name, renamed to `path` next): a job can check or copy them, a
             fault test can kill the process there. An exception it raises is raised on every
             rank and nothing is published.
-        checksums: record a CRC-32 of every file (below); False leaves them out, and `load`
+        checksums: record a hash of every file (below); False leaves them out, and `load`
             then checks the files' sizes only (the cost of both: docs/performance.md).
 
-    Every file written gets CRC-32s (one per 64 MiB block) in the checkpoint's checksums.json:
+    Every file written gets XXH3 hashes (one per 64 MiB block) in the checkpoint's checksums.json:
     each rank hashes the files it wrote, in threads, right after writing them, and `load`
     verifies them before reading.
 
@@ -105,160 +94,21 @@ def save(
     any other failed write DCP's CheckpointException. Either way nothing is published and the
     previous checkpoints are untouched.
     """
-    path = Path(path)
-    layout = pm.layout
-    pm.flush()  # a never-drain schedule: every update in flight applied (it changes no update rule)
-    # Every check first, on every rank; one all-gather then shows each rank what all found, so a
-    # problem on any rank is raised on all of them before anything is written.
-    state = data_json = error = None
-    try:
-        step = _resolve_step(path, step)
-        _check_count("keep_last", keep_last, allow_none=True)
-        _check_count("writer_threads", writer_threads)
-        data_json = check_json(data_state, "data_state")
-        if layout.rank == 0:
-            check_json(extra, "extra")  # rank 0's is the one saved
-        state = flat_state(pm, optimizer)
-        state.entries.update(kept_entries(pm))
-        _check_finite(pm, layout)
-    except ValueError as problem:
-        error = str(problem)
-    everyone = gather_or_raise((str(path), step, data_json, bool(checksums)), error)
-    if any(entry != everyone[0] for entry in everyone):
-        raise ValueError(
-            "checkpoint.save: ranks passed different path, step or data_state (or checksums=) "
-            f"(rank 0: {everyone[0]}, this rank: {everyone[layout.rank]}); the data state is the global sample "
-            "position, the same on every rank: pass the same values everywhere"
-        )
-
-    partial = directories.partial_path(path)
-    raise_if_any(attempt(lambda: directories.prepare(path)) if layout.rank == 0 else None)
-    raise_if_any(attempt(lambda: _write_rng(partial, layout)))
-    try:
-        with deliberate_sharded_tensors():
-            dcp.save(
-                as_checkpointable(state.entries),
-                storage_writer=(writer := _RecordingWriter(partial, thread_count=writer_threads)),
-                planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-            )
-    except CheckpointException as failed:  # DCP raises it on every rank, whichever rank failed
-        os_error = _os_error_of(failed, path)
-        if os_error is None:
-            raise
-        raise os_error from failed
-    # DCP's last step is rank 0 writing its metadata after every rank reported its writes: from
-    # here on every file but the train state is in place. Each rank hashes the files it wrote
-    # (still in its page cache); rank 0 records every rank's sums.
-    sums = None
-    if checksums:
-        sums = {}
-        mine = [*writer.written, f"{RNG_DIR}/{rng_file(partial, layout.rank).name}"]
-        error = attempt(lambda: sums.update(sums_of(partial, mine)))
-        for rank_sums in gather_or_raise(sums, error):
-            sums.update(rank_sums)
-    error = None
-    if layout.rank == 0:
-        train_state = {
-            "format": FORMAT,
-            "version": VERSION,
-            "step": step,
-            "data_state": data_state,
-            "extra": extra,
-            "has_optimizer": optimizer is not None,
-            "optimizer": type(optimizer).__name__ if optimizer is not None else None,
-            "layout": dict(layout.sizes, world_size=layout.world_size),
-            "schedule": pm.schedule.name,
-            "virtual_stages": pm.schedule.virtual_stages,
-            "tied": pm.state_map.ties,
-            "never_drain": rule_state(pm),
-            "mesh3d_version": _installed_version(),
-            "torch_version": torch.__version__,
-            "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        }
-        error = attempt(lambda: _finish(partial, path, train_state, sums, keep_last, before_publish))
-    raise_if_any(error)
-    return str(path)
-
-
-def _check_finite(pm: ParallelModel, layout: Layout) -> None:
-    """A NaN or Inf weight saved is in every checkpoint after it: refuse it (raised on every rank)."""
-    name = first_non_finite(pm.named_parameters())
-    if name is not None:
-        raise ValueError(
-            f"checkpoint.save: parameter {name} holds NaN or Inf values (rank {layout.rank}, mesh coordinate "
-            f"{layout.coordinate}); refusing to save non-finite weights. Resume from the previous checkpoint, "
-            "with a lower learning rate or after checking the data"
-        )
-
-
-def _os_error_of(failed: CheckpointException, path: Path) -> OSError | None:
-    """The first failing rank's OSError (a full disk, a lost mount), with where it happened, or None."""
-    for rank, (error, _) in sorted(failed.failures.items()):
-        if isinstance(error, OSError):
-            return type(error)(
-                error.errno,
-                f"checkpoint.save: writing {path} failed on rank {rank}: {error.strerror or error}; it was not "
-                "published, the previous checkpoint stays the newest",
-            )
-    return None
-
-
-def _resolve_step(path: Path, step: int | None) -> int:
-    if step is None:
-        digits = re.search(r"(\d+)$", path.name)
-        if digits is None:
-            raise ValueError(
-                f"checkpoint.save: pass step= (the name {path.name!r} ends in no step number to take it from); "
-                "latest() and keep_last order checkpoints by step"
-            )
-        step = int(digits.group(1))
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"checkpoint.save: step must be a non-negative int, got {step!r}")
-    return step
-
-
-def _check_count(name: str, value, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"checkpoint.save: {name} must be {'None or ' if allow_none else ''}an int >= 1, got {value!r}"
-        )
-
-
-def _write_rng(partial: Path, layout: Layout) -> None:
-    file = rng_file(partial, layout.rank)
-    file.parent.mkdir(exist_ok=True)
-    write_json(file, rng_state(layout.device))
-
-
-class _RecordingWriter(FileSystemWriter):
-    """DCP's file writer, remembering the files this rank wrote (to hash them, and only them)."""
-
-    written: list[str] = []
-
-    def write_data(self, plan, planner):
-        future = super().write_data(plan, planner)
-        self.written = sorted({result.storage_data.relative_path for result in future.value()})
-        return future
-
-
-def _finish(
-    partial: Path,
-    path: Path,
-    train_state: dict,
-    sums: dict[str, dict] | None,
-    keep_last: int | None,
-    before_publish: Callable[[Path], None] | None,
-) -> None:
-    write_json(partial / TRAIN_STATE_FILE, train_state)
-    if sums is not None:
-        write_manifest(partial, {**sums, **sums_of(partial, [directories.DCP_METADATA, TRAIN_STATE_FILE])})
-    if before_publish is not None:
-        before_publish(partial)
-    directories.publish(partial, path)
-    if keep_last is not None:
-        directories.prune(path.parent, keep_last, keep=path)
+    finish_previous()  # one save at a time: an async_save in flight is published (or raised) first
+    prepared = prepare(
+        Path(path),
+        pm,
+        optimizer,
+        step=step,
+        data_state=data_state,
+        extra=extra,
+        keep_last=keep_last,
+        writer_threads=writer_threads,
+        before_publish=before_publish,
+        checksums=checksums,
+    )
+    with deliberate_sharded_tensors():
+        return write_and_publish(prepared, as_checkpointable(prepared.entries))
 
 
 def load(
@@ -286,6 +136,7 @@ def load(
     the model (naming the first mismatching parameter) or the optimizer; the model and optimizer
     are then as they were.
     """
+    finish_previous()  # an async_save in flight is published (or raised) before anything is read
     path = Path(path)
     layout = pm.layout
     pm.discard_in_flight()  # a never-drain schedule: what is in flight is replaced by what is loaded
@@ -336,12 +187,3 @@ def load(
     if rng is not None:
         set_rng_state(rng, layout.device)
     return {"step": train_state["step"], "data_state": train_state.get("data_state"), "extra": train_state.get("extra")}
-
-
-def _installed_version() -> str:
-    # From the package metadata, not `mesh3d.__version__`: importing the package's face from here
-    # would run back up the house (mesh3d/__init__ imports checkpoint/).
-    try:
-        return importlib.metadata.version("mesh3d")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown (not installed)"

@@ -4,7 +4,9 @@ A check that fails on one rank only (a different argument, a full disk, a bad fi
 all of them: a rank that raises alone leaves the others waiting in the next collective until the
 process-group timeout. Each helper here is one small all-gather over the world (a barrier too),
 on the CPU: over the default process group, or the gloo side group when the backend is NCCL
-(host_group.py); with one process it sends nothing.
+(host_group.py), or the group a caller passes (a checkpoint written in a background thread agrees on
+a group of its own: two threads' collectives on one group would interleave); with one process it
+sends nothing.
 """
 
 from __future__ import annotations
@@ -34,15 +36,16 @@ def attempt(fn: Callable[[], object]) -> str | None:
     return None
 
 
-def gather_or_raise(value: Any = None, error: str | None = None) -> list[Any]:
+def gather_or_raise(value: Any = None, error: str | None = None, group: dist.ProcessGroup | None = None) -> list[Any]:
     """Every rank's `value`, in rank order; or, if any rank passed an `error`, that error raised
     on every rank (the first failing rank's, marked with where it was found): an OSError with
-    its errno when `attempt` caught one, else a ValueError."""
+    its errno when `attempt` caught one, else a ValueError. Over `group` (a CPU group spanning
+    the world) when given, else over host_group()."""
     mine = (value, error)
     everyone = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine, group=host_group())
+        dist.all_gather_object(everyone, mine, group=group if group is not None else host_group())
     here = dist.get_rank() if dist.is_initialized() else 0
     for rank, (_, message) in enumerate(everyone):
         if message:
@@ -56,9 +59,9 @@ def gather_or_raise(value: Any = None, error: str | None = None) -> list[Any]:
     return [v for v, _ in everyone]
 
 
-def raise_if_any(error: str | None) -> None:
+def raise_if_any(error: str | None, group: dist.ProcessGroup | None = None) -> None:
     """Raise the first failing rank's error on every rank; return on every rank if none failed."""
-    gather_or_raise(None, error)
+    gather_or_raise(None, error, group)
 
 
 def check_same_everywhere(value: Any, describe: Callable[[list[Any]], str]) -> None:

@@ -88,9 +88,9 @@ def _faults(root: str) -> dict:
     result["enospc"] = []
     from torch.distributed.checkpoint import filesystem
 
-    from mesh3d.checkpoint import save_load
+    from mesh3d.checkpoint import saving
 
-    for module, name in ((save_load, "_write_rng"), (filesystem, "_write_item")):
+    for module, name in ((saving, "_write_rng"), (filesystem, "_write_item")):
         original = getattr(module, name)
         if layout.rank == 1:
             setattr(module, name, no_space)
