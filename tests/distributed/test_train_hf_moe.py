@@ -7,10 +7,12 @@ config (mesh3d initializes the weights, each rank its own experts):
   own architecture to transformers: `from_pretrained` gives the logits of the model built from the
   config with the exported tensors loaded by name, strictly (every expert weight read, none
   initialized anew by transformers).
-- the export given back as `--hf-model` at (2, 2, 1), ep 2, `--steps 0 --export-hf`: imported
-  (each rank reading its own experts), split into stages, gathered and written again,
-  `from_pretrained` of it gives the first export's logits (1e-5): fused gate/up, down, router and
-  shared experts each land in place.
+- the export given back as `--hf-model` at (pp, dp, tp) = (1, 2, 1), ep 2, `--steps 0 --export-hf`
+  (two ranks: the experts split over ep is what this import adds): imported (each rank reading its
+  own experts), gathered and written again, `from_pretrained` of it gives the first export's
+  logits (1e-5): fused gate/up, down, router and shared experts each land in place. (An import
+  split into pipeline stages: test_train_hf.py's Qwen2 at --pp 2, and test_hf_experts.py's
+  Qwen3-MoE experts at (2, 1, 2).)
 
 (A directory transformers 5 itself saves, experts one by one: test_hf_experts.py.)
 """
@@ -89,8 +91,9 @@ def test_a_moe_model_trains_at_pp2_dp2_and_exports_as_itself(arch, tmp_path):
     want = _logits(_loaded_by_name(tmp_path / "trained"), ids)
     assert _relative(_logits(trained, ids), want) <= TOLERANCE
 
-    _run("--hf-model", str(tmp_path / "trained"), *layout, "--steps", "0",
-         "--export-hf", str(tmp_path / "again"), torchrun=4)  # fmt: skip
+    reimport = ["--dp", "2", "--ep", "2", "--token-file", str(tokens), "--seq-len", "8"]
+    _run("--hf-model", str(tmp_path / "trained"), *reimport, "--steps", "0",
+         "--export-hf", str(tmp_path / "again"), torchrun=2)  # fmt: skip
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again")
     assert type(again) is type(trained)
     assert _relative(_logits(again, ids), want) <= TOLERANCE
