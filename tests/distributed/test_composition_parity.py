@@ -8,7 +8,7 @@ a subset. Each data-parallel
 rank steps on its share of the global batch; the reference is one process on the whole batch.
 One process-group launch per world size (two for 8) runs all its cases.
 
-66 cases; a vocabulary of 65 or 66 rows makes FSDP pad the tied weight. The model is a tiny LLaMA
+64 cases; a vocabulary of 65 or 66 rows makes FSDP pad the tied weight. The model is a tiny LLaMA
 whose split sizes all divide 8 (pipeline_cases.tp_args: dim 64, 16 heads, 8 kv heads, FFN 176,
 vocabulary 64, sequence 8), with one block per stage the case's schedule makes (two where
 activation checkpointing chooses among a stage's blocks; 8 stages at most). docs/parallelize.md's
@@ -82,7 +82,9 @@ def cases(world: int, part: str = "all") -> list[tuple]:
     # tie's groups and FSDP's padding are already proven at every smaller world; this halves 8's launch).
     ties = ((False, True),) * len(LAYOUTS[world]) if world < 8 else [(i % 2 == 1,) for i in range(len(LAYOUTS[world]))]
     fsdp = [(layout, tied, {}) for layout, choices in zip(LAYOUTS[world], ties) for tied in choices]
-    with_dp = [layout for layout in LAYOUTS[world] if layout[1] > 1]
+    # DDP on every layout with dp > 1, under the default schedule where no extra case holds DDP there already.
+    ddp_elsewhere = {layout for layout, _, options in EXTRA.get(world, []) if options.get("dp_mode") == "ddp"}
+    with_dp = [layout for layout in LAYOUTS[world] if layout[1] > 1 and (world < 8 or layout not in ddp_elsewhere)]
     ddp = [(layout, i % 2 == 0, {"dp_mode": "ddp"}) for i, layout in enumerate(with_dp)]
     chosen = {"fsdp": fsdp, "other": ddp + EXTRA.get(world, []), "all": fsdp + ddp + EXTRA.get(world, [])}[part]
     return chosen
