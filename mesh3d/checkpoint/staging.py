@@ -47,10 +47,6 @@ class HostCopy:
             torch.cuda.current_stream(device).synchronize()  # the copies to pinned memory have landed
         return staged
 
-    def release(self) -> None:
-        """Free the buffers (the next `stage` makes new ones)."""
-        self._buffers = self._shapes = None
-
 
 def _shapes_of(entries: dict[str, object]) -> list:
     """What the buffers depend on: each tensor's kind, dtype, global and local shape and placement."""
