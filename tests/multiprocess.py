@@ -113,9 +113,22 @@ def _rank_main(fn: Callable, args: tuple, rank: int, env: dict, results: Any) ->
         import torch
 
         torch.set_num_threads(1)
+        profile_dir = os.environ.get("MESH3D_PROFILE_RANKS")  # a folder: each rank's cProfile lands there
+        if profile_dir:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+            try:
+                returned = fn(*args)
+            finally:
+                profiler.disable()
+                profiler.dump_stats(os.path.join(profile_dir, f"{fn.__name__}-{os.getpid()}.prof"))
+        else:
+            returned = fn(*args)
         # Pickled here, by value: the queue's own pickler would share a tensor's storage through a
         # file descriptor that the parent fetches from this process, which may have exited by then.
-        value = pickle.dumps(fn(*args))
+        value = pickle.dumps(returned)
         results.put((rank, "ok", value))
         finished = True
     except BaseException:  # noqa: BLE001 - every failure must reach the parent

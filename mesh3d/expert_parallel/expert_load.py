@@ -32,10 +32,13 @@ class ExpertLoad:
         self.counts = torch.zeros(len(self.names), plan.num_experts, dtype=torch.long, device=layout.device)
         self._counting = False
         row_of = {name: row for row, name in enumerate(self.names)}
+        # Run as written under a compiled block: its flag and counts are read at each call. Wrapped
+        # here, not at import: torch.compiler.disable imports torch._dynamo (about 1 s per process).
+        count = torch.compiler.disable(self._count)
         for stage in stages.values():
             for name, module in stage.named_modules():
                 if name in row_of:
-                    module.register_forward_pre_hook(functools.partial(self._count, row_of[name]), with_kwargs=True)
+                    module.register_forward_pre_hook(functools.partial(count, row_of[name]), with_kwargs=True)
 
     @contextlib.contextmanager
     def counting(self):
@@ -47,7 +50,6 @@ class ExpertLoad:
         finally:
             self._counting = False
 
-    @torch.compiler.disable  # run as written under a compiled block: its flag and counts are read at each call
     def _count(self, row: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._counting or torch._C._current_graph_task_id() != -1:  # -1: not inside a backward
             return

@@ -1,21 +1,18 @@
 """The single-process training example: LR schedule, metrics file, and a loss that falls.
 
 Also `train.py --param-dtype bf16` in one process (its JSONL lines say bf16). This file,
-test_train_text.py and test_train_checkpoint.py start train.py in a process of its own.
+test_train_text.py and test_train_checkpoint.py run train.py's main in processes of their own,
+forked as tests/train_launch.py does.
 """
 
 import json
 import math
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from train_launch import run_train
 
 from examples.llama.optimization import lr_at
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_warmup_then_cosine():
@@ -29,19 +26,8 @@ def test_warmup_then_cosine():
 
 
 def _train(*flags: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(var, None)
-    done = subprocess.run(
-        [sys.executable, "examples/llama/train.py", *flags],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    return done
+    """train.py in one process, as `python train.py` runs (tests/train_launch.py)."""
+    return run_train(list(flags), timeout=300)
 
 
 def test_training_script_loss_falls(tmp_path):

@@ -17,25 +17,19 @@ Relative error <= 1e-4 (fp32; the pp=2 run sums in another order), as in test_to
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
-from test_torchrun import ROOT, TIMEOUT_S, _assert_close, _check, _env, _losses
+from test_torchrun import TIMEOUT_S, _assert_close, _losses
+from train_launch import run_train
 
 from examples.llama.optimization import lr_at
 
-TRAIN = ["examples/llama/train.py", "--seq-len", "32", "--global-batch", "8", "--log-every", "1", "--warmup", "10"]
+TRAIN = ["--seq-len", "32", "--global-batch", "8", "--log-every", "1", "--warmup", "10"]
 
 
 def _run(*args: str, torchrun: int = 0) -> subprocess.CompletedProcess:
-    launcher = [sys.executable]
-    if torchrun:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(torchrun)]
-    done = subprocess.run(
-        [*launcher, *TRAIN, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
-    )
-    _check(done)
-    return done
+    """train.py in one process, or on `torchrun` ranks as torchrun starts them (tests/train_launch.py)."""
+    return run_train([*TRAIN, *args], nproc=torchrun, timeout=TIMEOUT_S)
 
 
 def test_checkpoint_resume_export_and_init_from_hf(tmp_path):
@@ -131,24 +125,10 @@ def test_resume_from_a_chosen_checkpoint(tmp_path):
     assert f"resumed from {ckpt / 'step2'} (step 2)" in done.stdout
     assert [json.loads(line)["step"] for line in resumed.read_text().splitlines()] == [3, 4]
     _assert_close(_losses(resumed), straight[2:])
-    missing = subprocess.run(
-        [
-            sys.executable,
-            *TRAIN,
-            "--steps",
-            "4",
-            "--n-layers",
-            "2",
-            "--resume-from",
-            str(ckpt / "step3"),
-            "--metrics",
-            "",
-        ],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
+    missing = run_train(
+        [*TRAIN, "--steps", "4", "--n-layers", "2", "--resume-from", str(ckpt / "step3"), "--metrics", ""],
         timeout=TIMEOUT_S,
+        check=False,
     )
     assert missing.returncode == 2 and f"no checkpoint at {ckpt / 'step3'}" in missing.stderr, missing.stderr[-3000:]
     assert "Traceback" not in missing.stderr

@@ -14,29 +14,22 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 from hf_cases import TOLERANCE, VOCAB, hf_model
-from test_torchrun import ROOT, TIMEOUT_S, _assert_close, _check, _env, _losses
+from test_torchrun import TIMEOUT_S, _assert_close, _losses
+from train_launch import run_train
 
 transformers = pytest.importorskip("transformers")
 
-TRAIN = ["examples/llama/train.py", "--seq-len", "32", "--global-batch", "8", "--log-every", "4", "--warmup", "4"]
+TRAIN = ["--seq-len", "32", "--global-batch", "8", "--log-every", "4", "--warmup", "4"]
 
 
 def _run(*args: str, torchrun: int = 0, check: bool = True) -> subprocess.CompletedProcess:
-    launcher = [sys.executable]
-    if torchrun:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(torchrun)]
-    done = subprocess.run(
-        [*launcher, *TRAIN, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
-    )
-    if check:
-        _check(done)
-    return done
+    """train.py in one process, or on `torchrun` ranks as torchrun starts them (tests/train_launch.py)."""
+    return run_train([*TRAIN, *args], nproc=torchrun, timeout=TIMEOUT_S, check=check)
 
 
 def _logits(model, tokens: torch.Tensor) -> torch.Tensor:

@@ -15,15 +15,15 @@ import json
 import math
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("pyarrow")
 
-from test_torchrun import ROOT, TIMEOUT_S, _assert_close, _check, _env  # noqa: E402
+from test_torchrun import TIMEOUT_S, _assert_close  # noqa: E402
 from text_corpus import documents, train_bpe, write_jsonl, write_parquet  # noqa: E402
+from train_launch import run_train  # noqa: E402
 
 STEPS = 8
 
@@ -42,7 +42,6 @@ def corpus(tmp_path_factory):
 def _flags(corpus) -> list[str]:
     root, tokenizer = corpus
     return [
-        "examples/llama/train.py",
         "--tokenizer",
         str(tokenizer),
         "--vocab-size",
@@ -70,16 +69,9 @@ def _flags(corpus) -> list[str]:
 
 
 def _run(corpus, *args: str, torchrun: int = 0, check: bool = True) -> subprocess.CompletedProcess:
-    launcher = [sys.executable]
-    if torchrun:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(torchrun)]
-    env = {**_env(), "MESH3D_CACHE": str(corpus[0] / "cache")}
-    done = subprocess.run(
-        [*launcher, *_flags(corpus), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
-    )
-    if check:
-        _check(done)
-    return done
+    """train.py in one process, or on `torchrun` ranks as torchrun starts them (tests/train_launch.py)."""
+    env = {"MESH3D_CACHE": str(corpus[0] / "cache")}
+    return run_train([*_flags(corpus), *args], nproc=torchrun, env=env, timeout=TIMEOUT_S, check=check)
 
 
 def _records(path) -> list[dict]:
@@ -140,14 +132,7 @@ def test_a_tokenizer_with_its_own_end_token_and_no_flags_but_tokenizer_and_data(
     docs = documents(600, seed=4)
     tokenizer = train_bpe(tmp_path / "tok" / "tokenizer.json", docs, vocab_size=300, special_tokens=["<|end|>"])
     write_jsonl(tmp_path / "corpus.jsonl", docs)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "examples/llama/train.py",
+    argv = [
         "--tp",
         "2",
         "--tokenizer",
@@ -168,15 +153,7 @@ def test_a_tokenizer_with_its_own_end_token_and_no_flags_but_tokenizer_and_data(
         "--export-hf",
         str(tmp_path / "hf"),
     ]
-    done = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        env={**_env(), "MESH3D_CACHE": str(tmp_path / "cache")},
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    _check(done)
+    done = run_train(argv, nproc=2, env={"MESH3D_CACHE": str(tmp_path / "cache")}, timeout=TIMEOUT_S)
     assert "eos='<|end|>' (id 0)" in done.stdout
     exported = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert exported["vocab_size"] == 320  # 300 tokens padded to a multiple of 64 (and of tp)
