@@ -5,7 +5,8 @@ environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or, with nproc=0, 
 without it, as `python train.py` runs; each process's stdout and stderr (file descriptors 1 and
 2, so C++ output too) go to files, joined rank by rank as torchrun's would be. It returns a
 `subprocess.CompletedProcess` like `subprocess.run` of the same command, exit status included
-(argparse's and a configuration error's 2).
+(argparse's and a configuration error's 2: the first rank's nonzero one), and each rank's in
+`rank_returncodes`.
 
 Why not torchrun: each of its ranks is a fresh interpreter that imports torch, mesh3d and
 transformers (5-8 s of CPU each, and the launcher's own torch import) before one tiny step; a rank
@@ -89,6 +90,7 @@ def run_train(
         )
     returncode = next((code for code in codes if code), 0)
     done = subprocess.CompletedProcess([SCRIPT, *argv], returncode, stdout, stderr + failure)
+    done.rank_returncodes = codes
     if check:
         assert returncode == 0, f"exit {returncode}\n{stdout[-3000:]}\n{done.stderr[-6000:]}"
     return done
