@@ -12,7 +12,7 @@ Why not torchrun: each of its ranks is a fresh interpreter that imports torch, m
 transformers (5-8 s of CPU each, and the launcher's own torch import) before one tiny step; a rank
 forked here starts from a server that imported them once (multiprocess.PRELOADED). The launcher
 itself (torchrun's agent, restarts, two nodes, signals, a hang's exit) is what test_torchrun.py,
-test_restart.py, test_hang.py, test_config_errors.py and test_checksum_resume.py run for real.
+test_restart.py, test_hang.py and test_config_errors.py run for real.
 """
 
 from __future__ import annotations

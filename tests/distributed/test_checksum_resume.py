@@ -1,6 +1,6 @@
 """Checkpoints changed in place, sizes kept (issue 25): `--resume` passes over them, exactly.
 
-examples/llama/train.py at (pp, dp, tp) = (2, 1, 1) under torchrun, a checkpoint every 4 steps.
+examples/llama/train.py at (pp, dp, tp) = (2, 1, 1) on 2 ranks, a checkpoint every 4 steps.
 An undamaged run of 16 steps gives the reference losses and final weights (exported as
 safetensors). Its step4, step8 and step12 checkpoints are what a 12-step run saves (the warmup is
 longer than the run, so the learning rate never depends on --steps). Copies of them are damaged
@@ -17,16 +17,14 @@ checkpoint given by --resume-from is refused, naming the file, without a hang.
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 from test_restart import TOLERANCE, assert_same_weights
-from test_torchrun import ROOT, _env
+from train_launch import run_train
 
 TRAIN = [
-    "examples/llama/train.py",
     "--pp",
     "2",
     "--seq-len",
@@ -46,11 +44,8 @@ TIMEOUT_S = 240
 
 
 def _train(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *TRAIN, *args]
-    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
-    if check:
-        assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    return done
+    """train.py on 2 ranks started as torchrun would (tests/train_launch.py)."""
+    return run_train([*TRAIN, *args], nproc=2, timeout=TIMEOUT_S, check=check)
 
 
 def _losses(metrics: Path) -> dict[int, float]:

@@ -3,20 +3,17 @@ for TensorBoard when it is installed). Parsing the file: tests/unit/test_run_con
 
 import importlib.util
 import json
-import subprocess
-import sys
 
-from test_torchrun import ROOT, TIMEOUT_S, _check, _env
+from test_torchrun import TIMEOUT_S
+from train_launch import run_train
 
 
 def test_train_prints_and_checkpoints_the_effective_config(tmp_path):
     (tmp_path / "run.toml").write_text("steps = 2\nseq_len = 16\nglobal_batch = 4\nn_layers = 2\nwarmup = 1\n")
     ckpt = tmp_path / "ckpt"
     tensorboard = ["--tensorboard", str(tmp_path / "tb")] if importlib.util.find_spec("tensorboard") else []
-    done = subprocess.run(
+    done = run_train(
         [
-            sys.executable,
-            "examples/llama/train.py",
             "--config-file",
             str(tmp_path / "run.toml"),
             "--steps",
@@ -27,13 +24,8 @@ def test_train_prints_and_checkpoints_the_effective_config(tmp_path):
             str(tmp_path / "m.jsonl"),
             *tensorboard,
         ],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
         timeout=TIMEOUT_S,
     )
-    _check(done)
     assert done.stdout.count("effective config") == 1 and "\nseq_len = 16\n" in done.stdout
     saved = json.loads((ckpt / "step1" / "train_state.json").read_text())["extra"]["args"]
     assert (saved["steps"], saved["seq_len"], saved["global_batch"], saved["n_layers"]) == (1, 16, 4, 2)
