@@ -1,12 +1,12 @@
-"""train.py's checkpoint flags: --checkpoint-dir/--checkpoint-every/--keep-last, --resume (under torchrun, in
+"""train.py's checkpoint flags: --checkpoint-dir/--checkpoint-every/--keep-last, --resume (on ranks, in
 another layout), --export-hf and --init-from-hf.
 
 - A 4-step run in one process saves every 2 steps (keeping the newest 2).
-- Its step-2 checkpoint, resumed by `--resume` under torchrun at pp=2, gives steps 3-4 the same
+- Its step-2 checkpoint, resumed by `--resume` on 2 ranks at pp=2, gives steps 3-4 the same
   losses as the uninterrupted run, and appends them to its metrics file.
 - `--steps 0 --export-hf` exports the initial weights; `--init-from-hf` of that export trains
   with the same losses as the run initialized by seed.
-- `--schedule pipedream_2bw` at pp=2 under torchrun (the optimizer inside the pipeline): evaluating,
+- `--schedule pipedream_2bw` at pp=2 on 2 ranks (the optimizer inside the pipeline): evaluating,
   saving every 2 steps and exporting on the way; its step-2 checkpoint resumed by `--resume` (in
   one process: PipeDream-2BW's rule does not depend on the layout, and one launch is cheaper) gives
   steps 3-4 and the step-4 eval loss of the uninterrupted run: the checkpoint keeps the weight

@@ -4,7 +4,7 @@ boundaries).
 
 - The mask is real: the first step's loss differs from the same run without it.
 - A 4-step run in one process saves at step 2 and evaluates its held-out batch; its step-2
-  checkpoint resumed under torchrun at pp = 2 gives steps 3-4 and the step-4 eval loss of the
+  checkpoint resumed on 2 ranks at pp = 2 gives steps 3-4 and the step-4 eval loss of the
   uninterrupted run (relative error <= 1e-4, as test_torchrun.py): the document ids come from
   the tokens, so the data position the checkpoint keeps is all a resume needs.
 """

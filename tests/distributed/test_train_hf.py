@@ -1,7 +1,7 @@
 """train.py --hf-model: a Hugging Face model trained with the example's flags, written back as itself.
 
 - `--hf-model qwen2` (the architecture at the debug config's sizes), the README-style command at
-  (pp, dp, tp) = (2, 1, 2) under torchrun (tensor parallelism from Qwen2's own plan), with
+  (pp, dp, tp) = (2, 1, 2) on 4 ranks (tensor parallelism from Qwen2's own plan), with
   checkpoints, held-out eval and --export-hf: the loss falls; its step-14 checkpoint resumed in one
   process (pp 2 -> 1) gives steps 15-16 the same losses (1e-4, as test_train_checkpoint.py); both
   exports load in transformers as Qwen2ForCausalLM with equal logits.

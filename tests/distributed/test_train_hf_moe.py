@@ -1,6 +1,6 @@
 """train.py --hf-model with mixture-of-experts models (issue 38): Qwen3-MoE and DeepSeek-V3 (latent
 attention, a dense first block, routed and shared experts), tiny, at (pp, dp, tp) = (2, 2, 1)
-with the experts split over ep = 2 (`--ep 2`), under torchrun, from a directory holding only their
+with the experts split over ep = 2 (`--ep 2`), on 4 ranks, from a directory holding only their
 config (mesh3d initializes the weights, each rank its own experts):
 
 - `--steps 8 --export-hf`: it trains (the loss on a repeating corpus falls), and the export is its

@@ -1,6 +1,6 @@
 """train.py on your own corpus and tokenizer: a BPE tokenizer.json trained here, JSONL and Parquet shards.
 
-- One process and (pp, dp, tp) = (2, 1, 2) under torchrun train with the same losses and the same
+- One process and (pp, dp, tp) = (2, 1, 2) on 4 ranks train with the same losses and the same
   held-out eval losses (relative 1e-4, as in test_torchrun.py), and the loss falls.
 - The second run finds the token cache the first one built (it tokenizes nothing).
 - The one-process run's step-3 checkpoint resumed at dp=2 gives the same later losses and eval loss:
