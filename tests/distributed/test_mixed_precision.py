@@ -1,7 +1,7 @@
 """bf16 mixed precision at (2,2,2) interleaved FSDP, (2,4,1) DDP and (4,1,2) ZBV (dp = 1): fp32
-parameters, a loss curve that follows fp32's (30 steps at (2,2,2), the first 10 elsewhere), half
-the bytes across stage boundaries, and checkpoints of fp32 master weights that resume under
-another layout.
+parameters, a loss curve that follows fp32's (20 steps at (2,2,2), the first 10 elsewhere), half
+the bytes across stage boundaries (against an fp32 step at (2,2,2): every layout sends through
+the same messages), and checkpoints of fp32 master weights that resume under another layout.
 
 The reference loss curve is one fp32 process on the same data. The data has a pattern to learn
 (each sequence steps through the vocabulary by a fixed stride), so the loss falls far and the 3 %
@@ -18,7 +18,7 @@ import mesh3d
 from examples.llama.model import Transformer
 
 GLOBAL_BATCH = 16
-STEPS = 30
+STEPS = 20
 LR = 3e-3
 LAYOUTS = {(2, 2, 2): {}, (2, 4, 1): {"dp_mode": "ddp", "schedule": "1f1b"}, (4, 1, 2): {"schedule": "zbv"}}
 # The whole curve at (2,2,2); the other layouts follow its first steps, where the loss falls fastest.
@@ -69,8 +69,6 @@ def _bf16_runs(data, checkpoint_dir):
     results = {}
     for sizes, options in LAYOUTS.items():
         layout = mesh3d.build_mesh(*sizes)
-        fp32 = mesh3d.parallelize(meta_model(False, args=tp_args(False)), layout, **options)
-        _train(fp32, layout, data[:1])
         pm = mesh3d.parallelize(meta_model(False, args=tp_args(False)), layout, param_dtype=torch.bfloat16, **options)
         losses, optimizer, grad_dtypes = _train(pm, layout, data[: STEPS_AT[sizes]])
         results[sizes] = {
@@ -78,9 +76,11 @@ def _bf16_runs(data, checkpoint_dir):
             "param dtypes": sorted({str(p.dtype) for p in pm.parameters()}),
             "grad dtypes": grad_dtypes,
             "bytes": (pm.counters.bytes_sent, pm.counters.bytes_received),
-            "fp32 bytes": (fp32.counters.bytes_sent, fp32.counters.bytes_received),
         }
         if sizes == (2, 2, 2):
+            fp32 = mesh3d.parallelize(meta_model(False, args=tp_args(False)), layout, **options)
+            _train(fp32, layout, data[:1])  # the counters hold the last step's bytes
+            results[sizes]["fp32 bytes"] = (fp32.counters.bytes_sent, fp32.counters.bytes_received)
             saved_pm, saved_layout = pm, layout
             mesh3d.checkpoint.save(f"{checkpoint_dir}/step{STEPS}", pm, optimizer)
             saved_state = pm.full_state_dict()
@@ -104,7 +104,7 @@ def test_bf16_follows_fp32_with_half_the_bytes_and_resumes_elsewhere(tmp_path):
     data = stride_batches()
     reference = fp32_reference(data)
     assert reference[-1] < 0.6 * reference[0], "the reference should learn the pattern"
-    per_rank = run_on_ranks(_bf16_runs, 8, data, str(tmp_path), timeout=300)
+    per_rank = run_on_ranks(_bf16_runs, 8, data, str(tmp_path), timeout=480)
     for rank, results in enumerate(per_rank):
         resume = results.pop("resume")
         assert resume["same values"] and resume["dtypes"] == ["torch.float32"], f"rank {rank}: {resume}"
@@ -123,8 +123,6 @@ def test_bf16_follows_fp32_with_half_the_bytes_and_resumes_elsewhere(tmp_path):
             last, last_ref = sum(got["losses"][-5:]) / 5, sum(reference[steps - 5 : steps]) / 5
             assert abs(last - last_ref) <= 0.03 * last_ref, f"{where}: last-5 mean {last} vs fp32 {last_ref}"
             sent, received = got["bytes"]
-            fp32_sent, fp32_received = got["fp32 bytes"]
-            assert 2 * sent == fp32_sent and 2 * received == fp32_received, (
-                f"{where}: {got['bytes']} vs {got['fp32 bytes']}"
-            )
-            assert sizes[0] == 1 or fp32_sent + fp32_received > 0, f"{where}: nothing crossed a stage boundary"
+            assert sizes[0] == 1 or sent + received > 0, f"{where}: nothing crossed a stage boundary"
+            if "fp32 bytes" in got:
+                assert (2 * sent, 2 * received) == got["fp32 bytes"], f"{where}: {got['bytes']} vs {got['fp32 bytes']}"
