@@ -85,9 +85,9 @@ def _load_runs(root: str, world: int) -> dict:
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ckpt"))
-    saved = run_on_ranks(_save_runs, 8, root, 8, timeout=400)[0]
+    saved = run_on_ranks(_save_runs, 8, root, 8, timeout=600)[0]
     saved |= run_on_ranks(_save_runs, 1, root, 1, timeout=120)[0]
-    loaded = run_on_ranks(_load_runs, 8, root, 8, timeout=400)[0]
+    loaded = run_on_ranks(_load_runs, 8, root, 8, timeout=600)[0]
     loaded |= run_on_ranks(_load_runs, 1, root, 1, timeout=120)[0]
     return saved, loaded
 

@@ -40,7 +40,7 @@ TRAIN = [
     "--checkpoint-every",
     "4",
 ]
-TIMEOUT_S = 240
+TIMEOUT_S = 480
 
 
 def _train(*args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -70,7 +70,7 @@ def _eager_and_compiled(sizes):
 @pytest.mark.parametrize("sizes", [(2, 1, 1), (2, 2, 2)], ids=str)
 def test_compiled_blocks_equal_eager(sizes):
     world = sizes[0] * sizes[1] * sizes[2]
-    for rank, pairs in enumerate(run_on_ranks(_eager_and_compiled, world, sizes, timeout=400)):
+    for rank, pairs in enumerate(run_on_ranks(_eager_and_compiled, world, sizes, timeout=600)):
         for case, (eager, compiled) in pairs.items():
             (
                 (eager_losses, eager_names, eager_recomputed, eager_graphs, eager_ac),

@@ -98,7 +98,7 @@ def _cases(cases):
 
 def _check(cases, world):
     """Every case in one launch of `world` ranks, each against its one-process reference."""
-    per_rank = run_on_ranks(_cases, world, cases, timeout=300)
+    per_rank = run_on_ranks(_cases, world, cases, timeout=450)
     for index, (sizes, args, data, options) in enumerate(cases):
         *ref, ref_evaluated = reference(args, data)
         for results in per_rank:
@@ -235,7 +235,7 @@ def _own_model_and_errors(initial, data):
 def test_own_protocol_model_takes_global_positions_and_bad_input_is_refused_everywhere():
     data = data_of(5, False)
     initial, ref_losses, ref_state = _own_model_reference(data)
-    per_rank = run_on_ranks(_own_model_and_errors, 4, initial, data, timeout=300)
+    per_rank = run_on_ranks(_own_model_and_errors, 4, initial, data, timeout=450)
     for losses, state, _ in per_rank:
         error, where = worst_error((losses, [], state, None), (ref_losses, [], ref_state))
         assert error <= TOLERANCE, f"relative error {error:.2e} at {where}"
@@ -276,7 +276,7 @@ def _resume_across_cp(data, path):
 
 def test_checkpoint_saved_at_cp2_resumes_at_cp4_and_cp1(tmp_path):
     data = data_of(6, True) + data_of(7, True)[:1]  # three steps: one before the save, two after
-    for uninterrupted, at_cp4, at_cp1 in run_on_ranks(_resume_across_cp, 4, data, str(tmp_path / "ckpt"), timeout=300):
+    for uninterrupted, at_cp4, at_cp1 in run_on_ranks(_resume_across_cp, 4, data, str(tmp_path / "ckpt"), timeout=450):
         for resumed in (at_cp4, at_cp1):
             assert len(resumed) == 2
             for got, want in zip(resumed, uninterrupted[1:]):
@@ -327,7 +327,7 @@ def test_cp_composes_with_never_drain_compile_selective_and_bf16():
     ]
     tolerances = [TOLERANCE, TOLERANCE, 2e-2]  # bf16: the cut changes rounding, not the model
     for (at_cp2, at_cp1), (options, _), tolerance in zip(
-        run_on_ranks(_twin_runs, 4, cases, timeout=400)[0], cases, tolerances
+        run_on_ranks(_twin_runs, 4, cases, timeout=600)[0], cases, tolerances
     ):
         (losses, state), (ref_losses, ref_state) = at_cp2, at_cp1
         for got, want in zip(losses, ref_losses):

@@ -136,7 +136,7 @@ def _reference(arch: str):
 
 
 def test_expert_parallel_equals_transformers_in_one_process():
-    results = run_on_ranks(_on_rank, 4, timeout=400)
+    results = run_on_ranks(_on_rank, 4, timeout=600)
     for index, (arch, sizes, ep, kwargs) in enumerate(CASES):
         reference, ref_loads = _reference(arch)
         outcome, got_ep, _, _, loads = results[0][index]
@@ -192,7 +192,7 @@ def test_a_checkpoint_saved_at_one_ep_resumes_at_another_and_exports(tmp_path):
     """Saved at ep 2, resumed at ep 4 (its momentum resharded too) and saved again, resumed at ep 1:
     the four steps' losses and the parameters after them equal transformers' own model trained four
     steps in one process; the export loads in transformers with the same logits."""
-    results = run_on_ranks(_save_resume_export, 4, str(tmp_path), timeout=300)
+    results = run_on_ranks(_save_resume_export, 4, str(tmp_path), timeout=450)
     data = hf_cases.masked_batches(BATCH, steps=4)
     ref_losses, ref_state = hf_cases.reference_run("qwen3_moe", data, momentum=MOMENTUM, **EIGHT_EXPERTS["qwen3_moe"])
     for result in results:

@@ -94,7 +94,7 @@ def test_pipeline_matches_single_process(pp):
         for tied in (False, True)
         for m in (pp, 2 * pp, pp + 1)
     }
-    per_rank = run_on_ranks(_run_cases, pp, pp, references, timeout=300)
+    per_rank = run_on_ranks(_run_cases, pp, pp, references, timeout=450)
     failures = []
     for rank, outcome in enumerate(per_rank):
         assert len(outcome) == len(cases(pp))

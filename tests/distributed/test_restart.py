@@ -52,7 +52,7 @@ TRAIN = [
     "--resume",
 ]
 TOLERANCE = 1e-5
-TIMEOUT_S = 240
+TIMEOUT_S = 480
 
 
 def _train(tmp, fault: str | None = None) -> tuple[subprocess.CompletedProcess, list[dict]]:
