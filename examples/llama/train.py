@@ -73,6 +73,7 @@ from mesh3d.train import (  # noqa: E402
     BadStepGuard,
     HeldOutEvaluator,
     Progress,
+    StepMemory,
     due,
     update_expert_bias,
 )
@@ -172,8 +173,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     history, restart = [], restart_count()  # which torchrun attempt
     last_saved = progress.start_step if resumed else None
     pending = None  # --async-checkpoint: the save being written in the background
+    memory = StepMemory(layout)  # each step's peak over the ranks, and which rank
     for step in range(progress.start_step, args.steps):
         step_start = time.perf_counter()
+        memory.begin()
         if fault:
             fault.at_step(step + 1)
         lr = lr_at(step, peak=args.lr, warmup=args.warmup, total=args.lr_schedule_steps, min_ratio=args.min_lr_ratio)
@@ -196,6 +199,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.expert_bias_rate and stepped:  # the loads summed over every rank: the same update on each
             update_expert_bias(pm, pm.expert_load(), args.expert_bias_rate)
         seconds = time.perf_counter() - step_start
+        peak = memory.gather()  # a collective, every step: the same figure on every rank
         record = {
             "step": step + 1,
             "loss": loss,
@@ -208,6 +212,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "restart": restart,
             "skipped": not stepped,
             "tokens": (step + 1) * progress.tokens_per_step,
+            **peak.as_record(),
         }
         terms = pm.loss_terms
         if "router_aux" in terms:  # a mixture of experts' router loss: the loss is their sum
@@ -233,6 +238,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             )
             print(
                 progress.line(step + 1, record["loss"], lr, record["grad_norm"], seconds)
+                + f"  {peak.describe()}"
                 + router
                 + evaluated
                 + ("  SKIPPED (non-finite gradient norm)" if not stepped else ""),

@@ -15,7 +15,9 @@
 - expert_bias.py: DeepSeek-V3's auxiliary-loss-free balancing, each router's bias moved toward
   the experts' mean load after a step (`update_expert_bias`, from `pm.expert_load()`);
 - progress.py: the progress line (step, loss, lr, elapsed time, ETA, tokens/s, MFU) in human
-  units (`Progress`, `human_count`, `human_duration`).
+  units (`Progress`, `human_count`, `human_duration`);
+- step_memory.py: each step's memory peak over every rank and the rank that holds it, CUDA's
+  allocated and reserved or the CPU's resident peak (`StepMemory`, `MemoryPeak`).
 
 examples/llama/train.py composes them; a loop of your own can take any of them alone. They sit
 above the rest of mesh3d (they use checkpoint, data and a ParallelModel); no other room of mesh3d
@@ -28,12 +30,15 @@ from mesh3d.train.heldout_eval import HeldOutEvaluator, due
 from mesh3d.train.nonfinite_steps import BadLossGuard, BadStepGuard, TooManyBadSteps
 from mesh3d.train.progress import Progress, human_count, human_duration
 from mesh3d.train.resume import checkpoints_newest_first, resume_from, resume_latest
+from mesh3d.train.step_memory import MemoryPeak, StepMemory
 
 __all__ = [
     "BadLossGuard",
     "BadStepGuard",
     "HeldOutEvaluator",
+    "MemoryPeak",
     "Progress",
+    "StepMemory",
     "TooManyBadSteps",
     "checkpoints_newest_first",
     "due",

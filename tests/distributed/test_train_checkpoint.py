@@ -3,7 +3,8 @@ another layout), --export-hf and --init-from-hf.
 
 - A 4-step run in one process saves every 2 steps (keeping the newest 2).
 - Its step-2 checkpoint, resumed by `--resume` on 2 ranks at pp=2, gives steps 3-4 the same
-  losses as the uninterrupted run, and appends them to its metrics file.
+  losses as the uninterrupted run, and appends them to its metrics file, each row and progress
+  line with the step's memory peak over the ranks and the rank it was on.
 - `--steps 0 --export-hf` exports the initial weights; `--init-from-hf` of that export trains
   with the same losses as the run initialized by seed.
 - `--schedule pipedream_2bw` at pp=2 on 2 ranks (the optimizer inside the pipeline): evaluating,
@@ -71,6 +72,9 @@ def test_checkpoint_resume_export_and_init_from_hf(tmp_path):
     assert f"resumed from {resume_dir / 'step2'} (step 2)" in done.stdout
     records = [json.loads(line) for line in resumed_metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 3, 4]
+    # each row's memory peak: the largest of the 2 ranks' resident peaks (over 100 MiB: torch alone), and whose
+    assert all(r["memory_peak_gib"] > 0.1 and r["memory_peak_rank"] in (0, 1) for r in records), records
+    assert done.stdout.count(" GiB (rank ") == 2, done.stdout[-3000:]  # the progress lines say it too
     _assert_close(_losses(resumed_metrics)[1:], straight[2:])
     assert sorted(p.name for p in resume_dir.iterdir()) == ["step2", "step4"]
 
