@@ -83,10 +83,13 @@ def save_checkpoint(
     --async-checkpoint it is written in the background: `pending` (the previous one's handle) is
     waited for first, and the new one's handle returned for `finish_checkpoint`."""
     finish_checkpoint(pending, is_main)
+    target = Path(args.checkpoint_dir) / f"step{step}"
+    if is_main and target.exists():  # a run resumed from before it: said, since it cannot be had back
+        print(f"replacing checkpoint {target}, which an earlier run saved at the same step", flush=True)
     began = time.perf_counter()
     save = mesh3d.checkpoint.async_save if args.async_checkpoint else mesh3d.checkpoint.save
     saved = save(
-        Path(args.checkpoint_dir) / f"step{step}",
+        target,
         pm,
         optimizer,
         step=step,

@@ -109,7 +109,8 @@ def test_resume_says_what_it_does_and_extends_a_run_on_its_schedule(tmp_path):
 
 
 def test_resume_from_a_chosen_checkpoint(tmp_path):
-    """--resume-from DIR takes that checkpoint, not the newest; a missing one is an error."""
+    """--resume-from DIR takes that checkpoint, not the newest, and the newer one it saves again is
+    said to be replaced; a missing one is an error."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "straight.jsonl"
     _run(
         "--steps",
@@ -125,8 +126,13 @@ def test_resume_from_a_chosen_checkpoint(tmp_path):
     )
     straight = _losses(metrics)
     resumed = tmp_path / "resumed.jsonl"
-    done = _run("--steps", "4", "--n-layers", "2", "--resume-from", str(ckpt / "step2"), "--metrics", str(resumed))
+    done = _run(
+        "--steps", "4", "--n-layers", "2", "--resume-from", str(ckpt / "step2"), "--metrics", str(resumed),
+        "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+    )  # fmt: skip
     assert f"resumed from {ckpt / 'step2'} (step 2)" in done.stdout
+    # the straight run's step4, saved again: said (once; step2 is not saved again)
+    assert done.stdout.count("replacing checkpoint") == 1 and f"replacing checkpoint {ckpt / 'step4'}," in done.stdout
     assert [json.loads(line)["step"] for line in resumed.read_text().splitlines()] == [3, 4]
     _assert_close(_losses(resumed), straight[2:])
     missing = run_train(
