@@ -6,8 +6,9 @@
   vocabulary stands: a tokenizer with more tokens is refused.
 - ARCH, a transformers model type (`qwen2`, `llama`, `mistral`, `qwen3`...): that architecture at
   the sizes of `--config` (and --n-layers, --tied, --vocab-size), mapped onto the architecture's
-  own config fields; the vocabulary follows the LLaMA example's rule (text_data.fit_vocab: the
-  tokenizer's, padded to a multiple of lcm(64, tp)).
+  own config fields, a mixture of experts' and latent attention's scaled with them; the
+  vocabulary follows the LLaMA example's rule (text_data.fit_vocab: the tokenizer's, padded to a
+  multiple of lcm(64, tp)).
 
 The model is built on the meta device and handed to mesh3d.parallelize as it is; its checkpoints
 and `--export-hf` use its own names, and the export is a directory `from_pretrained` reads as the
@@ -41,6 +42,13 @@ SIZE_FIELDS = (
     "rope_parameters",
     "tie_word_embeddings",
 )
+# A mixture of experts at the sizes' scale: the architecture's own counts (Qwen3-MoE's 128 experts
+# of width 768, DeepSeek-V3's 256) would leave a `--config debug` model at hundreds of millions of
+# parameters. At most EXPERTS experts, EXPERTS_PER_TOKEN of them per token, each (and a shared
+# expert) a quarter of the dense FFN's width, as Qwen3-MoE's are of its dense width.
+EXPERTS, EXPERTS_PER_TOKEN = 8, 2
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+EXPERT_WIDTH_FIELDS = ("moe_intermediate_size", "shared_expert_intermediate_size")
 
 
 def is_directory(spec: str) -> bool:
@@ -98,7 +106,46 @@ def hf_config(args: argparse.Namespace, sizes: ModelArgs | None):
         )
     if not _is_flat_rope(getattr(default, "rope_parameters", None)):
         fields.pop("rope_parameters", None)  # rotary settings per layer type: keep the architecture's own
+    fields.update(expert_sizes(default, fields["intermediate_size"]) if "intermediate_size" in fields else {})
+    fields.update(latent_attention_sizes(default, sizes))
     return transformers.AutoConfig.for_model(args.hf_model, **fields)
+
+
+def latent_attention_sizes(default, sizes: ModelArgs) -> dict[str, int]:
+    """Latent attention's ranks and head widths (DeepSeek-V2/V3's) at the scale of the sizes' width
+    and heads, near DeepSeek-V3's proportions (q rank 1536 and kv rank 512 of 7168; heads of 128 +
+    64 rotary); {} for other attention. Its keys and values have a head per query head."""
+    if not hasattr(default, "kv_lora_rank"):
+        return {}
+    dim, head_dim = sizes.dim, sizes.dim // sizes.n_heads
+    fields = {"kv_lora_rank": max(8, dim // 4), "qk_nope_head_dim": head_dim, "v_head_dim": head_dim}
+    fields["num_key_value_heads"] = sizes.n_heads
+    # the rotary part of each head (half the width of the rest, and even); the config's head_dim
+    # names it (DeepSeek's rotary embedding reads head_dim), so it replaces the sizes' head_dim
+    fields["qk_rope_head_dim"] = fields["head_dim"] = max(2, head_dim // 2 // 2 * 2)
+    if getattr(default, "q_lora_rank", None):
+        fields["q_lora_rank"] = max(8, dim // 2)
+    return fields
+
+
+def expert_sizes(default, dense_width: int) -> dict[str, int]:
+    """A mixture of experts' config fields at the scale of `dense_width` (see EXPERTS); {} for a dense
+    architecture. An architecture with no width of its own for experts (Mixtral's) gives its
+    experts `intermediate_size`, which then takes the experts' width."""
+    aliases = getattr(type(default), "attribute_map", {})  # num_local_experts -> num_experts: set the field itself
+    counts = [name for name in EXPERT_COUNT_FIELDS if name not in aliases and getattr(default, name, None)]
+    if not counts:
+        return {}
+    experts = min(EXPERTS, *(getattr(default, name) for name in counts))
+    width = max(8, dense_width // 4 // 8 * 8)
+    fields = dict.fromkeys(counts, experts)
+    if hasattr(default, "num_experts_per_tok"):  # DeepSeek-V2's default leaves it None
+        fields["num_experts_per_tok"] = min(EXPERTS_PER_TOKEN, default.num_experts_per_tok or EXPERTS, experts)
+    widths = [name for name in EXPERT_WIDTH_FIELDS if getattr(default, name, None)]
+    fields.update(dict.fromkeys(widths or ["intermediate_size"], width))
+    if getattr(default, "n_group", None):  # DeepSeek's grouped routing: its groups must divide the experts
+        fields["n_group"] = fields["topk_group"] = 1
+    return fields
 
 
 def _is_flat_rope(rope) -> bool:
