@@ -18,6 +18,7 @@ import mesh3d
 from examples.llama import hf_model
 from examples.llama.batch_sizes import batch_split_problem, resolved_dp, seq_len_problem
 from examples.llama.config import CONFIGS
+from examples.llama.profiling import DEFAULT_STEPS, profile_window
 from examples.llama.run_config import config_file_argv
 from examples.llama.tensorboard_log import tensorboard_available
 from mesh3d.data_parallel import DP_MODES
@@ -178,6 +179,19 @@ def build_parser(description: str | None = None) -> Parser:
         "--tensorboard", default=None, metavar="DIR", help="also log the metrics as TensorBoard scalars here"
     )
     p.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="write torch profiler traces of --profile-steps here, DIR/rank<R>.json (and a CUDA memory snapshot)",
+    )
+    p.add_argument(
+        "--profile-steps",
+        type=profile_window,
+        default=DEFAULT_STEPS,
+        metavar="A:B",
+        help="the steps --profile records, from 1 (default 2:3: past the first step's one-time work)",
+    )
+    p.add_argument(
         "--config-file",
         default=None,
         metavar="TOML",
@@ -262,6 +276,9 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         p.error("--token-file is already tokenized: drop --tokenizer/--data")
     if args.document_mask and args.hf_model:
         p.error("--document-mask is the example's LLaMA model's (its document_ids input); drop it or --hf-model")
+    if args.profile and args.profile_steps[1] > args.steps:
+        first, last = args.profile_steps
+        p.error(f"--profile-steps {first}:{last} ends after --steps {args.steps}; profile steps up to {args.steps}")
     if args.tensorboard and not tensorboard_available():
         p.error("--tensorboard needs the tensorboard package: pip install tensorboard")
     if args.lr_schedule_steps is not None and args.lr_schedule_steps < 1:

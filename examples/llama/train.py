@@ -62,6 +62,7 @@ from examples.llama.model import count_parameters, llama_tp_plan  # noqa: E402
 from examples.llama.model_choice import build_model  # noqa: E402
 from examples.llama.optimization import build_optimizer, lr_at  # noqa: E402
 from examples.llama.placement import placement_report  # noqa: E402
+from examples.llama.profiling import StepProfiler  # noqa: E402
 from examples.llama.run_config import effective_config_toml  # noqa: E402
 from examples.llama.tensorboard_log import TensorBoardLog  # noqa: E402
 from examples.llama.text_data import build_datasets, build_tokenizer  # noqa: E402
@@ -174,7 +175,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     last_saved = progress.start_step if resumed else None
     pending = None  # --async-checkpoint: the save being written in the background
     memory = StepMemory(layout)  # each step's peak over the ranks, and which rank
+    profiler = StepProfiler(args.profile, args.profile_steps, layout.rank, layout.device)  # --profile DIR, or off
     for step in range(progress.start_step, args.steps):
+        profiler.before(step + 1)
         step_start = time.perf_counter()
         memory.begin()
         if fault:
@@ -244,6 +247,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 + ("  SKIPPED (non-finite gradient norm)" if not stepped else ""),
                 flush=True,
             )
+        profiler.after(step + 1)
         guard.raise_if_too_many(step + 1, loss if pm.never_drains else grad_norm)
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             pending = save_checkpoint(pm, optimizer, loader, step + 1, args, is_main, fault, pending)

@@ -4,7 +4,8 @@ another layout), --export-hf and --init-from-hf.
 - A 4-step run in one process saves every 2 steps (keeping the newest 2).
 - Its step-2 checkpoint, resumed by `--resume` on 2 ranks at pp=2, gives steps 3-4 the same
   losses as the uninterrupted run, and appends them to its metrics file, each row and progress
-  line with the step's memory peak over the ranks and the rank it was on.
+  line with the step's memory peak over the ranks and the rank it was on; `--profile` writes each
+  rank's torch profiler trace of step 4.
 - `--steps 0 --export-hf` exports the initial weights; `--init-from-hf` of that export trains
   with the same losses as the run initialized by seed.
 - `--schedule pipedream_2bw` at pp=2 on 2 ranks (the optimizer inside the pipeline): evaluating,
@@ -67,9 +68,18 @@ def test_checkpoint_resume_export_and_init_from_hf(tmp_path):
         "--resume",
         "--metrics",
         str(resumed_metrics),
+        "--profile",
+        str(tmp_path / "profile"),
+        "--profile-steps",
+        "4",
         torchrun=2,
     )
     assert f"resumed from {resume_dir / 'step2'} (step 2)" in done.stdout
+    # --profile: each rank's Chrome trace of step 4, loadable, with the step's ops in it
+    assert done.stdout.count(f"profiled steps 4-4: {tmp_path / 'profile'}/rank<R>.json") == 1
+    for rank in (0, 1):
+        events = json.loads((tmp_path / "profile" / f"rank{rank}.json").read_text())["traceEvents"]
+        assert any(str(e.get("name", "")).startswith("aten::mm") for e in events), rank
     records = [json.loads(line) for line in resumed_metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 3, 4]
     # each row's memory peak: the largest of the 2 ranks' resident peaks (over 100 MiB: torch alone), and whose

@@ -144,3 +144,19 @@ def test_the_seq_len_is_checked_against_cp(capsys, tmp_path):
         parse_args(["--config-file", str(run)])
     assert "error: --seq-len 30 is not divisible by 2 x --cp 2 = 4" in capsys.readouterr().err
     assert parse_args(["--config-file", str(run), "--seq-len", "32"]).cp == 2
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--profile", "p", "--steps", "2"], "--profile-steps 2:3 ends after --steps 2; profile steps up to 2"),
+        (["--profile", "p", "--profile-steps", "3:2"], "--profile-steps takes 1 <= A <= B, got '3:2'"),
+        (["--profile", "p", "--profile-steps", "a"], "--profile-steps takes A:B (steps, from 1), got 'a'"),
+    ],
+)
+def test_a_profile_window_outside_the_run_is_refused(capsys, flags, said):
+    from examples.llama.arguments import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(flags)
+    assert said in capsys.readouterr().err

@@ -1,0 +1,74 @@
+"""`--profile DIR`: torch profiler traces of a few steps, one Chrome trace per rank.
+
+    --profile runs/profile                 # steps 2-3: past the first step's one-time work
+    --profile runs/profile --profile-steps 5:8
+
+Each rank writes DIR/rank<R>.json (open it in Perfetto, https://ui.perfetto.dev, or chrome://tracing):
+the ops of those steps on the host and, on CUDA, the kernels, with their input shapes; a pipeline's
+sends, receives and collectives show as gloo/NCCL ops on each rank's timeline. On CUDA it also
+writes DIR/rank<R>_memory.pickle, a snapshot of the allocator over the window (drop it on
+https://pytorch.org/memory_viz). Nothing of the profiler runs outside the window.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+DEFAULT_STEPS = (2, 3)
+
+
+def profile_window(text: str) -> tuple[int, int]:
+    """--profile-steps "A:B" (the steps from A to B, counted from 1), or "A" (that step alone)."""
+    first, _, last = text.partition(":")
+    try:
+        window = (int(first), int(last or first))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--profile-steps takes A:B (steps, from 1), got {text!r}") from None
+    if window[0] < 1 or window[1] < window[0]:
+        raise argparse.ArgumentTypeError(f"--profile-steps takes 1 <= A <= B, got {text!r}")
+    return window
+
+
+class StepProfiler:
+    """Profiles the steps of `window` (inclusive, counted from 1) on this rank: call `before(step)`
+    and `after(step)` around each step; the trace is written after the window's last step, and
+    rank 0 says where. With `directory` None it does nothing."""
+
+    def __init__(self, directory: str | None, window: tuple[int, int], rank: int, device: torch.device):
+        self.directory = Path(directory) if directory else None
+        self.window = window
+        self.rank = rank
+        self.on_cuda = device.type == "cuda"
+        self._profiler: torch.profiler.profile | None = None
+
+    @property
+    def trace_path(self) -> Path:
+        return self.directory / f"rank{self.rank}.json"
+
+    def before(self, step: int) -> None:
+        if self.directory is None or step != self.window[0]:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.on_cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+        self._profiler.__enter__()
+
+    def after(self, step: int) -> str | None:
+        """At the window's last step: stop, write the trace; its path (None at any other step)."""
+        if self._profiler is None or step != self.window[1]:
+            return None
+        self._profiler.__exit__(None, None, None)
+        self._profiler.export_chrome_trace(str(self.trace_path))
+        self._profiler = None
+        if self.on_cuda:
+            torch.cuda.memory._dump_snapshot(str(self.directory / f"rank{self.rank}_memory.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+        if self.rank == 0:
+            print(f"profiled steps {self.window[0]}-{step}: {self.directory}/rank<R>.json, one per rank", flush=True)
+        return str(self.trace_path)
