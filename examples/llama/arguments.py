@@ -276,9 +276,9 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         p.error("--token-file is already tokenized: drop --tokenizer/--data")
     if args.document_mask and args.hf_model:
         p.error("--document-mask is the example's LLaMA model's (its document_ids input); drop it or --hf-model")
-    if args.profile and args.profile_steps[1] > args.steps:
-        first, last = args.profile_steps
-        p.error(f"--profile-steps {first}:{last} ends after --steps {args.steps}; profile steps up to {args.steps}")
+    if args.profile and args.profile_steps.last > args.steps:
+        last = args.steps
+        p.error(f"--profile-steps {args.profile_steps} ends after --steps {last}; profile steps up to {last}")
     if args.tensorboard and not tensorboard_available():
         p.error("--tensorboard needs the tensorboard package: pip install tensorboard")
     if args.lr_schedule_steps is not None and args.lr_schedule_steps < 1:

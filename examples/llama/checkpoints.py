@@ -13,6 +13,7 @@ import mesh3d
 from examples.llama import hf_model
 from examples.llama.fault_injection import FaultInjection
 from examples.llama.optimization import schedule_length
+from examples.llama.run_config import args_as_record
 from examples.llama.text_data import tokenizer_file
 from mesh3d.data import DistributedLoader
 from mesh3d.train import resume_from, resume_latest
@@ -94,7 +95,7 @@ def save_checkpoint(
         optimizer,
         step=step,
         data_state=loader.state_dict(),
-        extra={"args": vars(args)},
+        extra={"args": args_as_record(args)},
         keep_last=args.keep_last,
         before_publish=fault.before_publish(step) if fault else None,
     )

@@ -13,21 +13,35 @@ https://pytorch.org/memory_viz). Nothing of the profiler runs outside the window
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-DEFAULT_STEPS = (2, 3)
+
+@dataclass(frozen=True)
+class StepWindow:
+    """The steps from `first` to `last` (inclusive, counted from 1). Written as "A:B", the form
+    --profile-steps takes, so the effective config's TOML reads back as the same flag."""
+
+    first: int
+    last: int
+
+    def __str__(self) -> str:
+        return f"{self.first}:{self.last}"
 
 
-def profile_window(text: str) -> tuple[int, int]:
+DEFAULT_STEPS = StepWindow(2, 3)
+
+
+def profile_window(text: str) -> StepWindow:
     """--profile-steps "A:B" (the steps from A to B, counted from 1), or "A" (that step alone)."""
     first, _, last = text.partition(":")
     try:
-        window = (int(first), int(last or first))
+        window = StepWindow(int(first), int(last or first))
     except ValueError:
         raise argparse.ArgumentTypeError(f"--profile-steps takes A:B (steps, from 1), got {text!r}") from None
-    if window[0] < 1 or window[1] < window[0]:
+    if window.first < 1 or window.last < window.first:
         raise argparse.ArgumentTypeError(f"--profile-steps takes 1 <= A <= B, got {text!r}")
     return window
 
@@ -37,7 +51,7 @@ class StepProfiler:
     and `after(step)` around each step; the trace is written after the window's last step, and
     rank 0 says where. With `directory` None it does nothing."""
 
-    def __init__(self, directory: str | None, window: tuple[int, int], rank: int, device: torch.device):
+    def __init__(self, directory: str | None, window: StepWindow, rank: int, device: torch.device):
         self.directory = Path(directory) if directory else None
         self.window = window
         self.rank = rank
@@ -49,7 +63,7 @@ class StepProfiler:
         return self.directory / f"rank{self.rank}.json"
 
     def before(self, step: int) -> None:
-        if self.directory is None or step != self.window[0]:
+        if self.directory is None or step != self.window.first:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -61,7 +75,7 @@ class StepProfiler:
 
     def after(self, step: int) -> str | None:
         """At the window's last step: stop, write the trace; its path (None at any other step)."""
-        if self._profiler is None or step != self.window[1]:
+        if self._profiler is None or step != self.window.last:
             return None
         self._profiler.__exit__(None, None, None)
         self._profiler.export_chrome_trace(str(self.trace_path))
@@ -70,5 +84,5 @@ class StepProfiler:
             torch.cuda.memory._dump_snapshot(str(self.directory / f"rank{self.rank}_memory.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)
         if self.rank == 0:
-            print(f"profiled steps {self.window[0]}-{step}: {self.directory}/rank<R>.json, one per rank", flush=True)
+            print(f"profiled steps {self.window.first}-{step}: {self.directory}/rank<R>.json, one per rank", flush=True)
         return str(self.trace_path)

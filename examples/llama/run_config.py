@@ -85,6 +85,13 @@ def effective_config_toml(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def args_as_record(args: argparse.Namespace) -> dict:
+    """The arguments as JSON takes them (what a checkpoint keeps): a parsed value of its own type
+    (--profile-steps' StepWindow) as the text its flag reads back."""
+    plain = (str, int, float, bool, list, dict, type(None))
+    return {key: value if isinstance(value, plain) else str(value) for key, value in vars(args).items()}
+
+
 def _toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"

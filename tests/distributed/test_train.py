@@ -49,7 +49,10 @@ def test_training_script_loss_falls(tmp_path):
         "restart",
         "skipped",
         "tokens",
+        "memory_peak_gib",
+        "memory_peak_rank",
     }
+    assert 0 < records[0]["memory_peak_gib"] < 4 and records[0]["memory_peak_rank"] == 0
     assert records[0]["restart"] == 0 and records[0]["skipped"] is False
     assert [r["tokens"] for r in records[:2]] == [16 * 128, 2 * 16 * 128]
     assert records[0]["param_dtype"] == "fp32" and records[0]["compile"] is False
