@@ -115,8 +115,8 @@ def parallelize(
             virtual_stages and the microbatch counts it runs:
             "gpipe": virtual_stages 1; microbatches any count.
             "1f1b": virtual_stages 1; microbatches at least pp.
-            "interleaved_1f1b" (default): virtual_stages 2 when the model has at least 2*pp
-                layers, else 1; microbatches at least pp.
+            "interleaved_1f1b" (default): virtual_stages 2 when pp > 1 and the model has at
+                least 2*pp layers, else 1; microbatches at least pp.
             "zero_bubble" (ZB-H1; interleaved zero bubble with virtual_stages > 1):
                 virtual_stages 1; microbatches at least pp.
             "zbv": virtual_stages 2 (the only value it takes); microbatches at least pp.

@@ -75,11 +75,13 @@ def _expect(parser: argparse.ArgumentParser, source: str, key: str, value, kind:
         parser.error(f"{source}: {key} must be {kind.__name__} (true or false), got {value!r}")
 
 
-def effective_config_toml(args: argparse.Namespace) -> str:
-    """The settings a run used, as TOML that `--config-file` reads back (unset ones left out)."""
+def effective_config_toml(args: argparse.Namespace, defaults: argparse.Namespace | None = None) -> str:
+    """The settings a run used, as TOML that `--config-file` reads back (unset ones left out); with
+    `defaults` (what no flag gives), only those that differ from them: the same run, read back."""
     lines = []
+    default_of = vars(defaults) if defaults is not None else {}
     for key, value in sorted(vars(args).items()):
-        if value is None or key == "config_file":
+        if value is None or key == "config_file" or (key in default_of and default_of[key] == value):
             continue
         lines.append(f"{key} = {_toml_value(value)}")
     return "\n".join(lines)

@@ -124,7 +124,8 @@ def set_up(args):
     say = (lambda line: print(line, flush=True)) if layout.rank == 0 else (lambda line: None)
     start_step, origin, resumed = restore(args, pm, optimizer, loader, say)
     say(
-        f"effective config (TOML):\n{effective_config_toml(args)}\n{layout}\n{pm}\n"
+        f"effective config (TOML, the settings that differ from the defaults):\n"
+        f"{effective_config_toml(args, arguments.parse_args([])) or '(none)'}\n{layout}\n{pm}\n"
         f"model {described}: {n_params / 1e6:.2f}M parameters, {origin}\n"
         f"tokenizer: {'pre-tokenized' if args.token_file else repr(tokenizer)}\n"
         f"data: {mesh3d.train.human_count(len(dataset.tokens))} tokens ({len(dataset)} samples of {args.seq_len} "

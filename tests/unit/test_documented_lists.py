@@ -89,10 +89,10 @@ def least_microbatches(rule: str, pp: int) -> int:
 
 def expected_virtual_stages(rule: str, pp: int, n_layers: int) -> int:
     """What a documented rule says, read independently of the catalog's code."""
-    depth = re.fullmatch(r"(\d+) when the model has at least (\d+)\*pp layers, else (\d+)", rule)
+    depth = re.fullmatch(r"(\d+) when pp > (\d+) and the model has at least (\d+)\*pp layers, else (\d+)", rule)
     if depth:
-        deep, factor, shallow = map(int, depth.groups())
-        return deep if n_layers >= factor * pp else shallow
+        deep, least_pp, factor, shallow = map(int, depth.groups())
+        return deep if pp > least_pp and n_layers >= factor * pp else shallow
     return int(re.match(r"\d+", rule).group(0))
 
 
@@ -123,8 +123,7 @@ def test_no_other_schedule_is_documented():
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_documented_defaults_are_what_parallelize_picks(name):
     spec = SCHEDULES[name]
-    pp = 2
-    for n_layers in (4 * pp, 2 * pp - 1):
+    for pp, n_layers in ((2, 8), (2, 3), (1, 4)):
         if expected_virtual_stages(spec.virtual_stages_rule, pp, n_layers) * pp > n_layers:
             continue  # more stages than layers: refused, whatever the default
         least = least_microbatches(spec.microbatches_rule, pp)
@@ -136,6 +135,7 @@ def test_documented_defaults_are_what_parallelize_picks(name):
             assert resolved(name, pp, n_layers).schedule.microbatches == pp
         config = resolved(name, pp, n_layers, microbatches=max(least, pp))
         assert config.schedule.virtual_stages == expected_virtual_stages(spec.virtual_stages_rule, pp, n_layers)
+    pp = 2
     v = SCHEDULES[name].default_virtual_stages or 1
     build_schedule(name, pp, least_microbatches(spec.microbatches_rule, pp), v)
     fewer = least_microbatches(spec.microbatches_rule, pp) - 1

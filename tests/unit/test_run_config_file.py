@@ -41,6 +41,15 @@ def test_the_effective_config_reads_back_as_the_same_run(tmp_path):
         **vars(args),
         "config_file": str(tmp_path / "effective.toml"),
     }
+    # What train.py prints: the settings that differ from the defaults, the same run read back.
+    short = tomllib.loads(effective_config_toml(args, parse_args([])))
+    given = {"global_batch", "steps", "lr", "data", "tied", "loss_parallel", "schedule", "seed"}
+    assert given <= set(short) and len(short) < len(tomllib.loads(saved)) / 2, sorted(short)
+    (tmp_path / "short.toml").write_text(effective_config_toml(args, parse_args([])))
+    assert vars(parse_args(["--config-file", str(tmp_path / "short.toml")])) == {
+        **vars(args),
+        "config_file": str(tmp_path / "short.toml"),
+    }
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ class ScheduleSpec:
     # deadlocks or idles with fewer); 2 at least 2*pp (dualpipev: as many as its stages, as torch's
     # ScheduleDualPipeV requires; its steady state has a negative length with fewer).
     min_microbatches_per_rank: int
-    default_virtual_stages: int | None  # None: 2 when the model has at least 2*pp layers, else 1
+    default_virtual_stages: int | None  # None: 2 when pp > 1 and the model has at least 2*pp layers, else 1
     fixed_virtual_stages: int | None = None  # the only virtual_stages it takes (zbv, dualpipev: a V needs exactly 2)
     never_drains: bool = False  # calls overlap; weights update inside the pipeline (never_drain.py)
     # Each microbatch is an update of its own ("pipedream"), so its loss is scaled as a whole
@@ -37,7 +37,7 @@ class ScheduleSpec:
     def virtual_stages_rule(self) -> str:
         """The default virtual_stages, as the docs state it."""
         if self.default_virtual_stages is None:
-            return "2 when the model has at least 2*pp layers, else 1"
+            return "2 when pp > 1 and the model has at least 2*pp layers, else 1"
         if self.fixed_virtual_stages is not None:
             return f"{self.fixed_virtual_stages} (the only value it takes)"
         return str(self.default_virtual_stages)
@@ -97,7 +97,8 @@ def default_virtual_stages(schedule: str, pp: int, n_layers: int) -> int:
         return 1
     if spec.default_virtual_stages is not None:
         return spec.default_virtual_stages
-    return 2 if n_layers >= 2 * pp else 1
+    # At pp = 1 two stages on the one rank would be a pipeline of one rank: its bubble, none of its gain.
+    return 2 if pp > 1 and n_layers >= 2 * pp else 1
 
 
 def check_schedule_config(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> None:
