@@ -21,6 +21,7 @@ from examples.llama.config import CONFIGS
 from examples.llama.profiling import DEFAULT_STEPS, profile_window
 from examples.llama.run_config import config_file_argv
 from examples.llama.tensorboard_log import tensorboard_available
+from examples.llama.wandb_log import wandb_available
 from mesh3d.data_parallel import DP_MODES
 from mesh3d.pipeline.config import ACTIVATION_CHECKPOINT_MODES
 
@@ -179,6 +180,12 @@ def build_parser(description: str | None = None) -> Parser:
         "--tensorboard", default=None, metavar="DIR", help="also log the metrics as TensorBoard scalars here"
     )
     p.add_argument(
+        "--wandb",
+        default=None,
+        metavar="PROJECT",
+        help="also log the metrics to this Weights & Biases project (WANDB_MODE=offline: without an account)",
+    )
+    p.add_argument(
         "--profile",
         default=None,
         metavar="DIR",
@@ -281,6 +288,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         p.error(f"--profile-steps {args.profile_steps} ends after --steps {last}; profile steps up to {last}")
     if args.tensorboard and not tensorboard_available():
         p.error("--tensorboard needs the tensorboard package: pip install tensorboard")
+    if args.wandb and not wandb_available():
+        p.error("--wandb needs the wandb package: pip install wandb")
     if args.lr_schedule_steps is not None and args.lr_schedule_steps < 1:
         p.error(f"--lr-schedule-steps must be >= 1, got {args.lr_schedule_steps}")
     _check_batch_split(p, args)

@@ -66,6 +66,7 @@ from examples.llama.profiling import StepProfiler  # noqa: E402
 from examples.llama.run_config import effective_config_toml  # noqa: E402
 from examples.llama.tensorboard_log import TensorBoardLog  # noqa: E402
 from examples.llama.text_data import build_datasets, build_tokenizer  # noqa: E402
+from examples.llama.wandb_log import WandbLog  # noqa: E402
 from mesh3d.data import DistributedLoader  # noqa: E402
 from mesh3d.data.documents import document_ids  # noqa: E402
 from mesh3d.distributed.rendezvous import restart_count  # noqa: E402
@@ -169,7 +170,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     metrics_file = None
     if args.metrics and is_main:  # --resume appends, a fresh run starts anew (metrics_log.py)
         metrics_file = open_metrics(args.metrics, bool(args.resume or args.resume_from), print)
-    tensorboard = TensorBoardLog(args.tensorboard) if args.tensorboard and is_main else None
+    scalar_logs = [TensorBoardLog(args.tensorboard)] if args.tensorboard and is_main else []
+    scalar_logs += [WandbLog(args.wandb, args)] if args.wandb and is_main else []
     # A never-drain step's updates have happened when its loss is known: count bad losses, skip nothing.
     guard = BadLossGuard(args.max_bad_steps) if pm.never_drains else BadStepGuard(args.max_bad_steps)
     history, restart = [], restart_count()  # which torchrun attempt
@@ -227,8 +229,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if metrics_file:  # rank 0 only
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
-        if tensorboard:  # rank 0 only
-            tensorboard.write(record)
+        for log in scalar_logs:  # rank 0 only
+            log.write(record)
         if is_main and (step % args.log_every == 0 or step + 1 == args.steps or "eval_loss" in record):
             evaluated = (
                 f"  eval_loss {record['eval_loss']:.4f}  eval_ppl {record['eval_perplexity']:.2f}"
@@ -259,9 +261,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             pm, optimizer, loader, max(args.steps, progress.start_step), args, is_main, fault, pending
         )
     finish_checkpoint(pending, is_main)  # published before the export and the end of the process group
-    for log in (metrics_file, tensorboard):
-        if log:
-            log.close()
+    for log in ([metrics_file] if metrics_file else []) + scalar_logs:
+        log.close()
     if args.export_hf:
         export_hf(pm, args, is_main)
     torch.distributed.destroy_process_group()

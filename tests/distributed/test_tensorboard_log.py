@@ -1,4 +1,4 @@
-"""Without --tensorboard, a fresh interpreter that imports train.py loads nothing of TensorBoard.
+"""Without --tensorboard and --wandb, a fresh interpreter that imports train.py loads nothing of TensorBoard or wandb.
 (The scalars it writes when on: tests/unit/test_tensorboard_scalars.py.)"""
 
 import subprocess
@@ -13,7 +13,7 @@ def test_nothing_is_imported_when_off():
             sys.executable,
             "-c",
             "import sys, examples.llama.train; "
-            "print(sorted(m for m in sys.modules if 'tensorboard' in m.split('.')[-1]))",
+            "print(sorted(m for m in sys.modules if {'tensorboard', 'wandb'} & set(m.replace('.', '_').split('_'))))",
         ],
         cwd=ROOT,
         env=_env(),
@@ -22,4 +22,4 @@ def test_nothing_is_imported_when_off():
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "['examples.llama.tensorboard_log']"
+    assert done.stdout.strip() == "['examples.llama.tensorboard_log', 'examples.llama.wandb_log']"
