@@ -3,6 +3,7 @@ its checkpoint saves, and its Hugging Face export."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from collections.abc import Callable
@@ -17,6 +18,36 @@ from examples.llama.run_config import args_as_record
 from examples.llama.text_data import tokenizer_file
 from mesh3d.data import DistributedLoader
 from mesh3d.train import resume_from, resume_latest
+from mesh3d.train.resume import checkpoints_newest_first
+
+# The settings a checkpoint's data position belongs to: another value is another sample order, which
+# the loader refuses (mesh3d.data.DistributedLoader.load_state_dict), but only once the model is built.
+# Paths (--data, --tokenizer) are not among them: a corpus moved is the same data; the loader counts
+# the samples of whatever they name.
+DATA_SETTINGS = ("seq_len", "seed", "text_field")
+
+
+def refuse_other_data(args) -> None:
+    """Before the model is built: refuse a resume whose data settings differ from those its
+    checkpoint was saved with (its extra.args). Every rank reads the same checkpoint (rank 0's
+    listing) and raises the same error; a checkpoint without saved settings is left to the loader."""
+    if args.resume_from:
+        chosen = [args.resume_from]
+    elif args.resume and args.checkpoint_dir:
+        chosen = checkpoints_newest_first(args.checkpoint_dir)[:1]
+    else:
+        return
+    try:
+        saved = json.loads((Path(chosen[0]) / "train_state.json").read_text())["extra"]["args"]
+    except (IndexError, OSError, ValueError, KeyError, TypeError):
+        return  # none yet, or a state resume itself will name as missing or damaged
+    differ = [key for key in DATA_SETTINGS if key in saved and saved[key] != getattr(args, key)]
+    if differ:
+        flags = ", ".join(f"--{key.replace('_', '-')} {getattr(args, key)!r} (saved: {saved[key]!r})" for key in differ)
+        raise ValueError(
+            f"resuming from {chosen[0]}: its data position belongs to other data settings: {flags}; "
+            "pass the saved values to continue that run, or start a new one in another --checkpoint-dir"
+        )
 
 
 def restore(args, pm, optimizer, loader: DistributedLoader, say: Callable[[str], None]) -> tuple[int, str, bool]:

@@ -52,6 +52,7 @@ from examples.llama.checkpoints import (  # noqa: E402
     export_hf,
     finish_checkpoint,
     nothing_to_train,
+    refuse_other_data,
     restore,
     save_checkpoint,
 )
@@ -96,6 +97,7 @@ def set_up(args):
         report = placement_report(layout)
         if layout.rank == 0:
             Path(args.placement_report).write_text(json.dumps(report))
+    refuse_other_data(args)  # a resume's data settings, before the start-up they would waste
     tokenizer = build_tokenizer(args)
     model, described = build_model(args, tokenizer)
     n_params, per_token = count_parameters(model), flops_per_token(model, args.seq_len)

@@ -152,6 +152,20 @@ def test_resume_from_a_chosen_checkpoint(tmp_path):
     )
     assert missing.returncode == 2 and f"no checkpoint at {ckpt / 'step3'}" in missing.stderr, missing.stderr[-3000:]
     assert "Traceback" not in missing.stderr
+    # Other data settings: refused before the model is built (the loader would, after the start-up).
+    for how in (["--resume-from", str(ckpt / "step2")], ["--resume", "--checkpoint-dir", str(ckpt)]):
+        other = run_train(
+            ["--seq-len", "16", "--global-batch", "8", "--seed", "3", "--steps", "4", "--n-layers", "2", *how],
+            timeout=TIMEOUT_S,
+            check=False,
+        )
+        newest = ckpt / ("step2" if "--resume-from" in how else "step4")
+        said = (
+            f"resuming from {newest}: its data position belongs to other data settings: "
+            "--seq-len 16 (saved: 32), --seed 3 (saved: 0)"
+        )
+        assert other.returncode == 2 and said in other.stderr, other.stderr[-3000:]
+        assert "model debug" not in other.stdout and "Traceback" not in other.stderr
 
 
 def test_pipedream_2bw_resumes_exactly(tmp_path):
