@@ -22,6 +22,7 @@ from mesh3d.axes import resolve_sizes as resolve_axis_sizes
 from mesh3d.distributed.agree import check_same_everywhere
 from mesh3d.distributed.host_group import use_host_group
 from mesh3d.distributed.nccl_watchdog import set_watchdog_defaults
+from mesh3d.distributed.printed_once import print_agreed_errors_once
 from mesh3d.distributed.rendezvous import attempt_store, uses_agent_store
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")  # the mesh's dims without context parallelism (axes.mesh_dims)
@@ -361,6 +362,7 @@ def build_mesh(
                 f"{backend!r} (for device {device}); pass device=/backend= that match the existing group"
             )
         backend = existing
+    print_agreed_errors_once(dist.get_rank())  # an error the ranks agreed on: rank 0's traceback only
     _start_host_group(backend, _default_timeout(backend, timeout))
     # Ranks that asked for different layouts would build misaligned groups and hang later.
     check_same_everywhere(tuple(sizes[axis] for axis in ALL_AXES), _describe_layouts)

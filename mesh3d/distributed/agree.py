@@ -17,6 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from mesh3d.distributed.host_group import host_group
+from mesh3d.distributed.printed_once import agreed
 
 
 class ErrorText(str):
@@ -39,7 +40,8 @@ def attempt(fn: Callable[[], object]) -> str | None:
 def gather_or_raise(value: Any = None, error: str | None = None, group: dist.ProcessGroup | None = None) -> list[Any]:
     """Every rank's `value`, in rank order; or, if any rank passed an `error`, that error raised
     on every rank (the first failing rank's, marked with where it was found): an OSError with
-    its errno when `attempt` caught one, else a ValueError. Over `group` (a CPU group spanning
+    its errno when `attempt` caught one, else a ValueError (marked agreed: printed once, by
+    rank 0, printed_once.py). Over `group` (a CPU group spanning
     the world) when given, else over host_group()."""
     mine = (value, error)
     everyone = [mine]
@@ -52,10 +54,10 @@ def gather_or_raise(value: Any = None, error: str | None = None, group: dist.Pro
             text = message if rank == here else f"{message} (found on rank {rank})"
             code = getattr(message, "errno", None)
             if code is None:
-                raise ValueError(text)
+                raise agreed(ValueError(text))
             error = OSError(text)
             error.errno = code
-            raise error
+            raise agreed(error)
     return [v for v, _ in everyone]
 
 
@@ -68,4 +70,4 @@ def check_same_everywhere(value: Any, describe: Callable[[list[Any]], str]) -> N
     """Raise ValueError(describe(every rank's value)) on every rank unless all ranks passed equal values."""
     everyone = gather_or_raise(value)
     if any(v != everyone[0] for v in everyone):
-        raise ValueError(describe(everyone))
+        raise agreed(ValueError(describe(everyone)))

@@ -1,0 +1,43 @@
+"""An error every rank raised alike is printed once, by rank 0.
+
+When the ranks agree on an error (agree.py: one rank's failure raised on every rank), each rank's
+Python would print the same traceback: eight copies under `torchrun --nproc-per-node 8`, the
+message lost among them. `agreed(error)` marks such an error (an attribute: its type and errno
+stay as they are), and the hook build_mesh installs prints it in full on rank 0 only; every other
+rank says in one line that it stopped on the error rank 0 printed. Any other exception is printed
+as Python prints it, on every rank.
+MESH3D_TRACEBACK_EVERY_RANK=1 prints every rank's in full.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import TracebackType
+
+AGREED = "mesh3d_agreed_on_every_rank"  # the attribute that marks an error every rank raised alike
+
+
+def agreed(error: BaseException) -> BaseException:
+    """Mark `error` as raised alike on every rank (its type unchanged: a ValueError stays one)."""
+    setattr(error, AGREED, True)
+    return error
+
+
+def _hook(previous, rank: int):
+    def hook(kind: type[BaseException], error: BaseException, traceback: TracebackType | None) -> None:
+        every_rank = os.environ.get("MESH3D_TRACEBACK_EVERY_RANK") == "1"
+        if rank != 0 and getattr(error, AGREED, False) and not every_rank:
+            print(f"[rank {rank}] stopped on the {kind.__name__} that rank 0 printed", file=sys.stderr, flush=True)
+            return
+        previous(kind, error, traceback)
+
+    hook.mesh3d_printed_once = True
+    return hook
+
+
+def print_agreed_errors_once(rank: int) -> None:
+    """Install the hook (once per process) for this process' rank."""
+    if getattr(sys.excepthook, "mesh3d_printed_once", False):
+        return
+    sys.excepthook = _hook(sys.excepthook, rank)

@@ -1,0 +1,48 @@
+"""An error the ranks agreed on is printed once: rank 0's traceback, one line from each other rank
+(mesh3d/distributed/printed_once.py). Under torchrun, two ranks of a user's script that ask
+build_mesh for different layouts; the hook's choice itself in this process."""
+
+import subprocess
+import sys
+
+from test_torchrun import ROOT, TIMEOUT_S, _env
+
+from mesh3d.distributed.printed_once import _hook, agreed
+
+SCRIPT = """
+import os, mesh3d
+mesh3d.build_mesh(pp=1, dp=-1, tp=1 + int(os.environ["RANK"]))  # rank 1 asks for another layout
+"""
+
+
+def test_each_rank_prints_what_it_should():
+    printed = []
+
+    def previous(kind, error, traceback):
+        printed.append(str(error))
+
+    error = agreed(ValueError("the batch is bad"))
+    _hook(previous, 0)(ValueError, error, None)
+    assert printed == ["the batch is bad"]  # rank 0: in full, as Python would
+    _hook(previous, 3)(ValueError, error, None)
+    assert printed == ["the batch is bad"]  # rank 3: one line of its own, not the traceback
+    _hook(previous, 3)(ValueError, ValueError("only here"), None)
+    assert printed == ["the batch is bad", "only here"]  # an error not agreed on: every rank prints it
+
+
+def test_an_agreed_error_is_printed_by_rank_zero_only(tmp_path):
+    (tmp_path / "s.py").write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", tmp_path / "s.py"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert done.returncode != 0
+    # the workers' lines, as torchrun prefixes them ("[rank0]: ..."); its own summary comes after
+    assert done.stderr.count("]: Traceback (most recent call last)") == 1, done.stderr[-4000:]
+    assert "[rank0]: ValueError: build_mesh: ranks asked for different layouts" in done.stderr
+    assert "ranks asked for different layouts" in done.stderr
+    assert "[rank 1] stopped on the ValueError that rank 0 printed" in done.stderr, done.stderr[-4000:]
