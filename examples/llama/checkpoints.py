@@ -3,7 +3,6 @@ its checkpoint saves, and its Hugging Face export."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from examples.llama.fault_injection import FaultInjection
 from examples.llama.optimization import schedule_length
 from examples.llama.run_config import args_as_record
 from examples.llama.text_data import tokenizer_file
+from mesh3d.checkpoint.train_state import read_train_state
 from mesh3d.data import DistributedLoader
 from mesh3d.train import resume_from, resume_latest
 from mesh3d.train.resume import checkpoints_newest_first
@@ -38,7 +38,7 @@ def refuse_other_data(args) -> None:
     else:
         return
     try:
-        saved = json.loads((Path(chosen[0]) / "train_state.json").read_text())["extra"]["args"]
+        saved = read_train_state(Path(chosen[0]))["extra"]["args"]
     except (IndexError, OSError, ValueError, KeyError, TypeError):
         return  # none yet, or a state resume itself will name as missing or damaged
     differ = [key for key in DATA_SETTINGS if key in saved and saved[key] != getattr(args, key)]

@@ -22,6 +22,12 @@ SCALARS = {
 }
 
 
+def scalars_of(record: dict) -> dict[str, float]:
+    """{tag: value} of a step's record, for the curves (a value None, as grad_norm under a
+    never-drain schedule, gives no point)."""
+    return {tag: record[key] for key, tag in SCALARS.items() if record.get(key) is not None}
+
+
 def tensorboard_available() -> bool:
     """Whether `--tensorboard` can work, without importing anything (every rank asks before any collective)."""
     return importlib.util.find_spec("tensorboard") is not None
@@ -38,9 +44,8 @@ class TensorBoardLog:
         self.writer = SummaryWriter(log_dir=log_dir)
 
     def write(self, record: dict) -> None:
-        for key, tag in SCALARS.items():
-            if record.get(key) is not None:  # grad_norm is None under a never-drain schedule
-                self.writer.add_scalar(tag, record[key], global_step=record["step"])
+        for tag, value in scalars_of(record).items():
+            self.writer.add_scalar(tag, value, global_step=record["step"])
         self.writer.flush()
 
     def close(self) -> None:

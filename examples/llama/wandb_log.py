@@ -1,7 +1,7 @@
 """`--wandb PROJECT`: train.py's metrics as a Weights & Biases run, beside the JSONL file.
 
 The run takes the settings of the run as its config (every one, as a checkpoint keeps them) and
-each step's record under the same names TensorBoard's scalars have (tensorboard_log.SCALARS).
+each step's record under the same names TensorBoard's scalars have (tensorboard_log.scalars_of).
 wandb's own environment chooses the rest: `WANDB_MODE=offline` logs without an account into
 `WANDB_DIR` (./wandb by default), for `wandb sync` later; `WANDB_NAME` names the run. Nothing of
 wandb is imported unless the flag is given.
@@ -13,7 +13,7 @@ import argparse
 import importlib.util
 
 from examples.llama.run_config import args_as_record
-from examples.llama.tensorboard_log import SCALARS
+from examples.llama.tensorboard_log import scalars_of
 
 
 def wandb_available() -> bool:
@@ -32,8 +32,7 @@ class WandbLog:
         self.run = wandb.init(project=project, config=args_as_record(args))
 
     def write(self, record: dict) -> None:
-        values = {tag: record[key] for key, tag in SCALARS.items() if record.get(key) is not None}
-        self.run.log(values, step=record["step"])
+        self.run.log(scalars_of(record), step=record["step"])
 
     def close(self) -> None:
         self.run.finish()

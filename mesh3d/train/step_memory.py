@@ -71,7 +71,6 @@ class StepMemory:
     """Measures each rank's step peak and gathers the largest (see the module docstring)."""
 
     def __init__(self, layout: Layout):
-        self.layout = layout
         self.device = layout.device
         self.on_cuda = self.device.type == "cuda"
 
