@@ -35,6 +35,7 @@ from mesh3d.context_parallel.model_check import POSITIONS, check_blocks_attend, 
 from mesh3d.data_parallel.mixed_precision import MixedPrecision
 from mesh3d.data_parallel.wrap import DataParallelConfig, apply_data_parallel
 from mesh3d.distributed.agree import check_same_everywhere
+from mesh3d.distributed.printed_once import raised_alike
 from mesh3d.expert_parallel.apply import apply_expert_parallel, resolve_expert_parallel
 from mesh3d.expert_parallel.expert_load import ExpertLoad
 from mesh3d.mesh import Layout, build_mesh
@@ -185,37 +186,39 @@ def parallelize(
             weights. None: the model's default (Hugging Face: torch.initial_seed()). Unused for a
             model given with values.
     """
-    anatomy = anatomy_of(model, example_inputs, split_points)  # which way the model came in, before any collective
+    with raised_alike():
+        anatomy = anatomy_of(model, example_inputs, split_points)  # which way the model came in, before any collective
     layout = _resolve_layout(layout, pp, dp, tp, cp, ep)
-    precision = MixedPrecision.resolve(model, param_dtype, reduce_dtype)
-    replicas = layout.data_parallel_size  # dp x cp: context-parallel ranks hold the same parameters
-    data = DataParallelConfig.resolve(
-        dp_mode, reshard_after_forward, layout.pp, replicas, precision, dp_shard, layout.dp
-    )
-    compile_backend = resolve_compile(compile)
-    tensor = TensorParallelConfig.resolve(
-        model,
-        layout.tp,
-        tp_plan if tp_plan is not None else anatomy.tp_plan,
-        loss_parallel,
-        anatomy.tensor_parallel_sizes,
-        refusal=anatomy.tp_plan_refusal,
-    )
-    experts, tensor = resolve_expert_parallel(anatomy.expert_plan, anatomy.expert_plan_refusal, layout, tensor)
-    pipe = PipelineConfig.resolve(
-        model,
-        anatomy,
-        layout.pp,
-        schedule=schedule,
-        microbatches=microbatches,
-        virtual_stages=virtual_stages,
-        activation_checkpoint=activation_checkpoint,
-        layers_per_stage=layers_per_stage,
-        stage_balance=stage_balance,
-        end_weight=end_weight,
-        split_points=split_points,
-    )
-    _check_optimizer(pipe, optimizer)
+    with raised_alike():  # arithmetic on the keywords, alike on every rank: printed once
+        precision = MixedPrecision.resolve(model, param_dtype, reduce_dtype)
+        replicas = layout.data_parallel_size  # dp x cp: context-parallel ranks hold the same parameters
+        data = DataParallelConfig.resolve(
+            dp_mode, reshard_after_forward, layout.pp, replicas, precision, dp_shard, layout.dp
+        )
+        compile_backend = resolve_compile(compile)
+        tensor = TensorParallelConfig.resolve(
+            model,
+            layout.tp,
+            tp_plan if tp_plan is not None else anatomy.tp_plan,
+            loss_parallel,
+            anatomy.tensor_parallel_sizes,
+            refusal=anatomy.tp_plan_refusal,
+        )
+        experts, tensor = resolve_expert_parallel(anatomy.expert_plan, anatomy.expert_plan_refusal, layout, tensor)
+        pipe = PipelineConfig.resolve(
+            model,
+            anatomy,
+            layout.pp,
+            schedule=schedule,
+            microbatches=microbatches,
+            virtual_stages=virtual_stages,
+            activation_checkpoint=activation_checkpoint,
+            layers_per_stage=layers_per_stage,
+            stage_balance=stage_balance,
+            end_weight=end_weight,
+            split_points=split_points,
+        )
+        _check_optimizer(pipe, optimizer)
     _check_same_config_everywhere(f"{pipe} {data} {tensor} ep={layout.ep} compile={compile_backend}")
 
     split = split_model(model, anatomy, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank), pipe.traced)

@@ -4,15 +4,18 @@ When the ranks agree on an error (agree.py: one rank's failure raised on every r
 Python would print the same traceback: eight copies under `torchrun --nproc-per-node 8`, the
 message lost among them. `agreed(error)` marks such an error (an attribute: its type and errno
 stay as they are), and the hook build_mesh installs prints it in full on rank 0 only; every other
-rank says in one line that it stopped on the error rank 0 printed. Any other exception is printed
-as Python prints it, on every rank.
+rank says in one line that it stopped on the error rank 0 printed. `raised_alike()` marks the
+errors of checks each rank makes alike from the same arguments, before any collective. Any other
+exception is printed as Python prints it, on every rank.
 MESH3D_TRACEBACK_EVERY_RANK=1 prints every rank's in full.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from types import TracebackType
 
 AGREED = "mesh3d_agreed_on_every_rank"  # the attribute that marks an error every rank raised alike
@@ -22,6 +25,18 @@ def agreed(error: BaseException) -> BaseException:
     """Mark `error` as raised alike on every rank (its type unchanged: a ValueError stays one)."""
     setattr(error, AGREED, True)
     return error
+
+
+@contextlib.contextmanager
+def raised_alike() -> Iterator[None]:
+    """Mark a ValueError or TypeError raised inside as agreed: for checks every rank computes from the
+    same arguments, before any collective (parallelize's arithmetic on its keywords), so each rank
+    raises the same error without asking the others."""
+    try:
+        yield
+    except (ValueError, TypeError) as error:
+        agreed(error)
+        raise
 
 
 def _hook(previous, rank: int):

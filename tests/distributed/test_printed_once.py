@@ -5,9 +5,13 @@ build_mesh for different layouts; the hook's choice itself in this process."""
 import subprocess
 import sys
 
+import pytest
+from pipeline_cases import tiny_args
 from test_torchrun import ROOT, TIMEOUT_S, _env
 
-from mesh3d.distributed.printed_once import _hook, agreed
+import mesh3d
+from examples.llama.model import Transformer
+from mesh3d.distributed.printed_once import AGREED, _hook, agreed
 
 SCRIPT = """
 import os, mesh3d
@@ -46,3 +50,10 @@ def test_an_agreed_error_is_printed_by_rank_zero_only(tmp_path):
     assert "[rank0]: ValueError: build_mesh: ranks asked for different layouts" in done.stderr
     assert "ranks asked for different layouts" in done.stderr
     assert "[rank 1] stopped on the ValueError that rank 0 printed" in done.stderr, done.stderr[-4000:]
+
+
+def test_parallelize_marks_its_arithmetic_errors_as_agreed():
+    """A keyword every rank checks alike, before any collective (here the schedule), is printed once too."""
+    with pytest.raises(ValueError, match="no_such_schedule") as raised:
+        mesh3d.parallelize(Transformer(tiny_args(False, 2)), schedule="no_such_schedule")
+    assert getattr(raised.value, AGREED, False)
