@@ -120,6 +120,16 @@ def build_parser(description: str | None = None) -> Parser:
     )
     p.add_argument("--config", default="debug", choices=sorted(CONFIGS))
     p.add_argument("--n-layers", type=int, default=None, help="override the config's number of layers")
+    p.add_argument("--dim", type=int, default=None, help="override the config's model width")
+    p.add_argument("--n-heads", type=int, default=None, help="override the config's attention heads")
+    p.add_argument("--n-kv-heads", type=int, default=None, help="override the config's key/value heads")
+    p.add_argument(
+        "--n-experts",
+        type=int,
+        default=None,
+        help=f"--hf-model ARCH, a mixture of experts: routed experts per block (default {hf_model.EXPERTS}, "
+        "or the architecture's own count where smaller)",
+    )
     p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None, help="tie embedding and output")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step, all ranks together")
@@ -272,8 +282,17 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         p.error("--timeout must be > 0, --max-bad-steps >= 1 and --log-every >= 1")
     if args.checkpoint_every < 0 or (args.keep_last is not None and args.keep_last < 1):
         p.error("--checkpoint-every must be >= 0 and --keep-last >= 1")
-    if args.init_from_hf and (args.n_layers is not None or args.tied is not None or args.vocab_size is not None):
-        p.error("--init-from-hf takes the model's shape from its config.json; drop --n-layers/--tied/--vocab-size")
+    shape_flags = given_shape_flags(args)
+    if args.init_from_hf and shape_flags:
+        p.error(f"--init-from-hf takes the model's shape from its config.json; drop {'/'.join(shape_flags)}")
+    if args.n_experts is not None and (not args.hf_model or hf_model.is_directory(args.hf_model)):
+        p.error("--n-experts sets the experts of --hf-model ARCH (an architecture at --config's sizes); drop it")
+    if args.n_experts is not None and args.n_experts < 1:
+        p.error(f"--n-experts must be >= 1, got {args.n_experts}")
+    if not args.init_from_hf and not (args.hf_model and hf_model.is_directory(args.hf_model)):
+        problem = model_shape_problem(args)
+        if problem:
+            p.error(problem)
     if args.hf_model:
         _check_hf_model(p, args)
     args.grad_clip = _grad_clip(p, args)
@@ -339,6 +358,27 @@ def _grad_clip(p: Parser, args: argparse.Namespace) -> float:
     return 0.0
 
 
+# The flags that change --config's model shape (model_choice.model_config): refused where a
+# config.json gives the shape.
+SHAPE_FLAGS = ("n_layers", "dim", "n_heads", "n_kv_heads", "tied", "vocab_size", "n_experts")
+
+
+def given_shape_flags(args: argparse.Namespace) -> list[str]:
+    """The shape flags given, as written on the command line."""
+    return ["--" + name.replace("_", "-") for name in SHAPE_FLAGS if getattr(args, name) is not None]
+
+
+def model_shape_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with --config's shape after --dim/--n-heads/--n-kv-heads, or None."""
+    from examples.llama.model_choice import model_config
+
+    try:
+        model_config(args)
+    except ValueError as error:
+        return f"--config {args.config} with --dim/--n-heads/--n-kv-heads: {error}"
+    return None
+
+
 def _check_hf_model(p: Parser, args: argparse.Namespace) -> None:
     problem = hf_model.check_spec(args.hf_model)
     if problem:
@@ -347,7 +387,6 @@ def _check_hf_model(p: Parser, args: argparse.Namespace) -> None:
         p.error(
             "--hf-model DIR already starts from DIR's weights; --init-from-hf is the LLaMA example's: pass one of them"
         )
-    if hf_model.is_directory(args.hf_model) and (
-        args.n_layers is not None or args.tied is not None or args.vocab_size is not None
-    ):
-        p.error("--hf-model DIR takes the model's shape from its config.json; drop --n-layers/--tied/--vocab-size")
+    shape_flags = given_shape_flags(args)
+    if hf_model.is_directory(args.hf_model) and shape_flags:
+        p.error(f"--hf-model DIR takes the model's shape from its config.json; drop {'/'.join(shape_flags)}")

@@ -106,7 +106,11 @@ def hf_config(args: argparse.Namespace, sizes: ModelArgs | None):
         )
     if not _is_flat_rope(getattr(default, "rope_parameters", None)):
         fields.pop("rope_parameters", None)  # rotary settings per layer type: keep the architecture's own
-    fields.update(expert_sizes(default, fields["intermediate_size"]) if "intermediate_size" in fields else {})
+    n_experts = getattr(args, "n_experts", None)
+    experts = expert_sizes(default, fields["intermediate_size"], n_experts) if "intermediate_size" in fields else {}
+    if n_experts is not None and not experts:
+        raise SystemExit(f"--n-experts: --hf-model {args.hf_model} is not a mixture of experts; drop --n-experts")
+    fields.update(experts)
     fields.update(latent_attention_sizes(default, sizes))
     return transformers.AutoConfig.for_model(args.hf_model, **fields)
 
@@ -128,15 +132,16 @@ def latent_attention_sizes(default, sizes: ModelArgs) -> dict[str, int]:
     return fields
 
 
-def expert_sizes(default, dense_width: int) -> dict[str, int]:
-    """A mixture of experts' config fields at the scale of `dense_width` (see EXPERTS); {} for a dense
-    architecture. An architecture with no width of its own for experts (Mixtral's) gives its
-    experts `intermediate_size`, which then takes the experts' width."""
+def expert_sizes(default, dense_width: int, experts: int | None = None) -> dict[str, int]:
+    """A mixture of experts' config fields at the scale of `dense_width`, `experts` routed experts
+    (None: EXPERTS, or the architecture's count where smaller); {} for a dense architecture. An
+    architecture with no width of its own for experts (Mixtral's) gives its experts
+    `intermediate_size`, which then takes the experts' width."""
     aliases = getattr(type(default), "attribute_map", {})  # num_local_experts -> num_experts: set the field itself
     counts = [name for name in EXPERT_COUNT_FIELDS if name not in aliases and getattr(default, name, None)]
     if not counts:
         return {}
-    experts = min(EXPERTS, *(getattr(default, name) for name in counts))
+    experts = experts or min(EXPERTS, *(getattr(default, name) for name in counts))
     width = max(8, dense_width // 4 // 8 * 8)
     fields = dict.fromkeys(counts, experts)
     if hasattr(default, "num_experts_per_tok"):  # DeepSeek-V2's default leaves it None

@@ -22,6 +22,9 @@ def model_config(args) -> ModelArgs:
     overrides = {
         "max_seq_len": max(args.seq_len, 1),
         "n_layers": args.n_layers,
+        "dim": args.dim,
+        "n_heads": args.n_heads,
+        "n_kv_heads": args.n_kv_heads,
         "tie_embeddings": args.tied,
         "vocab_size": args.vocab_size,
     }

@@ -4,7 +4,9 @@ Built on meta, as train.py builds it: at `--config debug` (1.54M parameters as t
 Qwen3-MoE, Mixtral, Qwen2-MoE and DeepSeek-V3 stay under 5M parameters (their own configs' 128,
 8, 60 and 256 experts, Qwen3-MoE's experts of width 768 and DeepSeek's latent-attention ranks
 would make hundreds of millions), with 8 experts, 2 per token; a dense architecture is as before.
-Each then computes finite logits on CPU (the config's fields agree with each other)."""
+Each then computes finite logits on CPU (the config's fields agree with each other). The shape
+flags (--dim, --n-heads, --n-kv-heads, --n-experts) reach both models, and a bad one is refused
+while the flags are parsed."""
 
 import argparse
 
@@ -43,3 +45,41 @@ def test_a_dense_architecture_keeps_the_sizes():
         sizes.n_heads,
     )
     assert not hasattr(config, "num_experts") and not hasattr(config, "num_local_experts")
+
+
+def test_the_shape_flags_set_width_heads_and_experts():
+    """--dim/--n-heads/--n-kv-heads change --config's shape (the example's and an architecture's);
+    --n-experts an architecture's routed experts."""
+    from examples.llama.arguments import parse_args
+    from examples.llama.model_choice import model_config
+
+    args = parse_args(
+        ["--dim", "128", "--n-heads", "8", "--n-kv-heads", "2", "--hf-model", "qwen3_moe", "--n-experts", "4"]
+    )
+    sizes = model_config(args)
+    assert (sizes.dim, sizes.n_heads, sizes.kv_heads) == (128, 8, 2)
+    config = hf_config(args, sizes)
+    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (128, 8, 2)
+    assert config.num_experts == 4
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--dim", "100", "--n-heads", "8"], "dim=100 is not divisible by n_heads=8"),
+        (["--n-heads", "8", "--n-kv-heads", "3"], "n_heads=8 is not divisible by n_kv_heads=3"),
+        (["--n-experts", "4"], "--n-experts sets the experts of --hf-model ARCH"),
+        (["--init-from-hf", "somewhere", "--dim", "64"], "drop --dim"),
+    ],
+)
+def test_a_bad_shape_flag_is_refused_before_anything_starts(capsys, flags, said):
+    from examples.llama.arguments import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(flags)
+    assert said in capsys.readouterr().err
+
+
+def test_n_experts_on_a_dense_architecture_is_refused():
+    with pytest.raises(SystemExit, match="not a mixture of experts"):
+        hf_config(argparse.Namespace(hf_model="qwen3", config="debug", n_experts=4), get_config("debug"))
