@@ -115,7 +115,7 @@ COMPOSED = [
     ("pipedream", "adamw", False, {"activation_checkpoint": "selective"}),
     ("pipedream", "sgd", True, {"activation_checkpoint": "except_last"}),
     ("pipedream_2bw", "adamw", True, {"dp_mode": "ddp"}),
-    ("pipedream", "sgd", False, {"dp_mode": "ddp", "compile": "aot_eager"}),
+    ("pipedream", "sgd", False, {"dp_mode": "ddp", "compile": "aot_eager", "activation_checkpoint": "except_last"}),
     ("pipedream_2bw", "sgd", True, {"param_dtype": torch.bfloat16}),
 ]
 
