@@ -166,8 +166,14 @@ def _unit(s: float) -> tuple[str, float]:
     return "us", 1e6
 
 
-def table(plans: list[Plan]) -> str:
-    """The ranked plans as an aligned text table."""
+# A plan predicted above this share of the device's memory is flagged: the prediction's own error
+# (docs/plan.md) and the allocator's fragmentation can take the rest.
+NEAR_FULL = 0.9
+
+
+def table(plans: list[Plan], device_bytes: int | None = None) -> str:
+    """The ranked plans as an aligned text table; with `device_bytes`, each plan's headroom on the
+    device ("free GiB"), marked "!" above NEAR_FULL of it."""
     header = [
         "rank",
         "pp",
@@ -185,6 +191,7 @@ def table(plans: list[Plan]) -> str:
         "step s",
         "bubble %",
         "mem GiB",
+        *(["free GiB"] if device_bytes else []),
         "largest (GiB)",
     ]
     rows = []
@@ -209,6 +216,7 @@ def table(plans: list[Plan]) -> str:
                 f"{p.step_seconds:.3g}",
                 f"{p.bubble_fraction:.1%}",
                 _gib(mem.total),
+                *([_headroom(mem.total, device_bytes)] if device_bytes else []),
                 f"{big} {_gib(getattr(mem, big))}",
             ]
         )
@@ -220,6 +228,22 @@ def table(plans: list[Plan]) -> str:
         lines.append("  ".join(cells).rstrip())
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
+
+
+def _headroom(total: float, device_bytes: int) -> str:
+    return _gib(device_bytes - total) + ("!" if total > NEAR_FULL * device_bytes else "")
+
+
+def near_full_note(plans: list[Plan], device_bytes: int) -> str | None:
+    """A line under the table when a shown plan is flagged, or None."""
+    flagged = [str(i) for i, p in enumerate(plans, 1) if p.memory_per_rank.total > NEAR_FULL * device_bytes]
+    if not flagged:
+        return None
+    return (
+        f"! #{', #'.join(flagged)} above {NEAR_FULL:.0%} of the device's {device_bytes / GIB:.1f} GiB: the "
+        "prediction's own error (docs/plan.md) and the allocator's fragmentation can take the rest; "
+        "prefer a roomier layout near its speed, or set --memory-limit."
+    )
 
 
 def _layout_differences(best: Plan, other: Plan) -> str:
@@ -355,7 +379,10 @@ def main(argv: list[str] | None = None) -> int:
         + ("all of them" if len(shown) == len(plans) else f"the top {len(shown)} (--all for every one)")
         + " by tokens/s per GPU.\n"
     )
-    print(table(shown))
+    print(table(shown, hardware.memory_bytes))
+    note = near_full_note(shown, hardware.memory_bytes)
+    if note:
+        print(note)
     print()
     print(why(best, plans[1] if len(plans) > 1 else None))
     kwargs = ", ".join(f"{k}={v!r}" for k, v in best.parallelize_kwargs().items())

@@ -21,6 +21,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from mesh3d.planner import cli, plan  # noqa: E402
+from mesh3d.planner.hardware import HARDWARE  # noqa: E402
 
 SIZES = dict(gpus=4, gpus_per_node=4, seq_len=128, global_batch=8)
 STEP_TERMS = ("compute_seconds", "exposed_dp_seconds", "optimizer_seconds")
@@ -114,11 +115,13 @@ def test_table_is_plans_top_ten_in_order_with_its_numbers(top_ten, reference):
         assert row[12] == f"{p.mfu:.1%}" and row[14] == f"{p.bubble_fraction:.1%}"
         assert math.isclose(float(row[13]), p.step_seconds, rel_tol=1e-2)
         assert math.isclose(float(row[15]), p.memory_per_rank.total / 2**30, rel_tol=1e-2)
+        free = (HARDWARE["h100"].memory_bytes - p.memory_per_rank.total) / 2**30  # the default --hardware
+        assert math.isclose(float(row[16]), free, rel_tol=1e-2) and not row[16].endswith("!")  # a tiny model
         largest = max(
             ("parameters", "gradients", "optimizer", "activations", "recompute", "communication", "context_parallel"),
             key=lambda term: getattr(p.memory_per_rank, term),
         )
-        assert row[16] == largest
+        assert row[17] == largest
 
 
 def test_why_names_the_term_that_differs_most(top_ten, reference):
@@ -247,3 +250,15 @@ def test_unknown_model_is_a_usage_error(capsys):
         cli.main(["--model", "/no/such/config.json", "--gpus", "8"])
     assert exit_.value.code == 2
     assert "neither a preset" in capsys.readouterr().err
+
+
+def test_a_plan_near_the_device_memory_is_flagged(reference):
+    """Above 90 % of the device's memory: its headroom marked '!' and a line under the table."""
+    best = reference[0]
+    roomy = int(best.memory_per_rank.total / 0.5)
+    tight = int(best.memory_per_rank.total / 0.95)
+    assert "!" not in cli.table([best], roomy) and cli.near_full_note([best], roomy) is None
+    row = cli.table([best], tight).splitlines()[2].split()
+    assert row[16].endswith("!")
+    assert cli.near_full_note([best], tight).startswith("! #1 above 90% of the device's")
+    assert "free GiB" not in cli.table([best])  # no device: no headroom column
