@@ -230,13 +230,17 @@ def table(plans: list[Plan], device_bytes: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def _near_full(total: float, device_bytes: int) -> bool:
+    return total > NEAR_FULL * device_bytes
+
+
 def _headroom(total: float, device_bytes: int) -> str:
-    return _gib(device_bytes - total) + ("!" if total > NEAR_FULL * device_bytes else "")
+    return _gib(device_bytes - total) + ("!" if _near_full(total, device_bytes) else "")
 
 
 def near_full_note(plans: list[Plan], device_bytes: int) -> str | None:
     """A line under the table when a shown plan is flagged, or None."""
-    flagged = [str(i) for i, p in enumerate(plans, 1) if p.memory_per_rank.total > NEAR_FULL * device_bytes]
+    flagged = [str(i) for i, p in enumerate(plans, 1) if _near_full(p.memory_per_rank.total, device_bytes)]
     if not flagged:
         return None
     return (
