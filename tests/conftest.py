@@ -47,3 +47,39 @@ def _no_process_group_left_behind():
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+# MESH3D_TEST_CPU_LOG=FILE: each test's CPU seconds, its rank processes and subprocesses included,
+# appended to FILE as "cpu wall nodeid" (docs/testing.md). Each pytest worker moves itself into a
+# cgroup v1 cpuacct group of its own (root, Linux), which every process it starts inherits; a
+# test's CPU is the group's usage after it less before. pytest's timing cannot see this: ranks
+# that share two cores with the other worker's ranks take their time longer, not their CPU.
+_cpu_group: Path | None = None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    import os
+
+    global _cpu_group
+    if not os.environ.get("MESH3D_TEST_CPU_LOG"):
+        return
+    group = Path(f"/sys/fs/cgroup/cpuacct/mesh3d_tests_{os.getpid()}")
+    group.mkdir()
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+    _cpu_group = group
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    import os
+    import time
+
+    if _cpu_group is None:
+        yield
+        return
+    usage = _cpu_group / "cpuacct.usage"
+    cpu, wall = int(usage.read_text()), time.monotonic()
+    yield
+    cpu, wall = (int(usage.read_text()) - cpu) / 1e9, time.monotonic() - wall
+    with open(os.environ["MESH3D_TEST_CPU_LOG"], "a") as log:
+        log.write(f"{cpu:.1f} {wall:.1f} {item.nodeid}\n")
