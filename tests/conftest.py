@@ -69,6 +69,18 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     _cpu_group = group
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    import os
+
+    if _cpu_group is None:
+        return
+    (_cpu_group.parent / "cgroup.procs").write_text(str(os.getpid()))
+    try:
+        _cpu_group.rmdir()
+    except OSError:  # a process this worker started still runs there (a fork server): it stays
+        pass
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
     import os
