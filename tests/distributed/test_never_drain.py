@@ -47,8 +47,8 @@ LAYOUTS = {(4, 1, 1): 5, (2, 2, 1): 3, (2, 2, 2): 2}
 
 
 def cases(layout):
-    """Both rules with both optimizers; at 8 ranks each rule once, with the optimizer the other
-    rule has (every pair meets at (4,1,1) and (2,2,1), and an 8-rank case costs two 4-rank ones)."""
+    """Both rules with both optimizers; at 8 ranks each rule once, the two with different
+    optimizers (every pair runs at (4,1,1) and (2,2,1), and an 8-rank case costs two 4-rank ones)."""
     m = LAYOUTS[layout]
     pairs = [("pipedream_2bw", "sgd"), ("pipedream_2bw", "adamw"), ("pipedream", "sgd"), ("pipedream", "adamw")]
     if layout == (2, 2, 2):
