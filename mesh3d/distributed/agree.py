@@ -2,7 +2,7 @@
 
 A check that fails on one rank only (a different argument, a full disk, a bad file) must fail on
 all of them: a rank that raises alone leaves the others waiting in the next collective until the
-process-group timeout. Each helper here is one small all-gather over the world (a barrier too),
+process-group timeout. Each helper here is one small all-gather (or broadcast) over the world,
 on the CPU: over the default process group, or the gloo side group when the backend is NCCL
 (host_group.py), or the group a caller passes (a checkpoint written in a background thread agrees on
 a group of its own: two threads' collectives on one group would interleave); with one process it
@@ -71,3 +71,45 @@ def check_same_everywhere(value: Any, describe: Callable[[list[Any]], str]) -> N
     everyone = gather_or_raise(value)
     if any(v != everyone[0] for v in everyone):
         raise agreed(ValueError(describe(everyone)))
+
+
+def from_first_rank(compute: Callable[[], Any], meanwhile: Callable[[], object] | None = None) -> Any:
+    """compute()'s result, run on rank 0 alone and handed to every rank (one all-gather over
+    host_group()): for work every rank would repeat to the same end; the other ranks run
+    `meanwhile` instead. If it raises anywhere, every rank raises the first failing rank's error:
+    its own where it failed, elsewhere one of the same type rebuilt from its text (a ValueError stays
+    one; a type that cannot be rebuilt so, a RuntimeError), marked agreed. With one process it
+    sends nothing."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return compute()
+    here = dist.get_rank()
+    outcome, failure = None, None
+    try:
+        outcome = compute() if here == 0 else (meanwhile() if meanwhile is not None else None)
+    except Exception as error:  # noqa: BLE001 - raised below on every rank, once each has taken part
+        failure = error
+    mine = (outcome if here == 0 else None, None if failure is None else _told(failure))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine, group=host_group())
+    for rank, (_, told) in enumerate(everyone):
+        if told is not None:
+            if rank == here:
+                raise agreed(failure)
+            raise agreed(_rebuilt(*told, f" (found on rank {rank})")) from failure
+    return everyone[0][0]
+
+
+def _told(error: Exception) -> tuple[type | None, str, str]:
+    """What travels of an error: its type where every rank can unpickle it (a builtin one), its name
+    and its text."""
+    kind = type(error)
+    return (kind if kind.__module__ == "builtins" else None), kind.__name__, str(error)
+
+
+def _rebuilt(kind: type | None, name: str, text: str, where: str) -> Exception:
+    if kind is not None:
+        try:
+            return kind(text + where)
+        except Exception:  # noqa: BLE001 - a builtin type whose constructor takes other arguments
+            pass
+    return RuntimeError(f"{name}: {text}{where}")

@@ -1,15 +1,17 @@
 """Parameters a tp plan leaves replicated that compute on this rank's slice of an activation.
 
-A plan shards the modules it names; every other module keeps plain, replicated parameters. Most
-of them see whole activations (a norm between blocks) and get the whole gradient on every rank.
-But one between a column-wise and a row-wise module (Apertus' xIELU activation, `act_fn.alpha_p`,
-between `up_proj` and `down_proj`) sees only this rank's slice of the FFN: its forward is right,
-its gradient is this rank's part of the sum. Nothing fails and the loss stays exact; only that
-parameter drifts. So mesh3d finds such modules itself, whatever the plan names: it runs the meta
-stages before and after the plan is applied and takes every module holding plain parameters whose
-inputs changed shape. Their parameters become Replicate DTensors on the tp mesh, used in the
-forward as local tensors whose gradient is a Partial, summed over tp once per step with the
-plan's other partial gradients (gradients.py), as for transformers' "replicated_with_grad_allreduce".
+A plan shards the modules it names; every other module keeps plain, replicated parameters. Most of
+them see whole activations (a norm between blocks) and get the whole gradient on every rank. But one
+between a column-wise and a row-wise module (Apertus' xIELU activation, `act_fn.alpha_p`, between
+`up_proj` and `down_proj`) sees only this rank's slice of the FFN: its forward is right, its
+gradient is this rank's part of the sum. Nothing fails and the loss stays exact; only that parameter
+drifts. So mesh3d finds such modules itself, whatever the plan names: it runs the meta stages before
+and after the plan is applied and takes every module holding plain parameters whose inputs changed
+shape. Every rank holds every stage on meta, so those two passes would be the same on each: the
+first rank runs them and hands the names to the others (agree.from_first_rank). Their parameters
+become Replicate DTensors on the tp mesh, used in the forward as local tensors whose gradient is a
+Partial, summed over tp once per step with the plan's other partial gradients (gradients.py), as for
+transformers' "replicated_with_grad_allreduce".
 """
 
 from __future__ import annotations
@@ -22,15 +24,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils._pytree import tree_leaves
 
+from mesh3d.distributed.agree import from_first_rank
+
 
 def modules_seeing_shards(stages: Iterable[nn.Module], shard: Callable[[], None], run: Callable[[], None]) -> list[str]:
     """The names of the modules holding plain trainable parameters whose inputs change shape when
-    `shard()` applies the tp plan to `stages` (meta), as seen by `run()` running them."""
+    `shard()` applies the tp plan to `stages` (meta), as seen by `run()` running them: found on the
+    first rank, `shard()` applied on every rank."""
     stages = list(stages)
-    before = _input_shapes(stages, run)
-    shard()
-    after = _input_shapes(stages, run)
-    return sorted(name for name in before if after.get(name, before[name]) != before[name])
+
+    def find() -> list[str]:
+        before = _input_shapes(stages, run)
+        shard()
+        after = _input_shapes(stages, run)
+        return sorted(name for name in before if after.get(name, before[name]) != before[name])
+
+    return from_first_rank(find, meanwhile=shard)
 
 
 def _input_shapes(stages: list[nn.Module], run: Callable[[], None]) -> dict[str, list]:

@@ -1,11 +1,11 @@
 """Save at layout A after 2 steps, load at layout B, train 2 more: the same as 4 uninterrupted steps at A.
 
-Layouts among (1,1,1), (2,2,2), (4,1,2), (2,4,1), (1,2,4), (8,1,1); 7 pairs change pp (2 -> 4, 1 -> 8,
-8 -> 1, 4 -> 2), tp (2 -> 1, 4 -> 1, 1 -> 4), dp (1 -> 4, 2 -> 1, 4 -> 1, 1 -> 2), the world size
-(1 -> 8, 8 -> 1), the schedule and virtual stages, and FSDP <-> DDP; tied and untied. Batches come from
-the DistributedLoader, resumed from the saved data position under the new dp degree. B starts
-from other weights (seed 1) and a fresh optimizer, so everything it matches came from the
-checkpoint. Losses of steps 3-4 and every parameter after step 4: relative error <= 1e-5.
+Layouts among (1,1,1), (2,2,2), (4,1,2), (2,4,1), (1,2,4), (8,1,1); 5 pairs change pp (2 -> 4,
+1 -> 2, 8 -> 1, 2 -> 1), tp (2 -> 1, 1 -> 4), dp (2 -> 1, 2 -> 4, 1 -> 4, 4 -> 1, 1 -> 2), the world
+size (1 -> 8, 8 -> 1), the schedule and virtual stages (2 -> 1), and FSDP <-> DDP; tied and untied.
+Batches come from the DistributedLoader, resumed from the saved data position under the new dp
+degree. B starts from other weights (seed 1) and a fresh optimizer, so everything it matches came
+from the checkpoint. Losses of steps 3-4 and every parameter after step 4: relative error <= 1e-5.
 
 Four launches: the A runs of 8 ranks, the A run of one rank, then the B runs of each world size.
 """
@@ -22,20 +22,17 @@ import mesh3d
 # name: (layout, tied, parallelize options)
 SAVED = {
     "222T": ((2, 2, 2), True, {}),
-    "412U": ((4, 1, 2), False, {}),
-    "124T": ((1, 2, 4), True, {}),
     "811U": ((8, 1, 1), False, {}),
     "241T": ((2, 4, 1), True, {"schedule": "1f1b", "dp_mode": "ddp"}),
     "111T": ((1, 1, 1), True, {}),
 }
-# (saved, layout B, options B): what each pair changes is in the comment.
+# (saved, layout B, options B): what each pair changes is in the comment. Each axis grows and
+# shrinks once; the 8-rank pairs with tp on both sides cost the most and are kept few.
 PAIRS = [
-    ("222T", (4, 1, 2), {}),  # pp 2 -> 4, dp 2 -> 1, v 2 -> 2 over other layers
+    ("222T", (4, 1, 2), {"schedule": "1f1b"}),  # pp 2 -> 4, dp 2 -> 1, v 2 -> 1
     ("222T", (2, 4, 1), {"dp_mode": "ddp"}),  # tp 2 -> 1, dp 2 -> 4, FSDP -> DDP
-    ("412U", (2, 2, 2), {"schedule": "1f1b"}),  # pp 4 -> 2, dp 1 -> 2, v 2 -> 1
-    ("124T", (8, 1, 1), {"schedule": "gpipe"}),  # tp 4 -> 1, pp 1 -> 8
-    ("811U", (1, 2, 4), {}),  # pp 8 -> 1, tp 1 -> 4
-    ("111T", (2, 4, 1), {}),  # one process -> 8 ranks, dp 1 -> 4
+    ("811U", (1, 2, 4), {}),  # pp 8 -> 1, tp 1 -> 4, dp 1 -> 2
+    ("111T", (2, 4, 1), {}),  # one process -> 8 ranks, pp 1 -> 2, dp 1 -> 4
     ("241T", (1, 1, 1), {}),  # 8 ranks (DDP, 1F1B) -> one process
 ]
 

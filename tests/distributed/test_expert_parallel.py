@@ -48,7 +48,6 @@ CASES = [
     ("mixtral", (1, 4, 1, 1), 2, dict(schedule="gpipe", microbatches=2, dp_mode="ddp")),  # 2 replicas of each expert
     ("qwen3_moe", (1, 4, 1, 1), 2, dict(schedule="gpipe", microbatches=2)),  # FSDP over 2 holders of each expert
     ("deepseek_v3", (2, 2, 1, 1), 2, dict(schedule="interleaved_1f1b", microbatches=2)),
-    ("deepseek_v3", (1, 2, 1, 2), 4, dict(schedule="gpipe", microbatches=2)),
     ("qwen3_moe", (1, 2, 2, 1), 4, dict(schedule="gpipe", microbatches=2, activation_checkpoint="always")),
 ]
 

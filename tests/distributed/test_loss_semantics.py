@@ -8,7 +8,7 @@ rel <= 1e-5), with its default loss and with a user's (loss_sum, count) loss. A 
 old contract, mean of microbatch means) is shown to differ on the same batch, so the comparison
 can fail. Bad loss results fail on every rank before any message.
 
-16 cases over the 10 layouts of 8 ranks (FSDP at each, DDP wherever dp > 1, the two losses
+13 cases over the 10 layouts of 8 ranks (FSDP at each, DDP at (1,8,1), (2,2,2) and (1,2,4), the two losses
 alternating over them, GPipe, 1F1B and interleaved, tied and untied; one block per stage); the mean
 loss at (2,4,1) is more than 5 % off. On 4 ranks at (2,1,2): a 3-tuple, a per-token loss, a float
 count (found on meta) and a float count from a loss that cannot run on meta (found on the last
@@ -41,6 +41,8 @@ LAYOUTS_8 = [
     (2, 2, 2),
 ]
 SCHEDULES = ["interleaved_1f1b", "1f1b", "gpipe"]
+# DDP alone, under tp, and under all three axes: each loss once (FSDP covers every layout)
+DDP_LAYOUTS = [(1, 8, 1), (1, 2, 4), (2, 2, 2)]
 
 
 def masked_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,13 +79,14 @@ def full_grads(pm) -> dict[str, torch.Tensor]:
 
 
 def cases() -> list[tuple]:
-    """(layout, tied, loss, parallelize options): every layout with FSDP, DDP where dp > 1, the
-    two losses alternating over them (each at pp, dp and tp layouts), the three schedules spread."""
+    """(layout, tied, loss, parallelize options): every layout with FSDP, DDP at (1,8,1), (2,2,2)
+    and (1,2,4), the two losses alternating over them (each at pp, dp and tp layouts), the three
+    schedules spread."""
     chosen = []
     for i, layout in enumerate(LAYOUTS_8):
         loss, other = ("default", "pair") if i % 2 == 0 else ("pair", "default")
         chosen.append((layout, i % 2 == 0, loss, {"schedule": SCHEDULES[i % 3]}))
-        if layout[1] > 1:
+        if layout in DDP_LAYOUTS:
             chosen.append((layout, i % 2 == 1, other, {"schedule": SCHEDULES[(i + 2) % 3], "dp_mode": "ddp"}))
     return chosen
 
