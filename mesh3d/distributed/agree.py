@@ -78,8 +78,9 @@ def from_first_rank(compute: Callable[[], Any], meanwhile: Callable[[], object] 
     host_group()): for work every rank would repeat to the same end; the other ranks run
     `meanwhile` instead. If it raises anywhere, every rank raises the first failing rank's error:
     its own where it failed, elsewhere one of the same type rebuilt from its text (a ValueError stays
-    one; a type that cannot be rebuilt so, a RuntimeError), marked agreed. With one process it
-    sends nothing."""
+    one; a type that cannot be rebuilt so, a RuntimeError), marked agreed. compute's error reads
+    the same on every rank, as when each rank computed it; one of `meanwhile` names its rank. With
+    one process it sends nothing."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return compute()
     here = dist.get_rank()
@@ -95,7 +96,7 @@ def from_first_rank(compute: Callable[[], Any], meanwhile: Callable[[], object] 
         if told is not None:
             if rank == here:
                 raise agreed(failure)
-            raise agreed(_rebuilt(*told, f" (found on rank {rank})")) from failure
+            raise agreed(_rebuilt(*told, f" (found on rank {rank})" if rank else "")) from failure
     return everyone[0][0]
 
 
