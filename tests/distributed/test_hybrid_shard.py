@@ -1,13 +1,16 @@
 """HSDP (`dp_mode="hsdp", dp_shard=K`) equals one process: losses, clipped grad norms and parameters
 after 2 AdamW steps, with pp (a split-backward schedule), tp, cp and ties; each rank holds 1/K of its
-stage's parameters (with cp, 1/(K x cp)); a checkpoint saved under HSDP resumes under FSDP with the
-uninterrupted run's losses. One launch of 8 ranks runs every case."""
+stage's parameters (with cp, 1/(K x cp)); PipeDream-2BW (never draining, its weight versions swapped
+through the sharded parameters) equals its update rule's one-process reference at (2,4,1), K = 2; a
+checkpoint saved under HSDP resumes under FSDP with the uninterrupted run's losses. One launch of 8
+ranks runs every case."""
 
 import math
 
 import pytest
 from checkpoint_cases import build, train
 from multiprocess import run_on_ranks
+from never_drain_cases import MICROBATCH_SIZE, call_batches, mesh3d_run, reference, worst
 from pipeline_cases import TOLERANCE, batches, fewest_layers, pipeline_run, reference_run, tp_args, worst_error
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -61,6 +64,17 @@ def _run(references, scratch):
             worst_error(result, references[(tied, args.n_layers)]),
             _holds_a_k_th(result[3], layout, dp_shard),
         )
+    # never draining: 6 calls of PipeDream-2BW with AdamW (3 microbatches of each of 4 dp ranks a call)
+    never_drain = mesh3d.build_mesh(pp=2, dp=4, tp=1)
+    data = call_batches(MICROBATCH_SIZE * 3 * 4)
+    losses, state, owners, pm = mesh3d_run(
+        never_drain, "pipedream_2bw", 3, True, data, "adamw", dp_mode="hsdp", dp_shard=2
+    )
+    reference_losses, reference_state = reference("pipedream_2bw", 2, 3, 4, True, data, "adamw", owners)
+    outcome["(2, 4, 1) dp_shard=2 pipedream_2bw"] = (
+        worst(losses, state, reference_losses, reference_state),
+        _holds_a_k_th(pm, never_drain, 2),
+    )
     # saved under HSDP after 2 of 4 steps, resumed under FSDP at another layout
     hsdp = mesh3d.build_mesh(pp=2, dp=4, tp=1)
     pm, optimizer, loader = build(hsdp, True, dp_mode="hsdp", dp_shard=2, schedule="1f1b", microbatches=4)
