@@ -2,7 +2,7 @@
 
 A check that fails on one rank only (a different argument, a full disk, a bad file) must fail on
 all of them: a rank that raises alone leaves the others waiting in the next collective until the
-process-group timeout. Each helper here is one small all-gather (or broadcast) over the world,
+process-group timeout. Each helper here is one small all-gather over the world (a barrier too),
 on the CPU: over the default process group, or the gloo side group when the backend is NCCL
 (host_group.py), or the group a caller passes (a checkpoint written in a background thread agrees on
 a group of its own: two threads' collectives on one group would interleave); with one process it
