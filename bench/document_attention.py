@@ -5,7 +5,7 @@
 
 Times forward + backward of one attention call (median of --steps after --warmup), for:
 causal SDPA with no documents (the floor), SDPA with the example's dense (batch, 1, seq, seq) bool
-block-causal mask (examples/llama/model.py), and flex_attention (compiled) with a BlockMask of the
+block-causal mask (examples/llama/attention.py), and flex_attention (compiled) with a BlockMask of the
 same documents; and how far flex's output and input gradients are from SDPA's, in fp32. Documents
 are drawn with lengths uniform in [--min-doc, --max-doc]. flex_attention has no backward on CPU
 (torch 2.13): there only the SDPA rows are timed.
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from examples.llama.model import block_causal_mask  # noqa: E402
+from examples.llama.attention import block_causal_mask  # noqa: E402
 
 
 def documents(batch: int, seq: int, low: int, high: int, generator: torch.Generator) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """The device mesh: ("pp", "dp", "tp"), or ("pp", "dp", "cp", "tp") with context parallelism;
-pp outermost and tp innermost (the axes, their order and sizes: axes.py).
+pp outermost and tp innermost (the axes, their order and sizes: axes.py; the default process group
+they are built on: distributed/process_group.py).
 
 Global rank r sits at coordinates (pp_rank, dp_rank, tp_rank) with
 r = (pp_rank * dp + dp_rank) * tp + tp_rank, so the ranks of one tensor-parallel group are
@@ -9,26 +10,30 @@ sits between dp and tp: r = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.constants import default_pg_nccl_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mesh3d.axes import ALL_AXES, AXES, DATA_DIM, EXPERT_AXIS, EXPERT_DIMS, data_dims, describe, mesh_dims, stage_size
 from mesh3d.axes import resolve_sizes as resolve_axis_sizes
 from mesh3d.distributed.agree import check_same_everywhere
-from mesh3d.distributed.host_group import use_host_group
-from mesh3d.distributed.nccl_watchdog import set_watchdog_defaults
 from mesh3d.distributed.printed_once import print_agreed_errors_once
-from mesh3d.distributed.rendezvous import attempt_store, uses_agent_store
+from mesh3d.distributed.process_group import (
+    BACKEND_FOR_DEVICE,
+    DEFAULT_TIMEOUT,
+    as_timeout,
+    default_timeout,
+    group_options,
+    init_default_group,
+    mesh_group_options,
+    pick_device,
+    start_host_group,
+    world_size_before_init,
+)
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")  # the mesh's dims without context parallelism (axes.mesh_dims)
-# torch's own default for a process group that is given no timeout (gloo and NCCL alike).
-DEFAULT_TIMEOUT = dist.default_pg_timeout
-_BACKEND_FOR_DEVICE = {"cuda": "nccl", "cpu": "gloo"}
 
 
 class Layout:
@@ -87,7 +92,9 @@ class Layout:
         self._own_groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup | None] = {}
         # dp and cp flattened into one dim (a collective: made here, by every rank, in one order)
         data = data_dims(sizes)
-        self._data_mesh = mesh[data[0]] if len(data) == 1 else mesh[data]._flatten(DATA_DIM, _options(device, timeout))
+        self._data_mesh = (
+            mesh[data[0]] if len(data) == 1 else mesh[data]._flatten(DATA_DIM, group_options(device, timeout))
+        )
         self._hybrid_meshes: dict[int, DeviceMesh] = {}
 
     @property
@@ -127,7 +134,7 @@ class Layout:
         same order)."""
         if dp_shard not in self._hybrid_meshes:
             names = ("dp_replicate", "dp_shard" if self.cp == 1 else "dp_shard_cp")
-            options = dict.fromkeys(names, _options(self.device, self.timeout))
+            options = dict.fromkeys(names, group_options(self.device, self.timeout))
             # dp x cp in rank order: groups of dp_shard x cp consecutive ones are dp_shard dp ranks with their cp ranks
             sizes = (self.dp // dp_shard, dp_shard * self.cp)
             self._hybrid_meshes[dp_shard] = self.data_mesh._unflatten(0, sizes, names, backend_override=options)
@@ -210,89 +217,6 @@ def resolve_sizes(pp: int, dp: int, tp: int, world_size: int, cp: int = 1) -> tu
     return tuple(sizes[dim] for dim in mesh_dims(sizes))
 
 
-def _launched_by_torchrun() -> bool:
-    return bool(os.environ.get("RANK")) and bool(os.environ.get("WORLD_SIZE"))
-
-
-def _world_size_before_init() -> int:
-    if dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ["WORLD_SIZE"]) if _launched_by_torchrun() else 1
-
-
-def _pick_device(device: str | torch.device | None, backend: str | None = None) -> torch.device:
-    if device is None:
-        device = _default_device(backend)
-    device = torch.device(device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("build_mesh: device='cuda' was asked for, but CUDA is not available here")
-        if device.index is None:
-            device = torch.device("cuda", _local_device_index())
-        torch.cuda.set_device(device)
-    elif device.type != "cpu":
-        raise ValueError(f"build_mesh: device must be 'cpu' or 'cuda', got {device}")
-    return device
-
-
-def _default_device(backend: str | None) -> str:
-    """CPU where the process group is (or is asked to be) gloo alone, so a CPU test suite runs
-    unchanged on a machine with GPUs; else CUDA when it is there."""
-    if backend is None and dist.is_initialized():
-        backend = dist.get_backend()  # "gloo", "nccl", or a per-device list such as "cpu:gloo,cuda:nccl"
-    if backend is not None and "nccl" not in backend:
-        return "cpu"
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _local_device_index() -> int:
-    """This process's GPU: cuda:LOCAL_RANK, or cuda:0 when the launcher shows each process only
-    its own GPU (CUDA_VISIBLE_DEVICES of one device, whatever LOCAL_RANK says)."""
-    local_rank, visible = int(os.environ.get("LOCAL_RANK") or 0), torch.cuda.device_count()
-    if visible == 1:
-        return 0
-    if local_rank >= visible:
-        raise ValueError(
-            f"build_mesh: LOCAL_RANK={local_rank} but this process sees {visible} GPUs; start at most one "
-            f"process per GPU (torchrun --nproc-per-node), or show each process its own GPU alone "
-            f"(CUDA_VISIBLE_DEVICES)"
-        )
-    return local_rank
-
-
-def _as_timeout(timeout: float | timedelta | None) -> timedelta | None:
-    if timeout is None or isinstance(timeout, timedelta):
-        return timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"build_mesh: timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
-    return timedelta(seconds=timeout)
-
-
-def _init_default_group(backend: str, device: torch.device, timeout: timedelta | None) -> None:
-    device_id = device if device.type == "cuda" else None
-    if "nccl" in backend:
-        set_watchdog_defaults()  # read by torch when the NCCL group starts (nccl_watchdog.py)
-    if _launched_by_torchrun() and uses_agent_store():
-        # torchrun's store outlives a restart: each attempt needs keys of its own (rendezvous.py).
-        store = attempt_store(timeout or DEFAULT_TIMEOUT)
-        dist.init_process_group(
-            backend=backend,
-            store=store,
-            rank=int(os.environ["RANK"]),
-            world_size=int(os.environ["WORLD_SIZE"]),
-            timeout=timeout,
-            device_id=device_id,
-        )
-    elif _launched_by_torchrun():
-        # Started by torchrun (or anything that sets its environment variables).
-        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
-    else:
-        # A plain single process: a private in-memory store, no ports, no environment needed.
-        dist.init_process_group(
-            backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=device_id
-        )
-
-
 def _describe_layouts(everyone: list[tuple[int, ...]]) -> str:
     listing = ", ".join(f"rank {r}: {describe(dict(zip(ALL_AXES, sizes)), ' ')}" for r, sizes in enumerate(everyone))
     return f"build_mesh: ranks asked for different layouts ({listing}); pass the same sizes on every rank"
@@ -346,14 +270,14 @@ def build_mesh(
     on to start the process group; under torchrun, the failed rank ends the job. Pass the same
     sizes on every rank.
     """
-    sizes = resolve_axis_sizes(_world_size_before_init(), pp=pp, dp=dp, tp=tp, cp=cp, ep=ep)
+    sizes = resolve_axis_sizes(world_size_before_init(), pp=pp, dp=dp, tp=tp, cp=cp, ep=ep)
     dims = mesh_dims(sizes)
-    timeout = _as_timeout(timeout)
-    device = _pick_device(device, backend)
+    timeout = as_timeout(timeout)
+    device = pick_device(device, backend)
     if backend is None:
-        backend = _BACKEND_FOR_DEVICE[device.type]
+        backend = BACKEND_FOR_DEVICE[device.type]
     if not dist.is_initialized():
-        _init_default_group(backend, device, timeout)
+        init_default_group(backend, device, timeout)
     else:
         existing = dist.get_backend()  # may be a per-device list such as "cpu:gloo,cuda:nccl"
         if backend not in existing:
@@ -363,12 +287,12 @@ def build_mesh(
             )
         backend = existing
     print_agreed_errors_once(dist.get_rank())  # an error the ranks agreed on: rank 0's traceback only
-    _start_host_group(backend, _default_timeout(backend, timeout))
+    start_host_group(backend, default_timeout(backend, timeout))
     # Ranks that asked for different layouts would build misaligned groups and hang later.
     check_same_everywhere(tuple(sizes[axis] for axis in ALL_AXES), _describe_layouts)
     shape = tuple(sizes[dim] for dim in dims)
     mesh = init_device_mesh(
-        device.type, shape, mesh_dim_names=dims, backend_override=_with_timeout(device, timeout, dims)
+        device.type, shape, mesh_dim_names=dims, backend_override=mesh_group_options(device, timeout, dims)
     )
     expert_mesh = None
     if sizes[EXPERT_AXIS] > 1:
@@ -378,35 +302,6 @@ def build_mesh(
             device.type,
             expert_shape,
             mesh_dim_names=EXPERT_DIMS,
-            backend_override=_with_timeout(device, timeout, EXPERT_DIMS),
+            backend_override=mesh_group_options(device, timeout, EXPERT_DIMS),
         )
-    return Layout(mesh, device, backend, _default_timeout(backend, timeout), expert_mesh)
-
-
-def _start_host_group(backend: str, timeout: timedelta) -> None:
-    """On NCCL, a gloo group over the world for the CPU-side checks (distributed/host_group.py);
-    every rank creates it here, in the same order."""
-    use_host_group(dist.new_group(backend="gloo", timeout=timeout) if "nccl" in backend else None)
-
-
-def _default_timeout(backend: str, timeout: timedelta | None) -> timedelta:
-    if timeout is not None:
-        return timeout
-    return (default_pg_nccl_timeout if backend == "nccl" else None) or DEFAULT_TIMEOUT
-
-
-def _with_timeout(device: torch.device, timeout: timedelta | None, dims: tuple[str, ...]) -> dict | None:
-    """init_device_mesh's per-dim group options carrying `timeout`: torch gives the groups it creates
-    for a mesh its own default (30 minutes), not the default group's timeout, and the pipeline's P2P
-    and data parallelism's collectives run on those groups."""
-    if timeout is None:
-        return None
-    return {dim: _options(device, timeout) for dim in dims}
-
-
-def _options(device: torch.device, timeout: timedelta) -> tuple[str, object]:
-    """A group's (backend, options) carrying `timeout`."""
-    name = _BACKEND_FOR_DEVICE[device.type]
-    options = dist.ProcessGroupNCCL.Options() if name == "nccl" else dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    return name, options
+    return Layout(mesh, device, backend, default_timeout(backend, timeout), expert_mesh)

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from mesh3d.data_parallel.gradient_sync import GradientSync
 from mesh3d.distributed.peer_timeout import located
 from mesh3d.expert_parallel.expert_load import ExpertLoad
 from mesh3d.mesh import Layout
-from mesh3d.model.loss import PAIR
 from mesh3d.model.state_map import StateMap
-from mesh3d.pipeline.boundary import Boundaries
 from mesh3d.pipeline.never_drain_calls import NeverDrainCalls
 from mesh3d.pipeline.runtime import PipelineRuntime, RuntimeCounters
 from mesh3d.pipeline.schedule.ir import Schedule
@@ -23,10 +19,8 @@ from mesh3d.pipeline.split import named_stage_parameters
 from mesh3d.pipeline.tied import TiedWeights
 from mesh3d.step.global_loss import GlobalLoss
 from mesh3d.step.grad_norm import clip_grad_norm_
-from mesh3d.step.per_sample_check import check_batch, check_split
-from mesh3d.step.sequence_shards import RankBatch, SequenceShards
-from mesh3d.tensor.apply import check_loss_parallel_output
-from mesh3d.tensor.gradients import settle_gradients
+from mesh3d.step.pipelined_step import PipelinedStep
+from mesh3d.step.sequence_shards import SequenceShards
 from mesh3d.tensor.plan import TensorParallelConfig
 
 
@@ -78,45 +72,30 @@ class ParallelModel:
         expert_load: ExpertLoad | None = None,
     ):
         self._expert_load = expert_load
-        self._index_bounds = index_bounds or {}
-        self._shards = sequence_shards or SequenceShards(layout, runtime.schedule.microbatches, False)
         self._optimizer = optimizer
         self._layout = layout
         self._runtime = runtime
         self._tied = tied
         self._state = state
         self._stage_layers = stage_layers
-        self._tensor_parallel = tensor_parallel
         self._grad_sync = grad_sync
-        self._vocab_size = vocab_size
         self._global_loss = global_loss  # kind, count and total of the step's loss
+        shards = sequence_shards or SequenceShards(layout, runtime.schedule.microbatches, False)
+        self._pipelined = PipelinedStep(
+            runtime,
+            layout,
+            vocab_size,
+            index_bounds or {},
+            shards,
+            tensor_parallel,
+            global_loss,
+            expert_load,
+            tied,
+            grad_sync,
+            optimizer,
+        )
 
     # -- running ------------------------------------------------------------------------------
-
-    def _check(
-        self, inputs: torch.Tensor, targets: torch.Tensor, per_sample: dict[str, torch.Tensor], during: str
-    ) -> tuple[RankBatch, Boundaries, str]:
-        """Every check of a step or evaluation, on every rank, before any message; this rank's part
-        of the batch (its tokens of each sequence under cp), the boundary shapes and the loss's
-        kind (MEAN or PAIR)."""
-        self._runtime.check_names(per_sample)  # the same on every rank: no message needed
-        vocab, ignore = self._vocab_size, self._global_loss.ignore_index
-        check_batch(inputs, targets, per_sample, vocab, ignore, self._index_bounds, self.layout.device, during)
-        batch = self._shards.cut(inputs, targets, per_sample)
-        tp, sequence_parallel = self.layout.tp, self._tensor_parallel.sequence_parallel
-        check_split(batch.inputs, self.schedule.microbatches, tp, sequence_parallel, self.layout.cp)
-        boundaries = self._runtime.check(batch.inputs, batch.per_sample)
-        if self._tensor_parallel.loss_parallel:
-            output = boundaries.output  # the model's output on meta, as tensor parallelism leaves it
-            check_loss_parallel_output(tuple(output.placements) if isinstance(output, DTensor) else None, output.ndim)
-        kind = self._global_loss.kind(boundaries, batch.inputs, batch.targets)
-        if self._shards.active and kind != PAIR:
-            raise ValueError(
-                f"{during}: context parallelism (cp={self.layout.cp}) needs a loss_fn that returns (loss_sum, count): "
-                "each rank computes the loss of its tokens only, and only sums and counts add up to the whole "
-                "sequence's mean exactly; return the pair (the default cross-entropy does), or use cp=1"
-            )
-        return batch, boundaries, kind
 
     @property
     def layout(self) -> Layout:
@@ -184,45 +163,8 @@ class ParallelModel:
         """
         with self._peer_failures("pm.step"):
             # fail before tied gradients are set aside
-            batch, boundaries, kind = self._check(inputs, targets, per_sample, "pm.step")
-            return self._step(batch, boundaries, kind)
-
-    def _step(self, batch: RankBatch, boundaries: Boundaries, kind: str) -> torch.Tensor:
-        loss = self._global_loss.for_step(boundaries, kind, batch.targets)
-
-        def run():
-            with self._expert_load.counting() if self._expert_load is not None else contextlib.nullcontext():
-                return self._runtime.run(
-                    batch.inputs,
-                    batch.targets,
-                    boundaries,
-                    loss,
-                    train=True,
-                    per_sample=batch.per_sample,
-                    around=batch.around,
-                )
-
-        if self.never_drains:  # updates inside the pipeline; after a failure, refused until a checkpoint is loaded
-            with self._runtime.never_drain.failure_marked(self._drop_partial_state):
-                return self._global_loss.total(run(), loss)
-        self._tied.set_aside_grads()
-        try:
-            totals = run()
-        except BaseException:
-            # The step is lost. Drop what data parallelism holds unreduced (zero_grad cannot reach
-            # it) and give tied copies back their earlier gradients; .grad may still hold parts of
-            # the failed step, so call zero_grad() before the next one.
-            self._tied.restore_set_aside()
-            if self._grad_sync is not None:
-                self._grad_sync.abort()
-            raise
-        settle_gradients(self.parameters())
-        self._tied.sync_grads()
-        value = self._global_loss.total(totals, loss)
-        if self._optimizer is not None:
-            self._optimizer.step()
-            self._optimizer.zero_grad()
-        return value
+            batch, boundaries, kind = self._pipelined.check(inputs, targets, per_sample, "pm.step")
+            return self._pipelined.train(batch, boundaries, kind)
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, **per_sample: torch.Tensor) -> torch.Tensor:
@@ -232,27 +174,8 @@ class ParallelModel:
         Under a never-drain schedule it flushes first (`flush`), so it sees every update in flight."""
         self.flush()
         with self._peer_failures("pm.evaluate"):
-            batch, boundaries, kind = self._check(inputs, targets, per_sample, "pm.evaluate")
-        loss = self._global_loss.for_evaluation(kind)
-        modes = {m: m.training for stage in self.stages.values() for m in stage.modules()}
-        self.eval()
-        try:
-            with self._peer_failures("pm.evaluate"):
-                totals = self._runtime.run(
-                    batch.inputs,
-                    batch.targets,
-                    boundaries,
-                    loss,
-                    train=False,
-                    per_sample=batch.per_sample,
-                    around=batch.around,
-                )
-                return self._global_loss.total(totals)
-        finally:
-            for module, training in modes.items():
-                module.training = training
-            if self._grad_sync is not None:
-                self._grad_sync.end_forward_only()  # no backward came to reshard what the forwards gathered
+            batch, boundaries, kind = self._pipelined.check(inputs, targets, per_sample, "pm.evaluate")
+            return self._pipelined.evaluate(batch, boundaries, kind)
 
     def train(self, mode: bool = True) -> ParallelModel:
         """Set train/eval mode on every local stage (dropout and the like), as nn.Module.train does."""
@@ -387,15 +310,8 @@ class ParallelModel:
                 "group cannot withdraw: restart the processes (torchrun restarts them with --max-restarts) and resume "
                 "from the checkpoint there"
             )
-        self._drop_partial_state()
+        self._pipelined.drop_partial_state()
         self._runtime.never_drain.discard_in_flight()
-
-    def _drop_partial_state(self) -> None:
-        """What a call that stopped half-way leaves in data parallelism (unreduced gradients,
-        gathered parameters) and in `.grad` (the never-drain state drops its own part)."""
-        if self._grad_sync is not None:
-            self._grad_sync.abort()
-        self.zero_grad(set_to_none=True)
 
     def __repr__(self) -> str:
         s = self.schedule

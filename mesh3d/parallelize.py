@@ -24,41 +24,38 @@ its axis (torchtitan's parallelize_llama has the same shape):
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from mesh3d.context_parallel.model_check import POSITIONS, check_blocks_attend, check_kind
+from mesh3d.context_parallel.model_check import POSITIONS
 from mesh3d.data_parallel.mixed_precision import MixedPrecision
 from mesh3d.data_parallel.wrap import DataParallelConfig, apply_data_parallel
 from mesh3d.distributed.agree import check_same_everywhere
 from mesh3d.distributed.printed_once import raised_alike
 from mesh3d.expert_parallel.apply import apply_expert_parallel, resolve_expert_parallel
-from mesh3d.expert_parallel.expert_load import ExpertLoad
 from mesh3d.mesh import Layout, build_mesh
-from mesh3d.model.anatomy import Anatomy
 from mesh3d.model.compiled_blocks import compile_blocks, resolve_compile
-from mesh3d.model.initialize import agree_on_seed, allocate, initialize, make_replicas_identical, to_device
+from mesh3d.model.initialize import make_replicas_identical, to_device
 from mesh3d.model.intake import anatomy_of
 from mesh3d.model.loss import LossFn, cross_entropy_loss
 from mesh3d.model.stage_inputs import stage_input_names
 from mesh3d.model.state_map import StateMap
 from mesh3d.parallel_model import ParallelModel
-from mesh3d.pipeline.boundary import BoundaryShapes
 from mesh3d.pipeline.communicators import pipeline_peers
 from mesh3d.pipeline.config import PipelineConfig
+from mesh3d.pipeline.owned_optimizer import build_optimizer, check_optimizer
 from mesh3d.pipeline.runtime import PipelineRuntime
-from mesh3d.pipeline.split import Split, named_stage_parameters, split_model
+from mesh3d.pipeline.split import split_model
+from mesh3d.pipeline.stage_setup import check_context_parallel, expert_load_of, initialize_shards, shard_stages
 from mesh3d.pipeline.tied import TiedWeights, find_ties, tied_copies
 from mesh3d.pipeline.weight_versions import WeightVersions
 from mesh3d.step.batch_check import declared_vocab_size
 from mesh3d.step.global_loss import GlobalLoss
 from mesh3d.step.sequence_shards import SequenceShards
-from mesh3d.tensor.apply import apply_tensor_parallel, loss_context
-from mesh3d.tensor.partial_gradients import modules_seeing_shards, replicate_on_shards
+from mesh3d.tensor.apply import loss_context
 from mesh3d.tensor.plan import TensorParallelConfig
 
 __all__ = ["parallelize"]
@@ -218,12 +215,12 @@ def parallelize(
             end_weight=end_weight,
             split_points=split_points,
         )
-        _check_optimizer(pipe, optimizer)
+        check_optimizer(pipe, optimizer)
     _check_same_config_everywhere(f"{pipe} {data} {tensor} ep={layout.ep} compile={compile_backend}")
 
     split = split_model(model, anatomy, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank), pipe.traced)
     takes = [stage_input_names(stage) for stage in split.meta_stages]
-    _check_context_parallel(model, layout.cp, anatomy, pipe, split, takes)
+    check_context_parallel(model, layout.cp, anatomy, pipe, split, takes)
     stages = split.stages if split.from_meta else to_device(split.stages, layout.device)
     ties = find_ties(model)
     tie_holders = pipe.tie_holders(ties, split.meta_stages)
@@ -235,14 +232,7 @@ def parallelize(
     if experts is not None:
         apply_expert_parallel(stages, experts, layout)
     if tensor.plan:
-        # a microbatch: the traced model's own, token ids for a model that declares a vocabulary (tp of
-        # them: sequence parallelism splits the sequence over tp, and a model's max length is at least that)
-        ids = torch.zeros(1, layout.tp, dtype=torch.long) if anatomy.vocab_size is not None else None
-        sample = example_inputs[0] if pipe.traced else ids
-        named = anatomy.traced.per_sample if pipe.traced else {}  # a traced model's other inputs, by keyword
-        fresh = functools.partial(BoundaryShapes, split.meta_stages, anatomy.fake_shape_run, pipe.routes, takes)
-        run = None if sample is None else lambda: fresh().of(sample, named)  # noqa: E731  (uncached)
-        _apply_tensor_parallel(split, stages, tied, tensor, layout, run)
+        shard_stages(split, stages, tied, tensor, layout, anatomy, pipe, takes, example_inputs)
     if compile_backend is not None:
         compile_blocks(stages.values(), anatomy, compile_backend, split_backward=pipe.schedule.splits_backward)
     grad_sync = None
@@ -251,9 +241,9 @@ def parallelize(
         tied.separate_stages()  # each stage is its own FSDP/DDP root: no Parameter shared by two
         grad_sync = apply_data_parallel(stages, layout, data, anatomy.blocks)
     if split.from_meta:
-        _initialize_shards(stages, layout, seed, anatomy)
+        initialize_shards(stages, layout, seed, anatomy)
     tied.sync_values()
-    built_optimizer = _build_optimizer(optimizer, stages) if optimizer is not None else None
+    built_optimizer = build_optimizer(optimizer, stages) if optimizer is not None else None
     stream = pipe.never_drain_stream(tie_holders)
     versions = None
     if stream is not None:
@@ -306,45 +296,8 @@ def parallelize(
             any(POSITIONS in names for names in takes),
             anatomy.cp_mask_input if any(anatomy.cp_mask_input in names for names in takes) else None,
         ),
-        _expert_load(anatomy, split, stages, layout),
+        expert_load_of(anatomy, split, stages, layout),
     )
-
-
-def _expert_load(anatomy: Anatomy, split: Split, stages: dict[int, nn.Module], layout: Layout) -> ExpertLoad | None:
-    """Per-expert token counts for a model whose experts modules are declared (at any ep)."""
-    if anatomy.expert_plan is None:
-        return None
-    return ExpertLoad(anatomy.expert_plan, [name for name, _ in split.meta_model.named_modules()], stages, layout)
-
-
-def _check_optimizer(pipe: PipelineConfig, optimizer) -> None:
-    """A never-drain schedule updates inside the pipeline: it needs the optimizer, and (for now) a
-    split whose skip connections stay within a stage."""
-    schedule = pipe.schedule.name
-    if optimizer is not None and not callable(optimizer):
-        raise ValueError(
-            f"optimizer={optimizer!r} is not callable; pass a factory taking the parameters, e.g. "
-            "functools.partial(torch.optim.AdamW, lr=3e-4)"
-        )
-    if pipe.never_drains and optimizer is None:
-        raise ValueError(
-            f"schedule {schedule!r} updates the weights inside the pipeline, stage by stage, so mesh3d must own the "
-            "optimizer: pass optimizer=functools.partial(torch.optim.AdamW, lr=...) (any callable taking the "
-            "parameters and returning a torch optimizer); it is then pm.optimizer"
-        )
-    if pipe.never_drains and pipe.routes.skips:
-        raise ValueError(
-            f"schedule {schedule!r} does not run a model with skip connections between stages yet (this split has "
-            f"{list(pipe.routes.skips)}); use a schedule that drains, "
-            "or split points that keep each skip within a stage"
-        )
-
-
-def _build_optimizer(factory, stages: dict[int, nn.Module]) -> torch.optim.Optimizer:
-    built = factory([param for _, param in named_stage_parameters(stages)])
-    if not isinstance(built, torch.optim.Optimizer):
-        raise ValueError(f"optimizer= returned {type(built).__name__}, not a torch.optim.Optimizer")
-    return built
 
 
 def _resolve_layout(
@@ -368,44 +321,3 @@ def _check_same_config_everywhere(config: str) -> None:
             "pass the same schedule, microbatches, virtual_stages, activation_checkpoint and split on every rank"
         ),
     )
-
-
-def _check_context_parallel(
-    model: nn.Module, cp: int, anatomy: Anatomy, pipe: PipelineConfig, split: Split, takes: list[frozenset[str]]
-) -> None:
-    """At cp > 1, a model that cannot be cut along the sequence is refused by name, on every rank
-    alike (the meta stages run here, counting each block's attention calls; no message)."""
-    check_kind(cp, pipe.traced, takes, model, anatomy.cp_refusal)
-    if cp == 1:
-        return
-    names = {id(module): name for stage in split.meta_stages for name, module in stage.named_modules()}
-    blocks = [(names[id(block)], block) for stage in split.meta_stages for block in anatomy.blocks(stage)]
-    length = 2 * cp
-    sample = torch.zeros(1, length, dtype=torch.long)
-    positions = {POSITIONS: torch.arange(length).unsqueeze(0)}
-    shapes = BoundaryShapes(split.meta_stages, anatomy.fake_shape_run, pipe.routes, takes)
-    check_blocks_attend(blocks, lambda: shapes.of(sample, positions), model, cp)
-
-
-def _initialize_shards(stages: dict[int, nn.Module], layout: Layout, seed: int | None, anatomy: Anatomy) -> None:
-    """A model given on meta, sharded on meta: each rank allocates its shards only and fills them
-    with the values one process would initialize (model/full_view.py)."""
-    base_seed = agree_on_seed(seed, layout.device)
-    allocate(stages, layout.device)
-    for index, stage in stages.items():
-        initialize(stage, index, layout.device, seed, anatomy.init_stage, base_seed=base_seed)
-
-
-def _apply_tensor_parallel(
-    split: Split, stages: dict[int, nn.Module], tied: TiedWeights, tensor: TensorParallelConfig, layout: Layout, run
-) -> None:
-    """The same plan on the meta stages (boundary shapes become local shapes) and on this rank's;
-    then the modules the plan leaves replicated but feeds a slice (tensor/partial_gradients.py),
-    found by `run` (the meta stages on a microbatch; None when its shape is unknown) before and after."""
-    tp_mesh = layout.mesh["tp"]
-    shard = functools.partial(apply_tensor_parallel, split.meta_stages, tensor.plan, tp_mesh)
-    seeing = modules_seeing_shards(split.meta_stages, shard, run) if run is not None else shard() or []
-    replicate_on_shards(split.meta_stages, seeing, tp_mesh)
-    tied.check_sharded_alike(split.meta_stages)
-    apply_tensor_parallel(stages.values(), tensor.plan, tp_mesh)
-    replicate_on_shards(stages.values(), seeing, tp_mesh)

@@ -1,7 +1,8 @@
 """Weights in and out as safetensors, in the layout transformers' `from_pretrained` and `save_pretrained` use.
 
 Names and config come from the model's adapter (`hf_adapter.py`): the Hugging Face name of each
-state entry, the config written and checked, the tied embedding/output pair.
+state entry, the config written and checked, the tied embedding/output pair. The directory's files,
+and the name each entry is written under: `hf_files.py`.
 
 Export gathers one tensor at a time to global rank 0 through the state map (a DTensor is assembled
 by the ranks of its owning pp rank, then sent from that pp rank's first rank), which writes
@@ -26,60 +27,26 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from mesh3d.checkpoint.adapter_choice import adapter_of
-from mesh3d.checkpoint.checksums import (
-    CHECKSUM_FILE,
-    ManifestError,
-    first_mismatch,
-    read_manifest,
-    share,
-    sums_of,
-    write_manifest,
-)
+from mesh3d.checkpoint.checksums import CHECKSUM_FILE, ManifestError, first_mismatch, read_manifest, share
 from mesh3d.checkpoint.hf_adapter import HFAdapter, as_config_dict
+from mesh3d.checkpoint.hf_files import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    adapter_for,
+    is_tied,
+    kept_names,
+    saved_shapes,
+    shard_files,
+    shard_plan,
+    weight_files,
+    write_index_and_config,
+)
 from mesh3d.checkpoint.safetensors_stream import StreamedSafetensors
-from mesh3d.checkpoint.train_state import write_json
 from mesh3d.checkpoint.transformers_sources import ExpertStack, checkpoint_source
 from mesh3d.distributed.agree import attempt, raise_if_any
 from mesh3d.parallel_model import ParallelModel
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-CONFIG_FILE = "config.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
-
-
-def _adapter(pm: ParallelModel) -> HFAdapter:
-    return adapter_of(next(iter(pm.stages.values())), pm.state_map.ties)
-
-
-def _is_tied(pm: ParallelModel, adapter: HFAdapter) -> bool:
-    pair = adapter.tied_pair
-    return pair is not None and any(set(pair) <= set(names) for names in pm.state_map.ties)
-
-
-def _kept_names(pm: ParallelModel, adapter: HFAdapter) -> dict[str, str]:
-    """Every state name -> the name its tensor is written under: a tied weight once, under the
-    embedding of the adapter's tied pair (as save_pretrained does), else under its first name."""
-    kept = {}
-    for names in pm.state_map.ties:
-        pair = adapter.tied_pair
-        keep = pair[0] if pair is not None and set(pair) <= set(names) else names[0]
-        kept.update(dict.fromkeys(names, keep))
-    return {name: kept.get(name, name) for name in pm.state_map.specs}
-
-
-def _shard_plan(sizes: dict[str, int], max_shard_size: int) -> list[list[str]]:
-    """Names grouped into files in model order, each file at most max_shard_size bytes (or one tensor)."""
-    shards: list[list[str]] = [[]]
-    used = 0
-    for name, size in sizes.items():
-        if shards[-1] and used + size > max_shard_size:
-            shards.append([])
-            used = 0
-        shards[-1].append(name)
-        used += size
-    return shards
 
 
 @contextmanager
@@ -122,31 +89,27 @@ def export_safetensors(
     out_dir = Path(out_dir)
     layout = pm.layout
     pm.flush()  # a never-drain schedule: every update in flight applied first
-    adapter = _adapter(pm)
+    adapter = adapter_for(pm)
     config = as_config_dict(config) if config is not None else adapter.hf_config()
     if config is None:
         raise ValueError(
             "export_safetensors: pass config= (the Hugging Face config.json contents); this model declares no "
             "hf_adapter() with an hf_config() and has no config attribute (docs/model_protocol.md)"
         )
-    tied = _is_tied(pm, adapter)
+    tied = is_tied(pm, adapter)
     if adapter.tied_pair is not None and bool(config.get("tie_word_embeddings", False)) != tied:
         raise ValueError(
             f"export_safetensors: config has tie_word_embeddings={config.get('tie_word_embeddings')} but the model's "
             f"embedding and output are {'tied' if tied else 'separate'}; give a config that matches the model"
         )
-    kept = _kept_names(pm, adapter)
+    kept = kept_names(pm, adapter)
     specs = {n: spec for n, spec in pm.state_map.specs.items() if kept[n] == n}
     hf_names = {name: adapter.to_hf(name) for name in specs}
     _refuse_shared_names(hf_names)
     out_dtype = {n: dtype or spec[1] for n, spec in specs.items()}
     sizes = {n: spec[0].numel() * out_dtype[n].itemsize for n, spec in specs.items()}
-    shards = _shard_plan(sizes, max_shard_size)
-    files = (
-        [SINGLE_FILE]
-        if len(shards) == 1
-        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    )
+    shards = shard_plan(sizes, max_shard_size)
+    files = shard_files(len(shards))
     config = {**config, "torch_dtype": str(next(iter(out_dtype.values()))).removeprefix("torch.")}
     config["dtype"] = config["torch_dtype"]
 
@@ -156,7 +119,7 @@ def export_safetensors(
         for file, names in zip(files, shards):
             error = _stream_file(pm, out_dir / file, names, hf_names, specs, out_dtype, error)
     if layout.rank == 0 and not error:
-        error = attempt(lambda: _write_index_and_config(out_dir, files, shards, hf_names, sizes, config))
+        error = attempt(lambda: write_index_and_config(out_dir, files, shards, hf_names, sizes, config))
     raise_if_any(error)
     return str(out_dir)
 
@@ -203,30 +166,6 @@ def _stream_file(pm: ParallelModel, path: Path, names, hf_names, specs, out_dtyp
     return error
 
 
-def _write_index_and_config(out_dir, files, shards, hf_names, sizes, config) -> None:
-    if len(files) > 1:
-        weight_map = {hf_names[n]: file for file, names in zip(files, shards) for n in names}
-        write_json(out_dir / INDEX_FILE, {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map})
-    write_json(out_dir / CONFIG_FILE, config)
-    write_manifest(out_dir, sums_of(out_dir, files))
-
-
-def _weight_files(in_dir: Path) -> dict[str, Path]:
-    """Hugging Face tensor name -> the file holding it."""
-    index = in_dir / INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: in_dir / file for name, file in weight_map.items()}
-    single = in_dir / SINGLE_FILE
-    if not single.is_file():
-        raise FileNotFoundError(
-            f"import_safetensors: {in_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}; pass a directory written by "
-            "save_pretrained(..., safe_serialization=True) or mesh3d.checkpoint.export_safetensors"
-        )
-    with safe_open(str(single), framework="pt") as f:
-        return {name: single for name in f.keys()}
-
-
 def import_safetensors(pm: ParallelModel, in_dir: str | os.PathLike) -> None:
     """Load Hugging Face safetensors weights into the model, under any layout. Call on every rank.
 
@@ -242,8 +181,8 @@ def import_safetensors(pm: ParallelModel, in_dir: str | os.PathLike) -> None:
     """
     in_dir = Path(in_dir)
     raise_if_any(_checksum_problem(in_dir, pm.layout.rank, pm.layout.world_size))
-    adapter = _adapter(pm)
-    files = _weight_files(in_dir)
+    adapter = adapter_for(pm)
+    files = weight_files(in_dir)
     theirs = json.loads((in_dir / CONFIG_FILE).read_text()) if (in_dir / CONFIG_FILE).is_file() else None
     mismatch = adapter.config_mismatch(theirs) if theirs is not None else None
     if mismatch:
@@ -253,7 +192,7 @@ def import_safetensors(pm: ParallelModel, in_dir: str | os.PathLike) -> None:
     source, theirs_head = _source_names(pm, adapter, files, theirs, in_dir)
     read_names = {n for s in source.values() for n in (s.names() if isinstance(s, ExpertStack) else [s])}
     _refuse_unplaced(files, {*read_names, *theirs_head}, adapter, in_dir)
-    shapes = _saved_shapes(files, read_names)
+    shapes = saved_shapes(files, read_names)
     for name, (shape, _) in pm.state_map.specs.items():
         hf, saved = source[name], shapes.get(source[name])
         if isinstance(hf, ExpertStack):
@@ -290,13 +229,13 @@ def _source_names(
     A checkpoint whose config ties the embeddings (or, without a config, that has no tensor for
     the adapter's output head) uses the embedding as its output head, whatever else the files hold.
     """
-    kept = _kept_names(pm, adapter)
+    kept = kept_names(pm, adapter)
     pair = adapter.tied_pair
     theirs_tied, head, embedding = False, None, None
     if pair is not None:
         embedding, head = adapter.to_hf(pair[0]), adapter.to_hf(pair[1])
         theirs_tied = bool(config.get("tie_word_embeddings", False)) if config is not None else head not in files
-        if _is_tied(pm, adapter) and not theirs_tied:
+        if is_tied(pm, adapter) and not theirs_tied:
             raise ValueError(
                 f"import_safetensors: {in_dir} has an output head of its own ({head}, untied embeddings) but this "
                 "model ties its output to the embedding; build the model with untied embeddings"
@@ -306,7 +245,7 @@ def _source_names(
     for name, (shape, _) in pm.state_map.specs.items():
         hf = embedding if theirs_tied and name == pair[1] else adapter.to_hf(kept[name])
         if hf not in files and model_type is not None:  # renamed by transformers, or experts one by one?
-            rows = lambda n: _saved_shapes(files, {n})[n][0]  # noqa: E731 - read only for the names it finds
+            rows = lambda n: saved_shapes(files, {n})[n][0]  # noqa: E731 - read only for the names it finds
             hf = checkpoint_source(hf, model_type, set(files), tuple(shape), rows) or hf
         if not isinstance(hf, ExpertStack) and hf not in files:
             raise ValueError(f"import_safetensors: {in_dir} has no tensor {hf!r} (this model's {name})")
@@ -325,18 +264,6 @@ def _refuse_unplaced(files: dict[str, Path], placed: set[str], adapter: HFAdapte
             "loading without them would compute something else. Build a model that has them; a model that "
             "deliberately goes without them lists them in its hf_adapter()'s ignored_hf"
         )
-
-
-def _saved_shapes(files: dict[str, Path], names: set[str]) -> dict[str, tuple[int, ...]]:
-    shapes = {}
-    by_file: dict[Path, list[str]] = {}
-    for name in names:
-        by_file.setdefault(files[name], []).append(name)
-    for file, in_file in by_file.items():
-        with safe_open(str(file), framework="pt") as f:
-            for name in in_file:
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    return shapes
 
 
 def _read_local_slices(pm: ParallelModel, files: dict[str, Path], source: dict[str, str | ExpertStack]) -> None:

@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
+from examples.llama.attention import apply_rotary, rope_cache
 from examples.llama.config import CONFIGS, ModelArgs, RopeScaling, get_config
-from examples.llama.model import Transformer, apply_rotary, count_parameters, loss_fn, rope_cache
+from examples.llama.model import Transformer, count_parameters, loss_fn
 
 TINY = ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=32)
 

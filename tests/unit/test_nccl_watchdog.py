@@ -7,8 +7,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from mesh3d import mesh
-from mesh3d.distributed import agree, host_group
+from mesh3d.distributed import agree, host_group, process_group
 from mesh3d.distributed.nccl_watchdog import WATCHDOG_DEFAULTS, set_watchdog_defaults
 
 NAMES = [name for name, (_, aliases) in WATCHDOG_DEFAULTS.items() for name in (name, *aliases)]
@@ -48,11 +47,11 @@ def test_the_nccl_group_starts_with_the_defaults_in_its_environment(clean_enviro
     def init_process_group(backend, **kwargs):
         seen[backend] = {name: os.environ.get(name) for name in NAMES}
 
-    clean_environment.setattr(mesh.dist, "init_process_group", init_process_group)
-    clean_environment.setattr(mesh, "_launched_by_torchrun", lambda: False)
-    mesh._init_default_group("gloo", torch.device("cpu"), None)
+    clean_environment.setattr(process_group.dist, "init_process_group", init_process_group)
+    clean_environment.setattr(process_group, "launched_by_torchrun", lambda: False)
+    process_group.init_default_group("gloo", torch.device("cpu"), None)
     assert {name for name, value in seen["gloo"].items() if value} == {"TORCH_NCCL_DUMP_ON_TIMEOUT"}  # gloo: none set
-    mesh._init_default_group("nccl", torch.device("cpu"), timedelta(seconds=10))
+    process_group.init_default_group("nccl", torch.device("cpu"), timedelta(seconds=10))
     assert seen["nccl"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     assert seen["nccl"]["TORCH_FR_BUFFER_SIZE"] == "2000"
     assert seen["nccl"]["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
@@ -67,8 +66,8 @@ def test_on_nccl_build_mesh_makes_a_gloo_world_group_and_agree_exchanges_on_it(m
         created.append({"ranks": ranks, "timeout": timeout, "backend": backend})
         return f"gloo side group {len(created)}"
 
-    monkeypatch.setattr(mesh.dist, "new_group", new_group)
-    mesh._start_host_group("nccl", timedelta(seconds=10))
+    monkeypatch.setattr(process_group.dist, "new_group", new_group)
+    process_group.start_host_group("nccl", timedelta(seconds=10))
     assert created == [{"ranks": None, "timeout": timedelta(seconds=10), "backend": "gloo"}]  # the whole world
     assert host_group.host_group() == "gloo side group 1"
 
@@ -85,11 +84,11 @@ def test_on_nccl_build_mesh_makes_a_gloo_world_group_and_agree_exchanges_on_it(m
     agree.check_same_everywhere((2, 1, 1), str)
     assert exchanged == ["gloo side group 1"]
 
-    mesh._start_host_group("gloo", timedelta(seconds=10))  # on gloo: the default group itself
+    process_group.start_host_group("gloo", timedelta(seconds=10))  # on gloo: the default group itself
     agree.check_same_everywhere((2, 1, 1), str)
     assert exchanged[-1] is None and len(created) == 1
 
-    mesh._start_host_group("nccl", timedelta(seconds=10))
+    process_group.start_host_group("nccl", timedelta(seconds=10))
     monkeypatch.setattr(host_group, "_default_group", object)  # a new default group: the side group is gone
     assert host_group.host_group() is None
     host_group.use_host_group(None)

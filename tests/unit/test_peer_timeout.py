@@ -11,12 +11,12 @@ def test_timeout_argument_and_what_counts_as_a_peer_failure():
 
     import pytest
 
-    from mesh3d.mesh import _as_timeout
+    from mesh3d.distributed.process_group import as_timeout
 
-    assert _as_timeout(10) == timedelta(seconds=10) and _as_timeout(None) is None
+    assert as_timeout(10) == timedelta(seconds=10) and as_timeout(None) is None
     for bad in (0, -1, "10", True):
         with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
-            _as_timeout(bad)
+            as_timeout(bad)
     assert is_peer_failure(RuntimeError("[gloo] Timed out waiting 10000ms for recv operation to complete"))
     assert is_peer_failure(RuntimeError("Read error [127.0.0.1]:62617: Connection reset by peer"))
     assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
@@ -59,10 +59,10 @@ def test_nccl_texts_of_a_lost_peer_are_peer_failures_and_its_own_errors_are_not(
 def test_an_nccl_abort_inside_a_wait_names_the_wait_and_the_coordinates():
     import pytest
 
-    from mesh3d.mesh import _as_timeout
+    from mesh3d.distributed.process_group import as_timeout
 
     with pytest.raises(PeerTimeout) as caught:
-        with located(5, (1, 0, 1), _as_timeout(10), "pm.step"):
+        with located(5, (1, 0, 1), as_timeout(10), "pm.step"):
             with waiting_for("P2P recv of the activation of stage 1, microbatch 0, from stage 0 on global rank 1"):
                 raise NCCL_PEER_FAILURES[0]
     message = str(caught.value)
