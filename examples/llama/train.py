@@ -2,34 +2,21 @@
 
     # 8 processes on one machine (CPU + gloo here; CUDA + NCCL where there are GPUs):
     torchrun --standalone --nproc-per-node 8 examples/llama/train.py --pp 2 --dp 2 --tp 2
-    # context parallelism: each sequence cut over 2 ranks (--seq-len a multiple of 2 x --cp):
-    torchrun --standalone --nproc-per-node 4 examples/llama/train.py --dp 2 --cp 2 --seq-len 256
-    # one plain process:
-    python examples/llama/train.py --steps 50 --metrics runs/debug.jsonl
+    # one plain process; checkpoints every 50 steps, resumed by the same command under any layout:
+    python examples/llama/train.py --steps 100 --checkpoint-dir ckpt --checkpoint-every 50 --resume
 
-    # checkpoints every 50 steps; after a crash or preemption the same command (any layout) resumes:
-    torchrun --standalone --nproc-per-node 8 examples/llama/train.py --pp 2 --dp 2 --tp 2 \
-        --checkpoint-dir ckpt --checkpoint-every 50 --resume          # or --resume-from ckpt/step100
-    # start from Hugging Face Llama weights, write the result back as safetensors:
-    python examples/llama/train.py --init-from-hf path/to/llama --export-hf runs/hf
-    # a Hugging Face model as transformers builds it: a directory (with or without weights), or an
-    # architecture at --config's sizes; --export-hf writes it back as that architecture:
-    torchrun --standalone --nproc-per-node 2 examples/llama/train.py --hf-model qwen2 --pp 2 --export-hf runs/qwen2
-    # your tokenizer and JSONL/Parquet shards, held-out eval, settings kept in a TOML file:
-    python examples/llama/train.py --config-file run.toml --tokenizer tokenizer.json \
-        --data "shards/*.jsonl" --eval-every 50 --eval-batches 4
+docs/training.md has the rest: your data and tokenizer, long sequences (--cp), Hugging Face models
+(--hf-model, --init-from-hf, --export-hf), what a run prints and logs.
 
 A short composition of mesh3d's parts, to copy as the start of your own loop: the model is built
 on the meta device and handed to mesh3d.parallelize, which splits it into pipeline stages, shards
 each with the model's tensor-parallel plan and FSDP2 (or DDP) over the data-parallel ranks.
-mesh3d.train brings the resume, the skipping of non-finite steps, the held-out evaluation and the
-progress line. AdamW, linear warmup then cosine decay, gradient clipping over all of pp, dp, cp
-and tp; rank 0 prints a progress line every --log-every steps and writes one JSON line per step.
-
-With a never-drain schedule (--schedule pipedream or pipedream_2bw) the optimizer lives inside the
-pipeline: parallelize builds it (`optimizer=`) and pm.step updates each stage when the schedule's
-rule says; the loop only sets the LR. No gradient clipping (no whole gradient exists at any one
-moment), and the non-finite guard counts non-finite losses instead of skipping updates.
+mesh3d.train brings the resume, the skipping of non-finite steps, the held-out evaluation, the
+progress line and the memory figures. AdamW, linear warmup then cosine decay, gradient clipping
+over all of pp, dp, cp and tp. With a never-drain schedule (--schedule pipedream or pipedream_2bw)
+the optimizer lives inside the pipeline: parallelize builds it (`optimizer=`), pm.step updates each
+stage when the schedule's rule says, and the loop only sets the LR (no clipping: no whole gradient
+exists at any one moment; the non-finite guard counts bad losses instead of skipping updates).
 """
 
 from __future__ import annotations
@@ -65,12 +52,13 @@ from examples.llama.optimization import build_optimizer, lr_at  # noqa: E402
 from examples.llama.placement import placement_report  # noqa: E402
 from examples.llama.profiling import StepProfiler  # noqa: E402
 from examples.llama.run_config import effective_config_toml  # noqa: E402
+from examples.llama.step_report import per_sample_inputs, router_terms, step_line, step_record  # noqa: E402
 from examples.llama.tensorboard_log import TensorBoardLog  # noqa: E402
 from examples.llama.text_data import build_datasets, build_tokenizer  # noqa: E402
 from examples.llama.wandb_log import WandbLog  # noqa: E402
 from mesh3d.data import DistributedLoader  # noqa: E402
-from mesh3d.data.documents import document_ids  # noqa: E402
 from mesh3d.distributed.rendezvous import restart_count  # noqa: E402
+from mesh3d.planner import predict_memory, wants_prediction  # noqa: E402
 from mesh3d.train import (  # noqa: E402
     BadLossGuard,
     BadStepGuard,
@@ -103,20 +91,26 @@ def set_up(args):
     n_params, per_token = count_parameters(model), flops_per_token(model, args.seq_len)
     # A never-drain schedule updates inside pm.step, so parallelize builds the optimizer (pm.optimizer).
     inside = functools.partial(build_optimizer, args=args) if arguments.never_drains(args.schedule) else None
-    pm = mesh3d.parallelize(
-        model,
-        layout,
+    choices = dict(
         schedule=args.schedule,
         microbatches=args.microbatches,
         virtual_stages=args.virtual_stages,
         activation_checkpoint=args.activation_checkpoint,
         dp_mode=args.dp_mode,
+        param_dtype=arguments.PARAM_DTYPES[args.param_dtype],
+        compile=args.compile,
+    )
+    prediction = None  # the planner's memory for this layout, beside the first step's peak (rank 0)
+    if wants_prediction(layout.device, args.predict_memory) and layout.rank == 0:
+        prediction = predict_memory(model, layout, seq_len=args.seq_len, global_batch=args.global_batch, **choices)
+    pm = mesh3d.parallelize(
+        model,
+        layout,
+        **choices,
         dp_shard=args.dp_shard,
         # A Hugging Face model's plan is its own (its config's base_model_tp_plan)
         tp_plan=None if args.hf_model else llama_tp_plan(loss_parallel=args.loss_parallel),
         loss_parallel=args.loss_parallel,
-        param_dtype=arguments.PARAM_DTYPES[args.param_dtype],
-        compile=args.compile,
         seed=args.seed,
         optimizer=inside,
     )  # the default loss: next-token cross-entropy over the global batch's counted tokens, any layout
@@ -147,22 +141,13 @@ def set_up(args):
     )
     per_sample = per_sample_inputs(args, tokenizer)
     evaluator = HeldOutEvaluator(heldout, args.global_batch, layout, args.eval_batches, per_sample) if heldout else None
-    return layout, pm, optimizer, loader, evaluator, progress, resumed, per_sample
-
-
-def per_sample_inputs(args, tokenizer):
-    """The inputs each batch brings besides its tokens: with --document-mask, each token's document
-    (from the end-of-document tokens in it: nothing to keep across a resume, the data position is
-    the tokens' own)."""
-    if not args.document_mask:
-        return lambda inputs: {}
-    return lambda inputs: {"document_ids": document_ids(inputs, tokenizer.separator_id)}
+    return layout, pm, optimizer, loader, evaluator, progress, resumed, per_sample, prediction
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     with reported_once(flags_of(arguments.build_parser())):  # said once, by rank 0, in flags
         args = parse_args(argv)
-        layout, pm, optimizer, loader, evaluator, progress, resumed, per_sample = set_up(args)
+        layout, pm, optimizer, loader, evaluator, progress, resumed, per_sample, prediction = set_up(args)
     is_main = layout.rank == 0
     fault = FaultInjection.from_env(layout.rank)  # a test hook, off unless MESH3D_FAULT is set
     if fault:
@@ -208,23 +193,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             update_expert_bias(pm, pm.expert_load(), args.expert_bias_rate)
         seconds = time.perf_counter() - step_start
         peak = memory.gather()  # a collective, every step: the same figure on every rank
-        record = {
-            "step": step + 1,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens_per_s": progress.tokens_per_step / seconds,
-            "elapsed_s": progress.elapsed(),
-            "param_dtype": args.param_dtype,
-            "compile": args.compile,
-            "restart": restart,
-            "skipped": not stepped,
-            "tokens": (step + 1) * progress.tokens_per_step,
-            **peak.as_record(),
-        }
-        terms = pm.loss_terms
-        if "router_aux" in terms:  # a mixture of experts' router loss: the loss is their sum
-            record["cross_entropy"], record["router_aux"] = terms["loss_fn"], terms["router_aux"]
+        first = prediction if step == progress.start_step else None  # the planner's figure, rank 0
+        record = step_record(step + 1, loss, lr, grad_norm, seconds, progress, args, restart, stepped, peak, first)
+        record.update(router_terms(pm.loss_terms))
+        if first:
+            print(first.beside(peak), flush=True)
         if evaluator and due(step + 1, args.eval_every, args.steps):
             record.update(evaluator(pm))
         history.append(record)
@@ -234,24 +207,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for log in scalar_logs:  # rank 0 only
             log.write(record)
         if is_main and (step % args.log_every == 0 or step + 1 == args.steps or "eval_loss" in record):
-            evaluated = (
-                f"  eval_loss {record['eval_loss']:.4f}  eval_ppl {record['eval_perplexity']:.2f}"
-                if "eval_loss" in record
-                else ""
-            )
-            router = (
-                f"  (ce {record['cross_entropy']:.4f} + router {record['router_aux']:.4f})"
-                if "router_aux" in record
-                else ""
-            )
-            print(
-                progress.line(step + 1, record["loss"], lr, record["grad_norm"], seconds)
-                + f"  {peak.describe()}"
-                + router
-                + evaluated
-                + ("  SKIPPED (non-finite gradient norm)" if not stepped else ""),
-                flush=True,
-            )
+            print(step_line(progress, record, seconds, peak), flush=True)
         profiler.after(step + 1)
         guard.raise_if_too_many(step + 1, loss if pm.never_drains else grad_norm)
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from mesh3d.planner import constants as C
+
 GIB = 2**30
 GB = 10**9
 
@@ -79,9 +81,15 @@ class Hardware:
     memory_bandwidth: float  # HBM, for the optimizer's elementwise update
     peak_fp32_flops: float | None = None  # for param_dtype=None (fp32 compute); None: peak_flops / 2
     source: str = ""
-    # What a step's matmuls reach of the peak; None: constants.ACHIEVABLE_COMPUTE_FRACTION (a
-    # datasheet peak). A measured machine ("this-machine") states 1: its peak is a rate reached.
+    # What a step's FLOPs reach of the peak; None: constants.ACHIEVABLE_COMPUTE_FRACTION (a
+    # datasheet peak). A preset's is fitted on published runs (`fitted_on`); a measured machine
+    # ("this-machine") states 1: its peak is a rate reached.
     achievable_fraction: float | None = None
+    fitted_on: str = ""  # the published runs `achievable_fraction` was fitted on (docs/plan.md)
+    # How far the planner's tokens/s may stand from a real run on this hardware, as a fraction:
+    # the largest error of the runs it was fitted on; None: constants.UNCALIBRATED_ERROR_BAND.
+    # Plans whose speeds lie within it of each other are ranked by memory headroom (ranking.py).
+    error_band: float | None = None
     # A measured machine times the model's own parts on itself (measure/part_timing.py) instead of
     # dividing their FLOPs by a rate: on a CPU the norms, attention and elementwise ops, and
     # DTensor's dispatch under tensor parallelism, are no small share of a block.
@@ -101,6 +109,11 @@ class Hardware:
     # other); None: bytes over the link plus `collective_latency`, as a ring on NCCL runs.
     collective_times: CollectiveTimes | None = None
 
+    @property
+    def band(self) -> float:
+        """The error band the planner states for its speed predictions on this hardware."""
+        return C.UNCALIBRATED_ERROR_BAND if self.error_band is None else self.error_band
+
     def peak_for(self, fp32: bool) -> float:
         """The peak the compute dtype runs at."""
         if not fp32:
@@ -119,27 +132,57 @@ class Hardware:
 
 
 # NVLink figures are the datasheets' bidirectional totals halved; the network is one NIC per GPU.
-HARDWARE: dict[str, Hardware] = {
-    "h100": Hardware(
-        "h100",
+# The achievable fraction is fitted per GPU on the published runs docs/plan.md lists (each run's
+# whole layout pinned, tests/unit/test_plan_published.py), minimising the largest error; the band
+# is that error. The H100, H100 96 GB and H200 are one chip: one fraction.
+_H100_FRACTION = 0.394
+_H100_BAND = 0.14
+_H100_FITTED_ON = (
+    "torchtitan's Llama 3.1 8B on 8 H100 (eager and compiled) and on 128, FSDP with selective "
+    "checkpointing, and its 70B on 256, FSDP 32 x TP 8 (96 GB parts at 500 W: "
+    "benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3; its PR #1299)"
+)
+
+
+def _hopper(name: str, memory_bytes: int, memory_bandwidth: float, source: str) -> Hardware:
+    """An H100-chip part (SXM: 989 TFLOP/s dense BF16, NVLink 4, a 400 Gb/s port per GPU) and its
+    memory, with the chip's fitted fraction and band."""
+    return Hardware(
+        name,
         peak_flops=989e12,
-        memory_bytes=80 * GIB,
+        memory_bytes=memory_bytes,
         intra_node_bandwidth=450 * GB,
         inter_node_bandwidth=50 * GB,
-        memory_bandwidth=3350 * GB,
+        memory_bandwidth=memory_bandwidth,
         peak_fp32_flops=494.5e12,
-        source="NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 (1,979 with sparsity), 80 GB HBM3 at "
+        source=source,
+        achievable_fraction=_H100_FRACTION,
+        fitted_on=_H100_FITTED_ON,
+        error_band=_H100_BAND,
+    )
+
+
+HARDWARE: dict[str, Hardware] = {
+    "h100": _hopper(
+        "h100",
+        80 * GIB,
+        3350 * GB,
+        "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 (1,979 with sparsity), 80 GB HBM3 at "
         "3.35 TB/s, NVLink 4 900 GB/s; ConnectX-7 400 Gb/s per GPU (DGX H100)",
     ),
-    "h200": Hardware(
+    "h100-96gb": _hopper(
+        "h100-96gb",
+        96 * GB,
+        2400 * GB,
+        "The H100 96 GB of Meta's Grand Teton hosts, torchtitan's benchmark machine "
+        "(benchmarks/llama3_h100_202412_torchtitan.md): 96 GB HBM2e at 2.4 TB/s, a 500 W power limit "
+        "(the SXM5's 700 W TDP), 400 Gb/s RDMA per GPU; the SXM5's 989 TFLOP/s dense BF16 as the peak",
+    ),
+    "h200": _hopper(
         "h200",
-        peak_flops=989e12,
-        memory_bytes=141 * GB,
-        intra_node_bandwidth=450 * GB,
-        inter_node_bandwidth=50 * GB,
-        memory_bandwidth=4800 * GB,
-        peak_fp32_flops=494.5e12,
-        source="NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; "
+        141 * GB,
+        4800 * GB,
+        "NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; "
         "ConnectX-7 400 Gb/s per GPU (DGX H200)",
     ),
     "a100-80gb": Hardware(
@@ -152,6 +195,10 @@ HARDWARE: dict[str, Hardware] = {
         peak_fp32_flops=156e12,
         source="NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s dense BF16, 80 GB HBM2e at 2,039 GB/s, NVLink 3 "
         "600 GB/s; HDR InfiniBand 200 Gb/s per GPU (DGX A100)",
+        achievable_fraction=0.641,
+        fitted_on="torchtitan's Llama 2 13B, Llama 3 8B and 70B on 64 A100, FSDP (docs/performance.md "
+        "before its PR #800): mesh3d's own stack (FSDP2, SDPA's flash attention)",
+        error_band=0.10,
     ),
     "b200": Hardware(
         "b200",
@@ -163,5 +210,6 @@ HARDWARE: dict[str, Hardware] = {
         peak_fp32_flops=1.125e15,
         source="NVIDIA DGX B200 datasheet: 72 PFLOP/s FP8 training per 8 GPUs (2.25 PFLOP/s dense BF16 each), "
         "1,440 GB HBM3e per 8 GPUs at 7.7 TB/s each, NVLink 5 1.8 TB/s; ConnectX-7 400 Gb/s per GPU",
+        fitted_on="no published run: constants.ACHIEVABLE_COMPUTE_FRACTION",
     ),
 }

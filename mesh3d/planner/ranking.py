@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -18,6 +17,7 @@ from torch import nn
 from mesh3d.pipeline.schedule.catalog import build_schedule
 from mesh3d.pipeline.split import split_point_counts, stage_layer_ranges
 from mesh3d.pipeline.tied import find_ties
+from mesh3d.planner.band import check_band, rank_within_band
 from mesh3d.planner.hardware import Hardware
 from mesh3d.planner.measure.costs import ModelCosts
 from mesh3d.planner.measure.data_parallel_timing import time_data_parallel
@@ -26,8 +26,9 @@ from mesh3d.planner.measure.measured_stages import planner_anatomy, token_ids
 from mesh3d.planner.measure.part_timing import time_model
 from mesh3d.planner.measure.probe import measure_model_anywhere
 from mesh3d.planner.model_source import max_sequence_length, meta_model
-from mesh3d.planner.predict.memory import MemoryBreakdown, StagePlacement, rank_activations, rank_memory
-from mesh3d.planner.predict.step_time import Links, StepTime, step_time
+from mesh3d.planner.planned_layout import Plan
+from mesh3d.planner.predict.memory import StagePlacement, rank_activations, rank_memory
+from mesh3d.planner.predict.step_time import Links, step_time
 from mesh3d.planner.search_space import (
     candidate_layouts,
     check_fix,
@@ -41,78 +42,6 @@ from mesh3d.planner.search_space import (
 )
 
 
-@dataclass(frozen=True)
-class Plan:
-    """One layout and what the planner predicts for it."""
-
-    pp: int
-    dp: int
-    tp: int
-    schedule: str
-    virtual_stages: int
-    microbatches: int
-    activation_checkpoint: str
-    dp_mode: str
-    param_dtype: torch.dtype | None
-    compile: bool
-    local_batch: int  # sequences each dp rank's step takes
-    microbatch_size: int
-    memory_per_rank: MemoryBreakdown
-    step_seconds: float
-    tokens_per_second_per_gpu: float
-    mfu: float
-    bubble_fraction: float
-    time: StepTime = field(repr=False)
-    # every pp rank's peak (its fullest dp and tp rank), by pp rank; memory_per_rank is the largest
-    memory_by_pp_rank: tuple[MemoryBreakdown, ...] = field(default=(), repr=False)
-    # a traced model: the tokens of one microbatch it is captured with (meta, microbatch_size x seq_len)
-    example_inputs: tuple | None = field(default=None, repr=False, compare=False)  # tensors: not compared
-    split_points: tuple[str, ...] | None = None  # as given to `plan`
-    reshard_after_forward: bool | None = None  # FSDP over dp x cp > 1; None under DDP or dp x cp = 1
-    cp: int = 1  # context parallelism: each sequence cut over cp ranks (a cp group shares its rows)
-    ep: int = 1  # expert parallelism: each block's experts split over ep ranks of a stage
-    dp_shard: int | None = None  # HSDP: the dp ranks (a node's) that shard a stage; replicas across nodes
-
-    def parallelize_kwargs(self) -> dict:
-        """What to hand `mesh3d.parallelize(model, **kwargs)` to run exactly this plan (a traced
-        model's `example_inputs` and any `split_points` included)."""
-        kwargs = dict(
-            pp=self.pp,
-            dp=self.dp,
-            tp=self.tp,
-            **({"cp": self.cp} if self.cp > 1 else {}),
-            **({"ep": self.ep} if self.ep > 1 else {}),
-            schedule=self.schedule,
-            virtual_stages=self.virtual_stages,
-            microbatches=self.microbatches,
-            activation_checkpoint=self.activation_checkpoint,
-            dp_mode=self.dp_mode,
-            param_dtype=self.param_dtype,
-            compile=self.compile,
-        )
-        if self.example_inputs is not None:
-            kwargs["example_inputs"] = self.example_inputs
-        if self.split_points is not None:
-            kwargs["split_points"] = list(self.split_points)
-        if self.reshard_after_forward is not None:
-            kwargs["reshard_after_forward"] = self.reshard_after_forward
-        if self.dp_shard is not None:
-            kwargs["dp_shard"] = self.dp_shard
-        return kwargs
-
-    def row(self) -> str:
-        dtype = "fp32" if self.param_dtype is None else str(self.param_dtype).removeprefix("torch.")
-        return (
-            f"pp={self.pp} dp={self.dp}{f' cp={self.cp}' if self.cp > 1 else ''} tp={self.tp}"
-            f"{f' ep={self.ep}' if self.ep > 1 else ''} "
-            f"{self.schedule} v={self.virtual_stages} "
-            f"m={self.microbatches} ac={self.activation_checkpoint} {self.dp_mode}"
-            f"{f' dp_shard={self.dp_shard}' if self.dp_shard else ''}"
-            f"{' reshard' if self.reshard_after_forward and self.pp > 1 else ''} {dtype}"
-            f"{' compile' if self.compile else ''}"
-        )
-
-
 def plan(
     model: nn.Module | str | object,
     gpus: int,
@@ -124,8 +53,10 @@ def plan(
     fix: dict | None = None,
     tp_plan: dict | None = None,
     split_points: Sequence[str] | None = None,
+    tie_band: float | None = None,
 ) -> list[Plan]:
-    """Rank the layouts of `model` on `gpus` devices of `hardware`: the fastest first, only those that fit.
+    """Rank the layouts of `model` on `gpus` devices of `hardware`: the fastest first, only those
+    that fit; within the planner's error band of each other, those near the memory limit last (band.py).
 
     Args:
         model: a model on the meta device (mesh3d protocol, Hugging Face, nn.Sequential, or any
@@ -137,7 +68,8 @@ def plan(
             `example_inputs` of the plan's microbatch size (docs/plan.md).
         gpus, gpus_per_node: the cluster (tensor parallelism stays within a node, and so does
             context parallelism with it unless `fix` pins cp).
-        hardware: a preset ("h100", "h200", "a100-80gb", "b200"), a `Hardware`, or "this-machine".
+        hardware: a preset ("h100", "h100-96gb", "h200", "a100-80gb", "b200"), a `Hardware`, or
+            "this-machine".
         seq_len, global_batch: tokens per sequence and sequences per step.
         memory_limit: bytes (or "80GiB") a rank may hold; default the hardware's memory less
             constants.MEMORY_MARGIN_FRACTION.
@@ -150,10 +82,15 @@ def plan(
         split_points: the blocks where stages 1, 2, ... begin, as `parallelize` takes them (a
             traced model's blocks are then that container's children): only layouts of
             len(split_points) + 1 stages are planned, split there, and the plans pass them on.
+        tie_band: among plans whose tokens/s lie within this fraction of the fastest of their
+            tier, those predicted within constants.MEMORY_PREDICTION_BAND of the memory limit
+            rank last (band.py); default the hardware's error band (`Hardware.band`: how far its
+            predictions stood from published runs); 0 ranks by speed alone.
 
     Raises ValueError naming what would fit when nothing does; a traced model that torch.export
     cannot capture raises the anatomy's ValueError (torch's reason) as `parallelize` would.
     """
+    check_band(tie_band)
     hw = resolve_hardware(hardware)
     fix = check_fix(fix)
     check_sizes(gpus, gpus_per_node, seq_len, global_batch)
@@ -343,7 +280,7 @@ def plan(
         )
     if not plans:
         raise ValueError(nothing_fits(gpus, limit, smallest_need, fix, global_batch, split_counts))
-    return sorted(plans, key=lambda p: -p.tokens_per_second_per_gpu)
+    return rank_within_band(plans, hw.band if tie_band is None else tie_band, limit)
 
 
 def _model_flops_per_token(costs: ModelCosts, n_blocks: int) -> float:

@@ -83,7 +83,7 @@ class StepMemory:
         """This rank's (peak bytes, reserved peak bytes; 0 on the CPU)."""
         if self.on_cuda:
             return torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)
-        return _resident_peak_bytes(), 0
+        return resident_peak_bytes(), 0
 
     def gather(self) -> MemoryPeak:
         """The largest peak over every rank, the same on each; a collective (one all-gather) when
@@ -102,7 +102,8 @@ class StepMemory:
         return MemoryPeak(peak, rank, reserved, torch.cuda.get_device_properties(self.device).total_memory)
 
 
-def _resident_peak_bytes() -> int:
+def resident_peak_bytes() -> int:
+    """This process's resident-set peak since it began, in bytes."""
     # ru_maxrss is in KiB on Linux, bytes on macOS
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return maxrss if sys.platform == "darwin" else maxrss * 1024

@@ -10,8 +10,12 @@ import math
 import subprocess
 
 import pytest
+import torch
 from train_launch import run_train
 
+import mesh3d
+from examples.llama.config import get_config
+from examples.llama.model import Transformer
 from examples.llama.optimization import lr_at
 
 
@@ -62,9 +66,23 @@ def test_training_script_loss_falls(tmp_path):
 
 
 def test_training_script_in_bf16(tmp_path):
-    """--param-dtype bf16 in one process (mixed precision without data parallelism): the JSONL says so."""
+    """--param-dtype bf16 in one process (mixed precision without data parallelism): the JSONL says so.
+    With --predict-memory the planner's figure for the layout is said beside the first step's peak,
+    and is the one mesh3d.plan gives pinned to that layout."""
     metrics = tmp_path / "metrics.jsonl"
-    _train("--steps", "3", "--seq-len", "32", "--param-dtype", "bf16", "--metrics", str(metrics))
+    flags = ("--steps", "3", "--seq-len", "32", "--param-dtype", "bf16", "--metrics", str(metrics))
+    done = _train(*flags, "--predict-memory")
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["param_dtype"] for r in records] == ["bf16"] * 3
+    with torch.device("meta"):
+        model = Transformer(get_config("debug", max_seq_len=32, vocab_size=256))
+    fix = dict(pp=1, dp=1, tp=1, schedule="interleaved_1f1b", virtual_stages=1, microbatches=1)
+    fix.update(activation_checkpoint="never", dp_mode="fsdp", param_dtype=torch.bfloat16, compile=False)
+    planned = mesh3d.plan(model, gpus=1, seq_len=32, global_batch=16, memory_limit=2**60, fix=fix)[0]
+    assert records[0]["memory_predicted_gib"] == pytest.approx(planned.memory_per_rank.total / 2**30)
+    assert all("memory_predicted_gib" not in r for r in records[1:])
+    line = (
+        f"memory: predicted {planned.memory_per_rank.total / 2**30:.2f} GiB (mesh3d.plan, the fullest rank), measured "
+    )
+    assert line in done.stdout
     assert records[0]["loss"] == pytest.approx(math.log(256), rel=0.03)

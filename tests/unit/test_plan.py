@@ -15,7 +15,9 @@ from examples.llama.config import get_config
 from examples.llama.model import Transformer
 from mesh3d.pipeline.config import ACTIVATION_CHECKPOINT_MODES
 from mesh3d.pipeline.schedule.catalog import SCHEDULES, check_schedule_config
-from mesh3d.planner.constants import CP_SEARCHED_FROM_SEQ_LEN
+from mesh3d.planner.band import is_tight, rank_within_band
+from mesh3d.planner.constants import CP_SEARCHED_FROM_SEQ_LEN, MEMORY_PREDICTION_BAND
+from mesh3d.planner.hardware import HARDWARE
 
 SIZES = dict(gpus=4, gpus_per_node=4, hardware="h100", seq_len=64, global_batch=8)
 
@@ -30,8 +32,10 @@ def plans():
     return mesh3d.plan(debug_model(), **SIZES)
 
 
-def test_plans_are_ranked_fastest_first_and_runnable(plans):
+def test_plans_are_ranked_fastest_first_within_the_band_and_runnable(plans):
+    """Fastest first; a tiny model is nowhere near the device's memory, so the band changes nothing."""
     assert len(plans) > 10
+    assert all(p.error_band == HARDWARE["h100"].band for p in plans)
     speeds = [p.tokens_per_second_per_gpu for p in plans]
     assert speeds == sorted(speeds, reverse=True)
     for p in plans:
@@ -41,6 +45,28 @@ def test_plans_are_ranked_fastest_first_and_runnable(plans):
         assert p.activation_checkpoint in ACTIVATION_CHECKPOINT_MODES and p.dp_mode in ("fsdp", "ddp")
         assert math.isclose(p.tokens_per_second_per_gpu, 8 * 64 / p.step_seconds / 4)
         assert 0 < p.mfu < 1 and 0 <= p.bubble_fraction < 1
+
+
+def test_within_the_band_a_plan_near_the_limit_yields_to_a_roomy_one(plans):
+    """With a limit that leaves half the plans tight (band.py): within a tier the roomy ones first,
+    fastest first, then the tight ones, the least memory first; across tiers the speed decides."""
+    totals = sorted(p.memory_per_rank.total for p in plans)
+    limit = totals[len(totals) // 2] / (1 - MEMORY_PREDICTION_BAND)
+    band = 0.2
+    ranked = rank_within_band(plans, band, limit)
+    assert len(ranked) == len(plans) and {p.error_band for p in ranked} == {band}
+    fastest = max(p.tokens_per_second_per_gpu for p in plans)
+    tier = [p for p in ranked if p.tokens_per_second_per_gpu >= fastest * (1 - band)]
+    assert ranked[: len(tier)] == tier  # the first tier leads
+    roomy = [p for p in tier if not is_tight(p, limit)]
+    tight = [p for p in tier if is_tight(p, limit)]
+    assert tier == roomy + tight and roomy and tight
+    assert [p.tokens_per_second_per_gpu for p in roomy] == sorted(
+        (p.tokens_per_second_per_gpu for p in roomy), reverse=True
+    )
+    assert [p.memory_per_rank.total for p in tight] == sorted(p.memory_per_rank.total for p in tight)
+    by_speed = [p.tokens_per_second_per_gpu for p in rank_within_band(plans, 0.0, limit)]
+    assert by_speed[0] == fastest
 
 
 def test_memory_breakdown_adds_up_and_fits(plans):
@@ -232,6 +258,7 @@ def test_a_custom_hardware_and_a_memory_limit_as_text():
     "kwargs, message",
     [
         ({"fix": {"pipeline": 2}}, "fix has unknown keys ['pipeline']"),
+        ({"tie_band": 1.5}, "tie_band must be a fraction in [0, 1)"),
         ({"fix": {"schedule": "pipedream"}}, "choose one of"),
         ({"fix": {"activation_checkpoint": "sometimes"}}, "activation_checkpoint='sometimes'"),
         ({"fix": {"reshard_after_forward": "yes"}}, "reshard_after_forward='yes'; give True or False"),

@@ -20,7 +20,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from mesh3d.planner import cli, plan  # noqa: E402
+from mesh3d.planner import cli, plan, report  # noqa: E402
 from mesh3d.planner.hardware import HARDWARE  # noqa: E402
 
 SIZES = dict(gpus=4, gpus_per_node=4, seq_len=128, global_batch=8)
@@ -94,14 +94,14 @@ def _layout(p) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(config_dir):
-    """plan() itself, tp pinned to 1."""
+    """plan() itself, tp pinned to 1, ranked by speed alone (the band's ranking: test_plan.py)."""
     config = transformers.AutoConfig.from_pretrained(config_dir)
-    return plan(config, **SIZES, fix={"tp": 1})
+    return plan(config, **SIZES, fix={"tp": 1}, tie_band=0)
 
 
 @pytest.fixture(scope="module")
 def top_ten(config_dir):
-    return _run(_argv(config_dir, "--fix", "tp=1"))
+    return _run(_argv(config_dir, "--fix", "tp=1", "--tie-band", "0"))
 
 
 def test_table_is_plans_top_ten_in_order_with_its_numbers(top_ten, reference):
@@ -111,7 +111,7 @@ def test_table_is_plans_top_ten_in_order_with_its_numbers(top_ten, reference):
     for i, (row, p) in enumerate(zip(rows, reference), 1):
         assert row[0] == str(i)
         assert row[1:11] == _layout(p)
-        assert row[11] == f"{p.tokens_per_second_per_gpu:,.0f}"
+        assert row[11] == f"{p.tokens_per_second_per_gpu:,.0f}±0%"
         assert row[12] == f"{p.mfu:.1%}" and row[14] == f"{p.bubble_fraction:.1%}"
         assert math.isclose(float(row[13]), p.step_seconds, rel_tol=1e-2)
         assert math.isclose(float(row[15]), p.memory_per_rank.total / 2**30, rel_tol=1e-2)
@@ -130,7 +130,7 @@ def test_why_names_the_term_that_differs_most(top_ten, reference):
         assert math.isclose(t.seconds, sum(getattr(t, term) for term in STEP_TERMS), rel_tol=1e-9)
     top = max(STEP_TERMS, key=lambda term: abs(getattr(b, term) - getattr(a, term)))
     paragraph = next(line for line in top_ten.splitlines() if line.startswith("Why #1 beats #2"))
-    assert f"The term that differs most is {cli._STEP_TERMS[top]}" in paragraph
+    assert f"The term that differs most is {report.STEP_TERMS[top]}" in paragraph
     assert "Memory per GPU:" in paragraph
 
 
@@ -143,13 +143,28 @@ def test_why_follows_the_terms_not_the_layout(reference):
         compute_seconds=best.time.compute_seconds,
         optimizer_seconds=best.time.optimizer_seconds,
     )
-    text = cli.why(best, dataclasses.replace(second, time=slower))
-    assert f"The term that differs most is {cli._STEP_TERMS['exposed_dp_seconds']}" in text
-    assert "no runner-up" in cli.why(best, None)
+    text = report.why(best, dataclasses.replace(second, time=slower))
+    assert f"The term that differs most is {report.STEP_TERMS['exposed_dp_seconds']}" in text
+    assert "no runner-up" in report.why(best, None)
+
+
+def test_the_band_is_said_and_ranks_by_headroom(config_dir, reference):
+    """By default the hardware's band: said above the table with the runs it was fitted on, on
+    every speed, and where #1 is the slower of the two (#2 near the limit), the paragraph says why."""
+    output = _run(_argv(config_dir, "--fix", "tp=1"))
+    band = HARDWARE["h100"].band
+    assert f"among those within ±{band:.0%} of each other, the ones within 10% of the memory limit last" in output
+    assert HARDWARE["h100"].fitted_on in output
+    assert all(row[11].endswith(f"±{band:.0%}") for row in _rows(output))
+    faster, roomier = reference[0], reference[1]
+    less = dataclasses.replace(faster.memory_per_rank, activations=faster.memory_per_rank.activations - 2**30)
+    roomier = dataclasses.replace(roomier, error_band=band, memory_per_rank=less)
+    text = report.why(roomier, faster)
+    assert text.startswith("#1 ranks above #2") and "#1 leaves 1.0 GiB more free" in text
 
 
 def test_all_lists_every_plan(config_dir, reference):
-    rows = _rows(_run(_argv(config_dir, "--fix", "tp=1", "--all")))
+    rows = _rows(_run(_argv(config_dir, "--fix", "tp=1", "--all", "--tie-band", "0")))
     assert [row[0] for row in rows] == [str(i) for i in range(1, len(reference) + 1)]
     assert [row[1:11] for row in rows] == [_layout(p) for p in reference]
 
@@ -257,8 +272,8 @@ def test_a_plan_near_the_device_memory_is_flagged(reference):
     best = reference[0]
     roomy = int(best.memory_per_rank.total / 0.5)
     tight = int(best.memory_per_rank.total / 0.95)
-    assert "!" not in cli.table([best], roomy) and cli.near_full_note([best], roomy) is None
-    row = cli.table([best], tight).splitlines()[2].split()
+    assert "!" not in report.table([best], roomy) and report.near_full_note([best], roomy) is None
+    row = report.table([best], tight).splitlines()[2].split()
     assert row[16].endswith("!")
-    assert cli.near_full_note([best], tight).startswith("! #1 above 90% of the device's")
-    assert "free GiB" not in cli.table([best])  # no device: no headroom column
+    assert report.near_full_note([best], tight).startswith("! #1 above 90% of the device's")
+    assert "free GiB" not in report.table([best])  # no device: no headroom column

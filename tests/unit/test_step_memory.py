@@ -4,12 +4,15 @@ On the CPU (no process group: one rank) the peak is the process's resident-set p
 step that allocates more than any before raises; the CUDA figures' columns and wording are
 checked on a MemoryPeak built with them (the gathering over ranks: test_train_checkpoint.py)."""
 
+import inspect
 import resource
 import types
 
 import pytest
 import torch
 
+import mesh3d
+from mesh3d.planner import predict_memory
 from mesh3d.train import MemoryPeak, StepMemory
 from mesh3d.train.step_memory import GIB
 
@@ -44,3 +47,32 @@ def test_what_the_line_and_the_row_say():
         "memory_reserved_gib": 14.0,
         "memory_device_share": 0.175,
     }
+
+
+def _debug_on_meta():
+    from examples.llama.config import get_config
+    from examples.llama.model import Transformer
+
+    with torch.device("meta"):
+        return Transformer(get_config("debug", max_seq_len=64))
+
+
+def test_the_prediction_is_the_planners_for_the_layout_and_said_beside_the_peak():
+    layout = types.SimpleNamespace(device=torch.device("cpu"), world_size=1, pp=1, dp=1, cp=1, tp=1, ep=1)
+    prediction = predict_memory(_debug_on_meta(), layout, seq_len=64, global_batch=4, schedule="1f1b")
+    defaults = inspect.signature(mesh3d.parallelize).parameters  # what parallelize runs when not told
+    fix = dict(pp=1, dp=1, tp=1, schedule="1f1b", microbatches=1, virtual_stages=1, param_dtype=None)
+    fix.update({k: defaults[k].default for k in ("activation_checkpoint", "dp_mode", "compile")})
+    (planned,) = mesh3d.plan(_debug_on_meta(), gpus=1, seq_len=64, global_batch=4, memory_limit=2**60, fix=fix)
+    assert prediction.predicted_bytes == planned.memory_per_rank.total
+    assert prediction.as_record() == {"memory_predicted_gib": prediction.predicted_bytes / GIB}
+    line = prediction.beside(MemoryPeak(peak_bytes=GIB, rank=2))
+    assert line.startswith(f"memory: predicted {prediction.predicted_bytes / GIB:.2f} GiB (mesh3d.plan")
+    assert "measured 1.00 GiB (rank 2)" in line and "resident on rank 0 before the model was built" in line
+
+
+def test_a_layout_the_planner_does_not_model_is_said_not_raised():
+    layout = types.SimpleNamespace(device=torch.device("cpu"), world_size=2, pp=2, dp=1, cp=1, tp=1, ep=1)
+    prediction = predict_memory(_debug_on_meta(), layout, seq_len=64, global_batch=4, schedule="pipedream")
+    assert prediction.predicted_bytes is None and prediction.as_record() == {}
+    assert "not modelled by the planner" in prediction.beside(MemoryPeak(peak_bytes=GIB, rank=0))

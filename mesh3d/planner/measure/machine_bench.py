@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mesh3d.planner import constants as C
 from mesh3d.planner.hardware import CollectiveTimes, Hardware
 
 MATMUL_SIZE = 512  # a square matmul of about a small model's width: the rate tiny models see
@@ -60,6 +61,8 @@ def measure_this_machine() -> Hardware:
         overlaps_communication=False,
         dtensor_update_overhead=dtensor_update,
         collective_times=collectives,
+        fitted_on="measured here: the model's own parts timed (docs/performance.md)",
+        error_band=C.MEASURED_MACHINE_ERROR_BAND,
         source=f"measured here: {flops / 1e9:.1f} GFLOP/s one-thread fp32 matmul {MATMUL_SIZE}^3, "
         f"gloo {link / 1e9:.2f} GB/s and {latency * 1e6:.0f} us per small collective between two "
         f"processes ({_describe(collectives)}); AdamW +{dtensor_update * 1e6:.0f} us per DTensor parameter; "

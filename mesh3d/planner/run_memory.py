@@ -1,0 +1,98 @@
+"""The planner's memory prediction for the layout a run is on, said beside its first measured peak.
+
+    prediction = predict_memory(meta_model, layout, seq_len=2048, global_batch=32, **parallelize_kwargs)
+    ...                                         # the first step, its peak gathered (step_memory.py)
+    print(prediction.beside(peak))              # "memory: predicted 37.1 GiB (mesh3d.plan, fullest rank), measured ..."
+
+`mesh3d.plan` with every choice of the run pinned evaluates that one layout (docs/plan.md): the
+fullest rank's parameters, gradients, optimizer state, activations and buffers. On CUDA that is
+what `torch.cuda.max_memory_allocated` counts; on the CPU the resident peak also holds the
+interpreter and its libraries, so the resident size before the model was built is said with it.
+A layout the planner does not model (the never-draining schedules, a model it cannot measure) is
+said as such, with the planner's reason: the prediction never stops a run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mesh3d.mesh import Layout
+from mesh3d.parallelize import parallelize
+from mesh3d.pipeline.schedule.catalog import default_microbatches, default_virtual_stages
+from mesh3d.planner.measure.measured_stages import planner_anatomy
+from mesh3d.planner.ranking import plan
+from mesh3d.train.step_memory import GIB, MemoryPeak, resident_peak_bytes
+
+# parallelize's keywords the planner pins by the same name
+_PINNED = ("schedule", "virtual_stages", "microbatches", "activation_checkpoint", "dp_mode", "compile")
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """The planner's bytes for the fullest rank, or None and why not."""
+
+    predicted_bytes: int | None
+    why_not: str = ""
+    baseline_bytes: int | None = None  # CPU: the resident size before the model was built
+
+    def beside(self, peak: MemoryPeak) -> str:
+        """One line: the prediction and the first step's measured peak."""
+        measured = f"measured {peak.peak_bytes / GIB:.2f} GiB (rank {peak.rank})"
+        if self.baseline_bytes is not None:
+            measured += f"; {self.baseline_bytes / GIB:.2f} GiB was resident on rank 0 before the model was built"
+        if self.predicted_bytes is None:
+            return f"memory: no prediction ({self.why_not}); {measured}"
+        return f"memory: predicted {self.predicted_bytes / GIB:.2f} GiB (mesh3d.plan, the fullest rank), {measured}"
+
+    def as_record(self) -> dict[str, float]:
+        """The first metrics row's column (GiB), where there is a prediction."""
+        return {} if self.predicted_bytes is None else {"memory_predicted_gib": self.predicted_bytes / GIB}
+
+
+def predict_memory(
+    model: nn.Module, layout: Layout, *, seq_len: int, global_batch: int, **parallelize_kwargs
+) -> MemoryPrediction:
+    """The planner's prediction for `model` (on meta, before `parallelize`) run on `layout` with
+    these `parallelize` keywords. It measures the model (seconds; on one rank is enough, every
+    rank gets the same figure)."""
+    baseline = resident_peak_bytes() if layout.device.type == "cpu" else None
+    defaults = {name: p.default for name, p in inspect.signature(parallelize).parameters.items()}
+    given = {**{k: defaults[k] for k in _PINNED}, **parallelize_kwargs}  # what parallelize will run
+    fix = {k: given[k] for k in _PINNED if given[k] is not None}  # None: parallelize's catalog decides
+    fix.update(pp=layout.pp, dp=layout.dp, cp=layout.cp, tp=layout.tp, ep=layout.ep)
+    fix["param_dtype"] = given.get("param_dtype", defaults["param_dtype"])
+    if given.get("reshard_after_forward") is not None:
+        fix["reshard_after_forward"] = given["reshard_after_forward"]
+    try:
+        _pin_defaults(fix, model, seq_len)
+        plans = plan(
+            model,
+            gpus=layout.world_size,
+            gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size)),
+            seq_len=seq_len,
+            global_batch=global_batch,
+            memory_limit=2**60,  # say what it needs, whatever the device holds
+            fix=fix,
+            tie_band=0,
+        )
+    except Exception as error:  # noqa: BLE001 - a prediction that cannot be made is said, never raised
+        return MemoryPrediction(None, f"{type(error).__name__}: {str(error).splitlines()[0]}", baseline)
+    return MemoryPrediction(plans[0].memory_per_rank.total, "", baseline)
+
+
+def _pin_defaults(fix: dict, model: nn.Module, seq_len: int) -> None:
+    """The microbatches and virtual stages parallelize takes when none are given (its catalog's)."""
+    fix.setdefault("microbatches", default_microbatches(fix["pp"]))
+    if "virtual_stages" not in fix:
+        n_layers = len(planner_anatomy(model, seq_len).block_names(model))
+        fix["virtual_stages"] = default_virtual_stages(fix["schedule"], fix["pp"], n_layers)
+
+
+def wants_prediction(device: torch.device, asked: bool) -> bool:
+    """On CUDA by default (the allocator's peak is what the planner counts); on the CPU when asked."""
+    return asked or device.type == "cuda"
