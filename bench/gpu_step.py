@@ -2,13 +2,21 @@
 
     python bench/gpu_step.py                       # Llama 3.2 1B dims, seq 2048, batch 4, bf16, inductor
     python bench/gpu_step.py --activation-checkpoint selective --batch 8
-    python bench/gpu_step.py --device cpu --config debug --no-compile --steps 2   # the script's logic, no GPU
+    python bench/gpu_step.py --virtual-stages 4    # the same step as 4 local stages (the engine's own cost)
+    python bench/gpu_step.py --profile runs/prof   # one more step profiled: time by kernel kind, SDPA backend
+    python bench/gpu_step.py --device cpu --config debug --no-compile --steps 2 --profile /tmp/p   # logic, no GPU
 
 One process, pp = dp = tp = 1 (mesh3d's world of one; NCCL on the GPU), the step as train.py runs
 it: pm.step, gradient clipping, fused AdamW. Prints the median step time after the warm-up steps
 (which compile), tokens/s, the model FLOPs per token (FlopCounterMode on the meta model, forward
 and backward, no recompute counted), MFU against the GPU's dense bf16 peak (mesh3d.train.flops)
 and the peak memory allocated (torch.cuda.max_memory_allocated) over the whole run.
+
+--virtual-stages V cuts the model into V stages on the one rank (interleaved 1F1B, V microbatches
+at least): the same tokens through the pipeline engine's actions and local messages, so its step
+against V = 1's is the engine's own cost. --profile DIR records one more step with torch.profiler
+(DIR/step.json, a Chrome trace) and prints its time by kernel kind (bench/kernel_kinds.py; on the
+CPU by top-level op), the device's idle time within the step, and the SDPA backend its kernels name.
 """
 
 from __future__ import annotations
@@ -44,6 +52,8 @@ def main() -> None:
     parser.add_argument("--activation-checkpoint", default="never", choices=list(ACTIVATION_CHECKPOINT_MODES))
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--virtual-stages", type=int, default=1, help="stages on the one rank (interleaved 1F1B)")
+    parser.add_argument("--profile", metavar="DIR", help="profile one more step; its trace goes to DIR/step.json")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit(
@@ -56,11 +66,13 @@ def main() -> None:
     with torch.device("meta"):
         model = Transformer(get_config(args.config, max_seq_len=args.seq_len))
     n_params, per_token = count_parameters(model), flops_per_token(model, args.seq_len)
+    staged = args.virtual_stages > 1
     pm = mesh3d.parallelize(
         model,
         layout,
-        schedule="gpipe",
-        microbatches=args.microbatches,
+        schedule="interleaved_1f1b" if staged else "gpipe",
+        virtual_stages=args.virtual_stages,
+        microbatches=max(args.microbatches, args.virtual_stages) if staged else args.microbatches,
         loss_fn=loss_fn,
         param_dtype=torch.bfloat16,
         activation_checkpoint=args.activation_checkpoint,
@@ -69,8 +81,8 @@ def main() -> None:
     optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-4, fused=on_gpu)
     vocab = model.args.vocab_size
     generator = torch.Generator().manual_seed(0)
-    times = []
-    for step in range(args.warmup + args.steps):
+
+    def one_step() -> float:
         tokens = torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=generator)
         if on_gpu:
             torch.cuda.synchronize()
@@ -79,12 +91,14 @@ def main() -> None:
         pm.clip_grad_norm_(1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        loss = loss.item()  # on the host already (pm.step read it): it does not wait for the optimizer
+        losses.append(loss.item())  # on the host already (pm.step read it): it does not wait for the optimizer
         if on_gpu:
             torch.cuda.synchronize()  # the clip and optimizer kernels still queued belong to this step
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
+        return time.perf_counter() - start
 
+    losses: list[float] = []
+    times = [one_step() for _ in range(args.warmup + args.steps)][args.warmup :]
+    loss = losses[-1]
     seconds = statistics.median(times)
     tokens_per_s = args.batch * args.seq_len / seconds
     utilization = mfu(per_token, tokens_per_s, peak_flops(layout.device), 1)
@@ -93,13 +107,38 @@ def main() -> None:
         f"{args.config} ({n_params / 1e6:,.0f}M parameters) on {device_name(layout.device)}, "
         f"torch {torch.__version__}: "
         f"bf16, compile={not args.no_compile}, activation_checkpoint={args.activation_checkpoint}, "
-        f"batch {args.batch} x seq {args.seq_len}, {args.microbatches} microbatches"
+        f"batch {args.batch} x seq {args.seq_len}, {pm.schedule.microbatches} microbatches, "
+        f"{args.virtual_stages} stage(s) on the rank"
     )
     print(f"step {seconds * 1e3:.1f} ms (median of {args.steps})  {tokens_per_s:,.0f} tokens/s  last loss {loss:.3f}")
     print(
         f"model FLOPs/token {per_token / 1e9:.2f} GFLOP  MFU {'n/a' if utilization is None else f'{utilization:.1%}'}"
     )
     print(f"peak memory allocated {'n/a (CPU)' if peak is None else f'{peak:.2f} GiB'}")
+    if args.profile:
+        profile_step(one_step, Path(args.profile), on_gpu)
+
+
+def profile_step(one_step, out: Path, on_gpu: bool) -> None:
+    """One more step under torch.profiler: its Chrome trace, its time by kind, the SDPA backend."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.kernel_kinds import breakdown, sdpa_backend, table
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        seconds = one_step()
+    out.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(out / "step.json"))
+    if on_gpu:  # the device's kernels
+        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    else:  # the ops the step called, not the ops inside them
+        events = [e for e in prof.events() if e.device_type == DeviceType.CPU and e.cpu_parent is None]
+    spans = [(e.name, e.time_range.start / 1e6, e.time_range.end / 1e6) for e in events]
+    print(f"profiled step {seconds * 1e3:.1f} ms, by {'kernel' if on_gpu else 'top-level op'} kind:")
+    print(table(breakdown(spans, seconds), seconds))
+    print(f"SDPA backend: {sdpa_backend(name for name, _, _ in spans)}  (trace: {out / 'step.json'})")
 
 
 if __name__ == "__main__":
