@@ -2,8 +2,9 @@
 # Every GPU figure docs/performance.md records for one H100/H200, in one run, logs under $OUT
 # (the device tool's output folder; ./gpu_figures otherwise):
 #   OUT=/tmp/out bash bench/gpu_figures.sh
-# The 1B step eager and compiled, its profile by kernel kind (and the SDPA backend), the same step
-# as 4 local stages (the pipeline engine's own cost), then tests/gpu. About 6 minutes on an H100.
+# The 1B step eager and compiled (and compiled with the head and loss fused), its profile by kernel
+# kind (and the SDPA backend), the same step as 4 local stages (the pipeline engine's own cost), then
+# tests/gpu. About 7 minutes on an H100.
 set -uo pipefail
 OUT=${OUT:-gpu_figures}
 mkdir -p "$OUT"
@@ -12,6 +13,7 @@ python -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
 step() { local name=$1; shift; timeout 300 python bench/gpu_step.py "$@" 2>&1 | tee "$OUT/$name.txt" | tail -5; }
 step compiled --profile "$OUT/profile_compiled"
 step eager --no-compile --profile "$OUT/profile_eager"
+step compiled_fused_loss --fused-loss
 step stages1 --no-compile --microbatches 4
 step stages4 --no-compile --virtual-stages 4 --microbatches 4
 python - "$OUT" <<'PY'

@@ -54,6 +54,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--virtual-stages", type=int, default=1, help="stages on the one rank (interleaved 1F1B)")
     parser.add_argument("--profile", metavar="DIR", help="profile one more step; its trace goes to DIR/step.json")
+    parser.add_argument(
+        "--fused-loss", action="store_true", help="the head and the loss fused (parallelize(fused_loss=True))"
+    )
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit(
@@ -73,7 +76,8 @@ def main() -> None:
         schedule="interleaved_1f1b" if staged else "gpipe",
         virtual_stages=args.virtual_stages,
         microbatches=max(args.microbatches, args.virtual_stages) if staged else args.microbatches,
-        loss_fn=loss_fn,
+        loss_fn=None if args.fused_loss else loss_fn,  # fused: the default (sum, count) loss, the same mean here
+        fused_loss=args.fused_loss,
         param_dtype=torch.bfloat16,
         activation_checkpoint=args.activation_checkpoint,
         compile=not args.no_compile,
@@ -108,7 +112,7 @@ def main() -> None:
         f"torch {torch.__version__}: "
         f"bf16, compile={not args.no_compile}, activation_checkpoint={args.activation_checkpoint}, "
         f"batch {args.batch} x seq {args.seq_len}, {pm.schedule.microbatches} microbatches, "
-        f"{args.virtual_stages} stage(s) on the rank"
+        f"{args.virtual_stages} stage(s) on the rank, fused_loss={args.fused_loss}"
     )
     print(f"step {seconds * 1e3:.1f} ms (median of {args.steps})  {tokens_per_s:,.0f} tokens/s  last loss {loss:.3f}")
     print(

@@ -38,6 +38,7 @@ from mesh3d.distributed.printed_once import raised_alike
 from mesh3d.expert_parallel.apply import apply_expert_parallel, resolve_expert_parallel
 from mesh3d.mesh import Layout, build_mesh
 from mesh3d.model.compiled_blocks import compile_blocks, resolve_compile
+from mesh3d.model.fused_head_loss import check_fused_loss, fuse_head, fused_cross_entropy
 from mesh3d.model.initialize import make_replicas_identical, to_device
 from mesh3d.model.intake import anatomy_of
 from mesh3d.model.loss import LossFn, cross_entropy_loss
@@ -83,6 +84,7 @@ def parallelize(
     tp_plan: dict[str, ParallelStyle] | None = None,
     reshard_after_forward: bool | None = None,
     loss_parallel: bool = False,
+    fused_loss: bool = False,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
     compile: bool | str = False,
@@ -132,6 +134,11 @@ def parallelize(
             loss_sum over the sum of every count, all microbatches and dp ranks: exact with masked
             targets; the count must depend on the target only). Default: next-token cross-entropy
             as such a pair, positions whose target is -100 not counted (docs/numerics.md).
+        fused_loss: run the output head and that default loss together, a chunk of rows at a
+            time, so a microbatch's logits never exist whole (model/fused_head_loss.py): the
+            same loss and gradients, less memory. Needs the default loss, tp = 1, and a head
+            named `output` (the mesh3d protocol) or `lm_head` (transformers' Llama, Mistral,
+            Mixtral, Qwen2/3 and Qwen3-MoE); refused otherwise.
         activation_checkpoint: "never" (default), "always", "except_last" (the last microbatch of
             each step keeps its activations instead of recomputing them), or "selective" (every
             microbatch keeps its matmul and attention outputs and recomputes the cheap ops between
@@ -216,7 +223,10 @@ def parallelize(
             split_points=split_points,
         )
         check_optimizer(pipe, optimizer)
-    _check_same_config_everywhere(f"{pipe} {data} {tensor} ep={layout.ep} compile={compile_backend}")
+        check_fused_loss(fused_loss, model, loss_fn, layout.tp, pipe.traced is not None)
+    _check_same_config_everywhere(
+        f"{pipe} {data} {tensor} ep={layout.ep} compile={compile_backend} fused_loss={fused_loss}"
+    )
 
     split = split_model(model, anatomy, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank), pipe.traced)
     takes = [stage_input_names(stage) for stage in split.meta_stages]
@@ -227,6 +237,8 @@ def parallelize(
     state = StateMap.from_stages(layout, split.meta_model, split.meta_stages, pipe.schedule.stage_rank, ties, stages)
     tied = TiedWeights(ties, split.meta_stages, pipe.schedule.stage_rank, layout, stages)
     tied.tie_locally()
+    if fused_loss and pipe.schedule.n_stages - 1 in stages:
+        fuse_head(stages[pipe.schedule.n_stages - 1])
     if not split.from_meta:
         make_replicas_identical(stages, layout)  # values given: sharding starts from the first rank's
     if experts is not None:
@@ -271,7 +283,7 @@ def parallelize(
     has_last_stage = pipe.schedule.n_stages - 1 in stages
     loss = GlobalLoss(
         layout,
-        loss_fn or cross_entropy_loss,
+        fused_cross_entropy if fused_loss else loss_fn or cross_entropy_loss,
         loss_context(tensor.loss_parallel),
         pipe.schedule.microbatches,
         has_last_stage,

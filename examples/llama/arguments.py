@@ -94,6 +94,11 @@ def build_parser(description: str | None = None) -> Parser:
     )
     p.add_argument("--loss-parallel", action="store_true", help="keep logits vocab-sharded over tp for the loss")
     p.add_argument(
+        "--fused-loss",
+        action="store_true",
+        help="run the output head and the loss together, a chunk of rows at a time: no whole logits (tp 1)",
+    )
+    p.add_argument(
         "--param-dtype",
         default=None,
         choices=sorted(PARAM_DTYPES),

@@ -103,9 +103,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return grad, None, None
 
 
-def _row_chunks(logits: torch.Tensor):
-    rows = max(1, LOSS_CHUNK_ELEMENTS // max(logits.shape[-1], 1))
-    return [slice(start, start + rows) for start in range(0, logits.shape[0], rows)] or [slice(0, 0)]
+def _row_chunks(logits: torch.Tensor) -> list[slice]:
+    return row_chunks(logits.shape[0], logits.shape[-1])
+
+
+def row_chunks(rows: int, vocab: int) -> list[slice]:
+    """Slices of `rows` rows of logits over `vocab` entries, each holding at most LOSS_CHUNK_ELEMENTS."""
+    step = max(1, LOSS_CHUNK_ELEMENTS // max(vocab, 1))
+    return [slice(start, start + step) for start in range(0, rows, step)] or [slice(0, 0)]
 
 
 def loss_kind(result: object) -> str:

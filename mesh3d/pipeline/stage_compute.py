@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from mesh3d.model.fused_head_loss import head_targets
 from mesh3d.pipeline.activation_checkpoint import ActivationCheckpointing, restored_rng, rng_state
 from mesh3d.pipeline.backward_halves import PendingWeightGrad, backward_input, backward_weight
 from mesh3d.pipeline.p2p import Mailbox, Traffic
@@ -165,7 +166,9 @@ class StageCompute:
             producers = self.routes.producers(stage)
             messages = divide(x, [self.specs[(p, stage)] for p in producers])
             inputs = [t for p, message in zip(producers, messages) for t in unpack(message, self.specs[(p, stage)])]
-        with around:
+        # the last stage's head, if fused with the loss (model/fused_head_loss.py), computes it against these
+        targets = self.targets[mb] if stage == self.stages.n_stages - 1 else None
+        with around, head_targets(targets):
             return self.stages.modules[stage](*inputs, **extra)
 
     def _messages(self, stage: int, out) -> list[torch.Tensor]:

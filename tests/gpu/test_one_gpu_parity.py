@@ -6,9 +6,9 @@ reference (pipeline_cases.reference_run):
 - fp32 with TF32 off, relative error <= 1e-5: one stage (GPipe); two stages on the one rank under
   interleaved 1F1B, zero bubble (v = 2), ZBV and DualPipeV (the catalog takes pp = 1 with
   several stages; the pipeline's messages are then local hand-overs); each activation-checkpoint
-  mode; compiled blocks (inductor, tied weights across the two stages);
-- bf16 (param_dtype, fp32 master weights and reductions): the same run on the GPU and on the CPU,
-  relative error <= 2e-2.
+  mode; compiled blocks (inductor, tied weights across the two stages); the head fused with the loss;
+- bf16 (param_dtype, fp32 master weights and reductions), plain and with the head fused: the same
+  run on the GPU and on the CPU, relative error <= 2e-2.
 """
 
 from __future__ import annotations
@@ -34,8 +34,12 @@ FP32_CASES = {  # name: (tied, parallelize's arguments)
     "checkpoint except_last": (False, {**SEVERAL_STAGES, "activation_checkpoint": "except_last"}),
     "checkpoint selective": (True, {"schedule": "zbv", "microbatches": 4, "activation_checkpoint": "selective"}),
     "compiled": (True, {**SEVERAL_STAGES, "compile": "compiled"}),  # the backend is the device's
+    # the head fused with the default loss (model/fused_head_loss.py), split into I and W under ZBV
+    "fused loss zbv": (True, {"schedule": "zbv", "microbatches": 4, "fused_loss": True, "loss_fn": None}),
 }
 BF16 = (True, {**SEVERAL_STAGES, "param_dtype": torch.bfloat16})
+# bf16 with the head fused: the weight's gradient summed over chunks in fp32 (torch.mm's out_dtype on CUDA)
+BF16_FUSED = (True, {**SEVERAL_STAGES, "param_dtype": torch.bfloat16, "fused_loss": True, "loss_fn": None})
 
 
 def _train(device: str, cases: dict) -> dict:
@@ -73,7 +77,9 @@ def test_one_gpu_matches_one_cpu_process(device):
 
 
 def test_bf16_on_the_gpu_follows_bf16_on_the_cpu(device):
-    on_device = run_on_gpu_ranks(_train, 1, device, {"bf16": BF16}, timeout=300)[0]["bf16"]
-    on_cpu = run_on_gpu_ranks(_train, 1, "cpu", {"bf16": BF16}, timeout=300)[0]["bf16"]
-    error, where = worst_error(_as_result(on_device), on_cpu[:3])
-    assert error <= BF16_TOLERANCE, f"{error:.2e} at {where}"
+    cases = {"bf16": BF16, "bf16 fused loss": BF16_FUSED}
+    on_device = run_on_gpu_ranks(_train, 1, device, cases, timeout=300)[0]
+    on_cpu = run_on_gpu_ranks(_train, 1, "cpu", cases, timeout=300)[0]
+    for name in cases:
+        error, where = worst_error(_as_result(on_device[name]), on_cpu[name][:3])
+        assert error <= BF16_TOLERANCE, f"{name}: {error:.2e} at {where}"

@@ -1,0 +1,173 @@
+"""The output head and the cross-entropy as one computation, a chunk of rows at a time
+(`parallelize(fused_loss=True)`): the logits of a microbatch never exist whole.
+
+Unfused, the last stage's head writes every token's logits (8k tokens x a 128k vocabulary: 2 GiB in
+bf16), autograd keeps them for the loss's backward, and the backward writes their gradient as large.
+Fused, the head's forward, given the microbatch's targets, runs head and loss on a chunk of rows at
+a time and keeps only its input; its backward recomputes each chunk's logits, and turns their
+gradient into the chunk's input gradient and a share of the weight's at once. Rows are independent:
+every logit, loss term and input gradient is the unfused one's; the weight's gradient is summed over
+chunks in fp32 (one matmul sums over all rows in one pass), so it differs by rounding only.
+
+The runtime hands the last stage its targets (`head_targets`, pipeline/stage_compute.py); the head
+then returns the microbatch's summed loss, which `FusedCrossEntropy` passes on with its count.
+Called without targets (outside a step) the head is a plain linear layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mesh3d.model.loss import IGNORE_INDEX, row_chunks
+
+# transformers' causal LMs whose lm_head output is the logits as they are (no scaling or softcapping
+# after it): tests/unit/test_fused_head_loss.py checks each against its unfused loss.
+FUSED_HEAD_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+HEAD_NAMES = ("output", "lm_head")  # the mesh3d protocol's head, transformers'
+
+_TARGETS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("mesh3d_head_targets", default=None)
+
+
+class FusedCrossEntropy:
+    """The loss under `fused_loss=True`: the head already summed the microbatch's cross-entropy
+    (`output`); this returns it with the count of counted targets, as the default loss does."""
+
+    def __init__(self, ignore_index: int = IGNORE_INDEX):
+        self.ignore_index = ignore_index
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if output.dim() != 0:
+            # a zero output of the logits' shape (loss.py finds a pair loss's count that way): no head ran
+            output = output.float().sum() * 0
+        return output, self.count(target)
+
+    def count(self, target: torch.Tensor) -> torch.Tensor:
+        return (target != self.ignore_index).sum()
+
+    def __repr__(self) -> str:
+        return f"FusedCrossEntropy(ignore_index={self.ignore_index})"
+
+
+fused_cross_entropy = FusedCrossEntropy()
+
+
+def check_fused_loss(fused_loss: bool, model: nn.Module, loss_fn: object, tp: int, traced: bool) -> None:
+    """ValueError (alike on every rank, before any collective) where the fused head cannot stand in
+    for the head and the default loss exactly."""
+    if not isinstance(fused_loss, bool):
+        raise ValueError(f"parallelize: fused_loss must be True or False, got {fused_loss!r}")
+    if not fused_loss:
+        return
+    refusal = None
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if loss_fn is not None:
+        refusal = f"a loss_fn was given ({loss_fn!r}); the fused head computes the default cross-entropy only"
+    elif tp > 1:
+        refusal = (
+            f"tp={tp} shards the head over the vocabulary, and the fused head needs every logit of a row on one "
+            "rank; at tp > 1 use loss_parallel=True for the same saving of memory"
+        )
+    elif traced:
+        refusal = "a traced model's head is not a module mesh3d can find"
+    elif model_type is not None and model_type not in FUSED_HEAD_MODEL_TYPES:
+        refusal = (
+            f"its model_type {model_type!r} is not one whose head output is the logits as they are "
+            f"(checked for {', '.join(FUSED_HEAD_MODEL_TYPES)})"
+        )
+    elif head_of(model) is None:
+        refusal = f"it has no nn.Linear head named {' or '.join(repr(n) for n in HEAD_NAMES)}"
+    if refusal is not None:
+        raise ValueError(f"parallelize: fused_loss=True cannot be used here: {refusal}; or pass fused_loss=False")
+
+
+def head_of(module: nn.Module) -> nn.Linear | None:
+    """The output head a (stage) module holds at its top level, or None."""
+    for name in HEAD_NAMES:
+        head = getattr(module, name, None)
+        if isinstance(head, nn.Linear):
+            return head
+    return None
+
+
+def fuse_head(stage: nn.Module) -> None:
+    """Make the last stage's head compute the loss when the runtime gives it targets. The module
+    stays what it was (its parameters keep their names, FSDP's hooks around the stage still gather
+    them): only its forward is replaced."""
+    head = head_of(stage)
+    if head is None:
+        raise ValueError(f"fused_loss: the last stage ({type(stage).__name__}) holds no head named {HEAD_NAMES}")
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        target = _TARGETS.get()
+        if target is None:
+            return F.linear(hidden, head.weight, head.bias)
+        rows = hidden.flatten(0, -2)
+        return _LinearCrossEntropy.apply(rows, head.weight, head.bias, target.flatten(), IGNORE_INDEX)
+
+    head.forward = forward
+
+
+@contextlib.contextmanager
+def head_targets(target: torch.Tensor | None) -> Iterator[None]:
+    """The targets a fused head computes the loss against, for the forward run inside."""
+    token = _TARGETS.set(target)
+    try:
+        yield
+    finally:
+        _TARGETS.reset(token)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum over rows of cross_entropy(rows @ weight.T + bias), a chunk of rows at a time (loss.py's
+    chunks), in the dtype the head runs in and the loss taken in fp32, as unfused."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, bias, target, ignore_index):
+        ctx.ignore_index = ignore_index
+        ctx.save_for_backward(rows, weight, bias, target)
+        total = None
+        for chunk in row_chunks(rows.shape[0], weight.shape[0]):
+            logits = F.linear(rows[chunk], weight, bias)
+            part = F.cross_entropy(logits.float(), target[chunk], ignore_index=ignore_index, reduction="sum")
+            total = part if total is None else total + part
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        rows, weight, bias, target = ctx.saved_tensors
+        grad_rows = torch.empty_like(rows)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        for chunk in row_chunks(rows.shape[0], weight.shape[0]):
+            with torch.enable_grad():
+                logits = F.linear(rows[chunk], weight, bias).detach().float().requires_grad_()
+                loss = F.cross_entropy(logits, target[chunk], ignore_index=ctx.ignore_index, reduction="sum")
+                (grad_logits,) = torch.autograd.grad(loss, logits, grad_output)
+            grad_logits = grad_logits.to(rows.dtype)  # as the unfused loss writes the logits' gradient
+            grad_rows[chunk] = grad_logits @ weight
+            grad_weight += _in_fp32(grad_logits.t(), rows[chunk])
+            if grad_bias is not None:
+                grad_bias += grad_logits.float().sum(0)
+        return (
+            grad_rows,
+            grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            None,
+            None,
+        )
+
+
+def _in_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b accumulated and returned in fp32, whatever their dtype: the weight's gradient is a sum
+    over chunks, rounded to its dtype once, as one matmul over every row would round it."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()

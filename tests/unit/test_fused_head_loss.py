@@ -1,0 +1,225 @@
+"""The output head fused with the cross-entropy (`parallelize(fused_loss=True)`,
+mesh3d/model/fused_head_loss.py) against the head and the default loss unfused: the same loss and
+gradients, with several chunks of rows and ignored targets; under parallelize for the mesh3d
+protocol and each transformers model type it accepts; and its refusals.
+
+One process (a private world of one). The layouts of more ranks are in
+tests/distributed/test_composition.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import mesh3d
+import mesh3d.model.loss as loss_module
+from examples.llama.config import ModelArgs
+from examples.llama.model import Transformer
+from mesh3d.model.fused_head_loss import (
+    FUSED_HEAD_MODEL_TYPES,
+    _LinearCrossEntropy,
+    check_fused_loss,
+    fused_cross_entropy,
+)
+from mesh3d.model.loss import IGNORE_INDEX, cross_entropy_loss
+
+VOCAB = 48
+
+
+def _rows(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(13, 16, generator=g).to(dtype)
+    weight = (torch.randn(VOCAB, 16, generator=g) / 4).to(dtype)
+    bias = torch.randn(VOCAB, generator=g).to(dtype)
+    target = torch.randint(0, VOCAB, (13,), generator=g)
+    target[[2, 3, 9]] = IGNORE_INDEX
+    return rows, weight, bias, target
+
+
+def _grads(fused: bool, dtype, with_bias: bool):
+    rows, weight, bias, target = (t.clone() for t in _rows(dtype))
+    leaves = [rows.requires_grad_(), weight.requires_grad_()] + ([bias.requires_grad_()] if with_bias else [])
+    b = bias if with_bias else None
+    if fused:
+        loss = _LinearCrossEntropy.apply(rows, weight, b, target, IGNORE_INDEX)
+    else:
+        loss, _ = cross_entropy_loss(F.linear(rows, weight, b), target)
+    (loss * 0.37).backward()
+    return loss.detach(), [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 4, 13])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_equals_head_then_loss_in_fp32(monkeypatch, chunk_rows, with_bias):
+    monkeypatch.setattr(loss_module, "LOSS_CHUNK_ELEMENTS", chunk_rows * VOCAB)
+    (loss, grads), (want, want_grads) = _grads(True, torch.float32, with_bias), _grads(False, torch.float32, with_bias)
+    # the same chunks summed in the same order; a matmul over fewer rows may round differently
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=0)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_fused_in_bf16_rounds_the_weight_gradient_once(monkeypatch):
+    """The logits and gradients are computed in bf16 as unfused, the weight's summed over the
+    chunks in fp32 and rounded once, as one bf16 matmul over all rows rounds it: within a bf16
+    rounding step (2**-8) of the unfused ones."""
+    monkeypatch.setattr(loss_module, "LOSS_CHUNK_ELEMENTS", 4 * VOCAB)
+    (loss, grads), (want, want_grads) = _grads(True, torch.bfloat16, True), _grads(False, torch.bfloat16, True)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=0)  # an fp32 sum of fp32 losses
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2**-8, atol=1e-3)
+
+
+def _step(model, fused: bool, tokens, labels):
+    layout = mesh3d.build_mesh(pp=1, dp=1, tp=1, device="cpu")
+    try:
+        pm = mesh3d.parallelize(model, layout, schedule="gpipe", microbatches=2, dp_mode="ddp", fused_loss=fused)
+        loss = pm.step(tokens, labels)
+        evaluated = pm.evaluate(tokens, labels)
+        grads = {n: p.grad.clone() for stage in pm.stages.values() for n, p in stage.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    return loss, evaluated, grads
+
+
+def _batch(vocab):
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (4, 12), generator=g)
+    labels = torch.randint(0, vocab, (4, 12), generator=g)
+    labels[0, :5] = IGNORE_INDEX
+    return tokens, labels
+
+
+def _assert_same(fused, unfused):
+    (loss, evaluated, grads), (want, want_evaluated, want_grads) = fused, unfused
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(evaluated, want_evaluated, rtol=1e-6, atol=0)
+    assert grads.keys() == want_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_parallelize_fused_loss_equals_unfused_mesh3d_protocol(monkeypatch, tied):
+    monkeypatch.setattr(loss_module, "LOSS_CHUNK_ELEMENTS", 7 * 64)  # several chunks of a microbatch's 24 rows
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16)
+    torch.manual_seed(0)
+    model = Transformer(args.with_(tie_embeddings=tied))
+    tokens, labels = _batch(64)
+    results = [_step(_copy(model), fused, tokens, labels) for fused in (True, False)]
+    _assert_same(*results)
+
+
+@pytest.mark.parametrize("model_type", FUSED_HEAD_MODEL_TYPES)
+def test_parallelize_fused_loss_equals_unfused_transformers(monkeypatch, model_type):
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setattr(loss_module, "LOSS_CHUNK_ELEMENTS", 7 * 64)
+    config = transformers.AutoConfig.for_model(
+        model_type,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    tokens, labels = _batch(64)
+    results = [_step(_copy(model), fused, tokens, labels) for fused in (True, False)]
+    _assert_same(*results)
+
+
+def _copy(model):
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def test_the_pair_loss_passes_the_heads_sum_on():
+    total = torch.tensor(3.5)
+    target = torch.tensor([[1, IGNORE_INDEX, 2]])
+    loss, count = fused_cross_entropy(total, target)
+    assert loss is total and int(count) == 2
+
+
+class _Headless(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(4, 4)})
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(fused_loss="yes"), "must be True or False"),
+        (dict(loss_fn=cross_entropy_loss), "a loss_fn was given"),
+        (dict(tp=2), "tp=2 shards the head"),
+        (dict(traced=True), "traced"),
+    ],
+)
+def test_refusals_say_what_to_change(kwargs, words):
+    args = dict(fused_loss=True, model=Transformer(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=32)))
+    args.update(loss_fn=None, tp=1, traced=False)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=words) as info:
+        check_fused_loss(args["fused_loss"], args["model"], args["loss_fn"], args["tp"], args["traced"])
+    assert "fused_loss=False" in str(info.value) or "True or False" in str(info.value)
+
+
+def test_refused_without_a_head_and_for_an_unchecked_transformers_model():
+    with pytest.raises(ValueError, match="no nn.Linear head named 'output' or 'lm_head'"):
+        check_fused_loss(True, _Headless(), None, 1, False)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(
+        "gemma2", hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32
+    )
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="model_type 'gemma2'"):
+        check_fused_loss(True, model, None, 1, False)
+
+
+class _WidestLogits(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most rows of logits (a result whose last dim is the vocabulary) any op writes at once."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.rows = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:  # a view writes nothing (the head's weight transposed is vocab wide)
+            return out
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            # (meta: the runtime's shape run of the stage's meta copy, which holds no memory)
+            if isinstance(t, torch.Tensor) and not t.is_meta and t.dim() >= 2 and t.shape[-1] == self.vocab:
+                self.rows = max(self.rows, t.numel() // self.vocab)
+        return out
+
+
+@pytest.mark.parametrize("fused, most_rows", [(True, 7), (False, 24)])
+def test_fused_never_writes_a_microbatchs_logits_whole(monkeypatch, fused, most_rows):
+    """A microbatch is 2 x 12 = 24 rows; fused, no op writes more logits than a chunk's 7 rows."""
+    monkeypatch.setattr(loss_module, "LOSS_CHUNK_ELEMENTS", 7 * 64)
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16)
+    layout = mesh3d.build_mesh(pp=1, dp=1, tp=1, device="cpu")
+    try:
+        pm = mesh3d.parallelize(
+            Transformer(args), layout, schedule="gpipe", microbatches=2, dp_mode="ddp", fused_loss=fused
+        )
+        widest = _WidestLogits(64)
+        with widest:
+            pm.step(*_batch(64))
+    finally:
+        dist.destroy_process_group()
+    assert widest.rows == most_rows
