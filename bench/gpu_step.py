@@ -4,6 +4,7 @@
     python bench/gpu_step.py --activation-checkpoint selective --batch 8
     python bench/gpu_step.py --virtual-stages 4    # the same step as 4 local stages (the engine's own cost)
     python bench/gpu_step.py --profile runs/prof   # one more step profiled: time by kernel kind, SDPA backend
+    python bench/gpu_step.py --sdpa-backend cudnn  # the attention on cuDNN's kernel (flash, efficient, math)
     python bench/gpu_step.py --device cpu --config debug --no-compile --steps 2 --profile /tmp/p   # logic, no GPU
 
 One process, pp = dp = tp = 1 (mesh3d's world of one; NCCL on the GPU), the step as train.py runs
@@ -22,6 +23,7 @@ CPU by top-level op), the device's idle time within the step, and the SDPA backe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -31,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import mesh3d  # noqa: E402
 from examples.llama.config import CONFIGS, get_config  # noqa: E402
@@ -39,6 +42,13 @@ from mesh3d.pipeline.config import ACTIVATION_CHECKPOINT_MODES  # noqa: E402
 from mesh3d.train.flops import device_name, flops_per_token, mfu, peak_flops  # noqa: E402
 
 GIB = 2**30
+SDPA_BACKENDS = {
+    "auto": None,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
 
 
 def main() -> None:
@@ -56,6 +66,12 @@ def main() -> None:
     parser.add_argument("--profile", metavar="DIR", help="profile one more step; its trace goes to DIR/step.json")
     parser.add_argument(
         "--fused-loss", action="store_true", help="the head and the loss fused (parallelize(fused_loss=True))"
+    )
+    parser.add_argument(
+        "--sdpa-backend",
+        default="auto",
+        choices=sorted(SDPA_BACKENDS),
+        help="the SDPA kernel the attention must take (auto: torch's choice); one that cannot run the call fails",
     )
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -84,6 +100,11 @@ def main() -> None:
     )
     optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-4, fused=on_gpu)
     vocab = model.args.vocab_size
+    backend = SDPA_BACKENDS[args.sdpa_backend]
+
+    def attention_kernel():
+        return contextlib.nullcontext() if backend is None else sdpa_kernel([backend])
+
     generator = torch.Generator().manual_seed(0)
 
     def one_step() -> float:
@@ -91,7 +112,8 @@ def main() -> None:
         if on_gpu:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        loss = pm.step(tokens[:, :-1], tokens[:, 1:])
+        with attention_kernel():
+            loss = pm.step(tokens[:, :-1], tokens[:, 1:])
         pm.clip_grad_norm_(1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -112,7 +134,7 @@ def main() -> None:
         f"torch {torch.__version__}: "
         f"bf16, compile={not args.no_compile}, activation_checkpoint={args.activation_checkpoint}, "
         f"batch {args.batch} x seq {args.seq_len}, {pm.schedule.microbatches} microbatches, "
-        f"{args.virtual_stages} stage(s) on the rank, fused_loss={args.fused_loss}"
+        f"{args.virtual_stages} stage(s) on the rank, fused_loss={args.fused_loss}, SDPA {args.sdpa_backend}"
     )
     print(f"step {seconds * 1e3:.1f} ms (median of {args.steps})  {tokens_per_s:,.0f} tokens/s  last loss {loss:.3f}")
     print(
