@@ -99,6 +99,7 @@ def set_up(args):
         dp_mode=args.dp_mode,
         param_dtype=arguments.PARAM_DTYPES[args.param_dtype],
         compile=args.compile,
+        fused_loss=args.fused_loss,
     )
     prediction = None  # the planner's memory for this layout, beside the first step's peak (rank 0)
     if wants_prediction(layout.device, args.predict_memory) and layout.rank == 0:
@@ -111,7 +112,6 @@ def set_up(args):
         # A Hugging Face model's plan is its own (its config's base_model_tp_plan)
         tp_plan=None if args.hf_model else llama_tp_plan(loss_parallel=args.loss_parallel),
         loss_parallel=args.loss_parallel,
-        fused_loss=args.fused_loss,
         seed=args.seed,
         optimizer=inside,
     )  # the default loss: next-token cross-entropy over the global batch's counted tokens, any layout

@@ -42,6 +42,7 @@ class Plan:
     ep: int = 1  # expert parallelism: each block's experts split over ep ranks of a stage
     dp_shard: int | None = None  # HSDP: the dp ranks (a node's) that shard a stage; replicas across nodes
     error_band: float = 0.0  # the band its speed was ranked with (band.py): +- this fraction
+    fused_loss: bool = False  # the head fused with the loss (parallelize's fused_loss; pinned, never searched)
 
     def parallelize_kwargs(self) -> dict:
         """What to hand `mesh3d.parallelize(model, **kwargs)` to run exactly this plan (a traced
@@ -68,6 +69,8 @@ class Plan:
             kwargs["reshard_after_forward"] = self.reshard_after_forward
         if self.dp_shard is not None:
             kwargs["dp_shard"] = self.dp_shard
+        if self.fused_loss:
+            kwargs["fused_loss"] = True
         return kwargs
 
     def row(self) -> str:
@@ -79,5 +82,5 @@ class Plan:
             f"m={self.microbatches} ac={self.activation_checkpoint} {self.dp_mode}"
             f"{f' dp_shard={self.dp_shard}' if self.dp_shard else ''}"
             f"{' reshard' if self.reshard_after_forward and self.pp > 1 else ''} {dtype}"
-            f"{' compile' if self.compile else ''}"
+            f"{' compile' if self.compile else ''}{' fused_loss' if self.fused_loss else ''}"
         )

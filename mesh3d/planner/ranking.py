@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from mesh3d.model.fused_head_loss import check_fused_loss
 from mesh3d.pipeline.schedule.catalog import build_schedule
 from mesh3d.pipeline.split import split_point_counts, stage_layer_ranges
 from mesh3d.pipeline.tied import find_ties
@@ -102,6 +103,8 @@ def plan(
         )
     limit = memory_limit_bytes(memory_limit, hw)
     anatomy = planner_anatomy(model, seq_len, split_points)
+    fused_loss = fix.get("fused_loss", False)  # refused as parallelize refuses it; planned at tp = 1 only
+    check_fused_loss(fused_loss, model, None, fix.get("tp", 1), anatomy.traced is not None)
     n_blocks = len(anatomy.block_names(model))
     split_counts = (
         None if split_points is None else split_point_counts(anatomy, anatomy.block_names(model), split_points)
@@ -120,6 +123,7 @@ def plan(
             seq_len=seq_len,
             param_dtype=dtype,
             cp=cp,
+            fused_loss=fused_loss,
         )
     )
     cp_choices = context_parallel_degrees(model, anatomy, gpus, gpus_per_node, fix, hw, seq_len)
@@ -136,6 +140,7 @@ def plan(
             seq_len=seq_len,
             param_dtype=dtype,
             cp=cp,
+            fused_loss=fused_loss,
         )
     )
 
@@ -181,7 +186,7 @@ def plan(
         n_blocks,
         anatomy.tensor_parallel_sizes,
         fix,
-        tensor_parallel=bool(plan_tp),
+        tensor_parallel=bool(plan_tp) and not fused_loss,
         seq_len=seq_len,
         cp_choices=cp_choices,
         ep_choices=ep_choices,
@@ -276,6 +281,7 @@ def plan(
                 cand["cp"],
                 cand["ep"],
                 cand["dp_shard"],
+                fused_loss=fused_loss,
             )
         )
     if not plans:
@@ -288,5 +294,5 @@ def _model_flops_per_token(costs: ModelCosts, n_blocks: int) -> float:
     A cp rank's tokens attend over the whole sequence, so its FLOPs per token are the whole model's,
     its attention counted as at cp = 1 (the whole score matrix, once forward) for what it runs."""
     block = costs.block.flops - costs.block.cp.run_flops + costs.block.cp.model_flops
-    per_rank = n_blocks * block + costs.first_end.flops + costs.last_end.flops
+    per_rank = n_blocks * block + costs.first_end.flops + costs.last_end.flops - costs.recomputed_flops
     return per_rank * costs.tp / (costs.microbatch_size * costs.seq_len)

@@ -29,7 +29,7 @@ from mesh3d.planner.ranking import plan
 from mesh3d.train.step_memory import GIB, MemoryPeak, resident_peak_bytes
 
 # parallelize's keywords the planner pins by the same name
-_PINNED = ("schedule", "virtual_stages", "microbatches", "activation_checkpoint", "dp_mode", "compile")
+_PINNED = ("schedule", "virtual_stages", "microbatches", "activation_checkpoint", "dp_mode", "compile", "fused_loss")
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ PLANNED_SCHEDULES = [name for name, spec in SCHEDULES.items() if not spec.never_
 # A plan's layout, as the CLI's table lists it and tells two plans apart.
 LAYOUT = ("pp", "dp", "cp", "tp", "ep", "schedule", "virtual_stages", "microbatches")
 LAYOUT += ("activation_checkpoint", "dp_mode")
-FIXABLE = (*LAYOUT, "reshard_after_forward", "param_dtype", "compile")
+FIXABLE = (*LAYOUT, "reshard_after_forward", "param_dtype", "compile", "fused_loss")
 
 
 def divisors(n: int) -> list[int]:
@@ -255,6 +255,8 @@ def check_fix(fix: dict | None) -> dict:
         )
     if "compile" in fix and not isinstance(fix["compile"], bool):
         raise ValueError(f"plan: fix compile={fix['compile']!r}; give True or False")
+    if "fused_loss" in fix and not isinstance(fix["fused_loss"], bool):
+        raise ValueError(f"plan: fix fused_loss={fix['fused_loss']!r}; give True or False")
     for name in ("pp", "dp", "cp", "tp", "ep", "virtual_stages", "microbatches"):
         if name in fix and (isinstance(fix[name], bool) or not isinstance(fix[name], int) or fix[name] < 1):
             raise ValueError(f"plan: fix {name}={fix[name]!r}; give a positive integer")

@@ -343,3 +343,29 @@ def test_hsdp_is_planned_where_dp_spans_nodes_sharded_within_one():
     assert "hsdp" not in {p.dp_mode for p in within_a_node}
     with pytest.raises(ValueError, match="choose 'fsdp', 'hsdp'"):
         mesh3d.plan(debug_model(), fix={"dp_mode": "zero3"}, **SIZES)
+
+
+def test_the_fused_head_and_loss_is_planned_when_pinned():
+    """fix={"fused_loss": True} (parallelize's keyword, never searched): the last stage keeps no
+    logits (a microbatch's, in the compute dtype, less), its backward runs the head's forward again
+    (the step is longer by those FLOPs, which MFU does not count), only tp = 1 is planned, and the
+    plan hands the keyword on; refused as parallelize refuses it."""
+    fix = dict(
+        pp=2, dp=2, schedule="1f1b", virtual_stages=1, microbatches=2, activation_checkpoint="never", dp_mode="ddp"
+    )
+    plain, fused = (mesh3d.plan(debug_model(), **SIZES, fix={**fix, "fused_loss": f}) for f in (False, True))
+    assert len(plain) == len(fused) == 1 and fused[0].parallelize_kwargs()["fused_loss"] is True
+    plain, fused = plain[0], fused[0]
+    vocab, tokens = get_config("debug").vocab_size, fused.microbatch_size * SIZES["seq_len"]
+    saved = plain.memory_by_pp_rank[-1].total - fused.memory_by_pp_rank[-1].total  # the last stage's rank
+    assert saved >= tokens * vocab * 2  # a microbatch's bf16 logits at least
+    head_flops = 2 * tokens * vocab * get_config("debug").dim
+    extra = fused.time.backward_seconds[-1] - plain.time.backward_seconds[-1]
+    rate = HARDWARE["h100"].peak_flops * HARDWARE["h100"].achievable_fraction
+    assert extra == pytest.approx(head_flops / rate, rel=0.01)
+    assert fused.mfu * fused.step_seconds == pytest.approx(plain.mfu * plain.step_seconds, rel=1e-6)
+    assert all(p.tp == 1 for p in mesh3d.plan(debug_model(), **SIZES, fix={"fused_loss": True}))
+    with pytest.raises(ValueError, match="tp=2 shards the head"):
+        mesh3d.plan(debug_model(), **SIZES, fix={"fused_loss": True, "tp": 2})
+    with pytest.raises(ValueError, match="fix fused_loss='yes'"):
+        mesh3d.plan(debug_model(), **SIZES, fix={"fused_loss": "yes"})

@@ -122,3 +122,6 @@ class ModelCosts:
     checkpointed_stage: dict[str, int]
     cp: int = 1
     ep: int = 1
+    # FLOPs a microbatch's backward runs again beyond the model's (the fused head's forward): in
+    # the step's time, not in its MFU
+    recomputed_flops: float = 0.0

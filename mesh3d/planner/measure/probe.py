@@ -36,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from mesh3d.model.anatomy import Anatomy
+from mesh3d.model.fused_head_loss import fuse_head, head_targets
 from mesh3d.model.loss import cross_entropy_loss
 from mesh3d.pipeline.activation_checkpoint import SAVED_OPS
 from mesh3d.pipeline.shape_ops import ShapeRunOps
@@ -97,9 +98,12 @@ def measure_model(
     seq_len: int,
     param_dtype: torch.dtype | None,
     cp: int = 1,
+    fused_loss: bool = False,
 ) -> ModelCosts:
     """Measure a block and the two ends of `model` (on meta) at `tp` and `cp`; see the module docstring.
-    `seq_len` is the whole sequence's: a cp rank runs seq_len // cp of its tokens."""
+    `seq_len` is the whole sequence's: a cp rank runs seq_len // cp of its tokens. `fused_loss`: the
+    last stage's head computes the loss as parallelize(fused_loss=True) makes it (no whole logits
+    kept; its backward runs the head's forward again, which the costs' `recomputed_flops` holds)."""
     from mesh3d.tensor.apply import apply_tensor_parallel
 
     n_blocks = len(anatomy.block_names(model))
@@ -108,6 +112,8 @@ def measure_model(
     seq_len //= cp  # the rank's tokens of each sequence
     measured = measured_stages(model, anatomy, microbatch_size, seq_len)
     stages = measured.stages
+    if fused_loss:
+        fuse_head(stages["last"])
     with fake_tp_mesh(tp) as mesh:
         if mesh is not None:
             if not tp_plan:
@@ -121,7 +127,11 @@ def measure_model(
     first = results["first"].minus(block, *_end_params(stages["first"], stages["middle"]))
     last = results["last"].minus(block, *_end_params(stages["last"], stages["middle"]))
     dtype = param_dtype or torch.float32
-    return ModelCosts(tp, microbatch_size, seq_len, dtype, block, first, last, message, checkpointed, cp)
+    # fused: the end's forward FLOPs are its head's (a norm and the loss count none), run again in backward
+    recomputed = last.forward_flops if fused_loss else 0.0
+    return ModelCosts(
+        tp, microbatch_size, seq_len, dtype, block, first, last, message, checkpointed, cp, recomputed_flops=recomputed
+    )
 
 
 def _end_params(stage: nn.Module, middle: nn.Module) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
@@ -198,7 +208,8 @@ def _forward(stage: nn.Module, x: torch.Tensor, targets: torch.Tensor | None, mo
     """The stage as the runtime runs it (pipeline/runtime.py): the loss outside the checkpoint."""
 
     def call(inp):
-        out = stage(inp)
+        with head_targets(targets):  # a fused head computes the loss (a checkpoint's rerun included)
+            out = stage(inp)
         if isinstance(out, tuple) and getattr(stage, "router_aux", None) is not None:
             out = out[0]  # a router loss's few sums beside the activation (model/router_aux.py): not counted
         return getattr(out, "logits", out)
@@ -237,8 +248,7 @@ def _flops_and_traffic(stage, x, targets, tp: int) -> tuple[float, float, Collec
     counter = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
     inp = _input(x)
     with counter, traffic:
-        out = _forward(stage, inp, None, "never")
-        loss = _forward_loss(out, targets)
+        out = loss = _forward(stage, inp, targets, "never")  # the last stage's loss included
         forward = counter.get_total_flops()
         grad_out = None if targets is not None else torch.ones_like(loss)
         torch.autograd.backward(loss, grad_out)  # .grad of fake parameters: no memory
@@ -247,7 +257,7 @@ def _flops_and_traffic(stage, x, targets, tp: int) -> tuple[float, float, Collec
 
 def _forward_loss(out: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
     """The last stage's loss (mesh3d's default), as a tensor to backpropagate; `out` unchanged elsewhere."""
-    if targets is None:
+    if targets is None or out.dim() == 0:  # no loss here, or a fused head's (fused_head_loss.py)
         return out
     value = cross_entropy_loss(local_shard(out), targets)
     return value[0] if isinstance(value, tuple) else value
