@@ -68,16 +68,17 @@ def test_training_script_loss_falls(tmp_path):
 def test_training_script_in_bf16(tmp_path):
     """--param-dtype bf16 in one process (mixed precision without data parallelism): the JSONL says so.
     With --predict-memory the planner's figure for the layout is said beside the first step's peak,
-    and is the one mesh3d.plan gives pinned to that layout."""
+    and is the one mesh3d.plan gives pinned to that layout; with --fused-loss, the head and loss fused."""
     metrics = tmp_path / "metrics.jsonl"
     flags = ("--steps", "3", "--seq-len", "32", "--param-dtype", "bf16", "--metrics", str(metrics))
-    done = _train(*flags, "--predict-memory")
+    done = _train(*flags, "--predict-memory", "--fused-loss")
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["param_dtype"] for r in records] == ["bf16"] * 3
     with torch.device("meta"):
         model = Transformer(get_config("debug", max_seq_len=32, vocab_size=256))
     fix = dict(pp=1, dp=1, tp=1, schedule="interleaved_1f1b", virtual_stages=1, microbatches=1)
     fix.update(activation_checkpoint="never", dp_mode="fsdp", param_dtype=torch.bfloat16, compile=False)
+    fix["fused_loss"] = True
     planned = mesh3d.plan(model, gpus=1, seq_len=32, global_batch=16, memory_limit=2**60, fix=fix)[0]
     assert records[0]["memory_predicted_gib"] == pytest.approx(planned.memory_per_rank.total / 2**30)
     assert all("memory_predicted_gib" not in r for r in records[1:])
