@@ -4,7 +4,7 @@ grad norms, every parameter after 2 AdamW steps).
 
 `mesh3d.build_mesh(pp=..., dp=..., cp=..., tp=...)` called exactly so. Cases (the example LLaMA,
 plain and with packed documents, and a protocol model of its own attention):
-- cp = 2 alone, and cp = 4 (one token per chunk at seq 8: every rank's head and tail), alone and
+- cp = 2 alone (and with the head fused with the loss), and cp = 4 (one token per chunk at seq 8: every rank's head and tail), alone and
   with pp (ZBV, DDP, tied);
 - cp composed with pp (1f1b, zbv: split backward; interleaved), dp (FSDP and DDP), tp with
   sequence parallel and loss parallel, tied weights, activation checkpointing;
@@ -114,6 +114,8 @@ def test_cp2_alone_and_with_documents():
     cases = [
         ((1, 1, 2, 1), tiny_args(False, 2), plain, {"schedule": "1f1b"}),
         ((1, 1, 2, 1), tiny_args(False, 2), documents, {"schedule": "1f1b"}),
+        # the head fused with the loss: each cp rank's chunk of rows against its own targets
+        ((1, 1, 2, 1), tiny_args(True, 2), documents, {"schedule": "1f1b", "fused_loss": True}),
     ]
     _check(cases, 2)
 
