@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help=f"pin a choice, repeatable: {', '.join(FIXABLE)} (v, m, ac for short); "
-        "param_dtype takes bf16, fp32 or none; compile takes true or false",
+        "param_dtype takes bf16, fp32 or none; compile and fused_loss take true or false",
     )
     p.add_argument(
         "--tie-band",
@@ -102,9 +102,9 @@ def parse_fix(items: list[str]) -> dict:
             if value.lower() not in _DTYPES:
                 raise _UsageError(f"--fix {item!r}: param_dtype takes one of {list(_DTYPES)}")
             fix[key] = _DTYPES[value.lower()]
-        elif key == "compile":
+        elif key in ("compile", "fused_loss"):
             if value.lower() not in _BOOLS:
-                raise _UsageError(f"--fix {item!r}: compile takes true or false")
+                raise _UsageError(f"--fix {item!r}: {key} takes true or false")
             fix[key] = _BOOLS[value.lower()]
         else:  # strings; plan() checks keys and values against what mesh3d runs
             fix[key] = value

@@ -185,6 +185,7 @@ def test_fix_pins_typed_values(config_dir):
         microbatches=4,
     )
     assert cli.parse_fix(["param_dtype=none"]) == {"param_dtype": None}
+    assert cli.parse_fix(["fused_loss=True"]) == {"fused_loss": True}
     out = _run(
         _argv(
             config_dir,
