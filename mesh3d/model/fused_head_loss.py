@@ -43,7 +43,13 @@ class FusedCrossEntropy:
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if output.dim() != 0:
-            # a zero output of the logits' shape (loss.py finds a pair loss's count that way): no head ran
+            if not output.is_meta:
+                raise RuntimeError(
+                    f"fused_loss: the last stage returned an output of shape {tuple(output.shape)}, not the loss its "
+                    "fused head computes; the head ran without the microbatch's targets (called outside pm.step "
+                    "and pm.evaluate?)"
+                )
+            # the meta output of the stage's unfused meta copy (loss.py checks the loss's kind on it)
             output = output.float().sum() * 0
         return output, self.count(target)
 

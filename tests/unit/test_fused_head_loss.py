@@ -150,6 +150,10 @@ def test_the_pair_loss_passes_the_heads_sum_on():
     target = torch.tensor([[1, IGNORE_INDEX, 2]])
     loss, count = fused_cross_entropy(total, target)
     assert loss is total and int(count) == 2
+    meta_logits = torch.empty(1, 3, VOCAB, device="meta")  # the meta check of the loss's kind (loss.py)
+    assert fused_cross_entropy(meta_logits, target)[0].shape == ()
+    with pytest.raises(RuntimeError, match="not the loss its fused head computes"):
+        fused_cross_entropy(torch.zeros(1, 3, VOCAB), target)  # never a silent zero loss
 
 
 class _Headless(torch.nn.Module):
