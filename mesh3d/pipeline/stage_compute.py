@@ -167,7 +167,8 @@ class StageCompute:
             messages = divide(x, [self.specs[(p, stage)] for p in producers])
             inputs = [t for p, message in zip(producers, messages) for t in unpack(message, self.specs[(p, stage)])]
         # the last stage's head, if fused with the loss (model/fused_head_loss.py), computes it against these
-        targets = self.targets[mb] if stage == self.stages.n_stages - 1 else None
+        last = stage == self.stages.n_stages - 1 and self.targets is not None
+        targets = self.targets[mb] if last else None
         with around, head_targets(targets):
             return self.stages.modules[stage](*inputs, **extra)
 
