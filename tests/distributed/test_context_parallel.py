@@ -4,8 +4,8 @@ grad norms, every parameter after 2 AdamW steps).
 
 `mesh3d.build_mesh(pp=..., dp=..., cp=..., tp=...)` called exactly so. Cases (the example LLaMA,
 plain and with packed documents, and a protocol model of its own attention):
-- cp = 2 alone (and with the head fused with the loss), and cp = 4 (one token per chunk at seq 8: every rank's head and tail), alone and
-  with pp (ZBV, DDP, tied);
+- cp = 2 alone (and with the head fused with the loss), and cp = 4 (one token per chunk at seq 8:
+  every rank's head and tail), alone and with pp (ZBV, DDP, tied);
 - cp composed with pp (1f1b, zbv: split backward; interleaved), dp (FSDP and DDP), tp with
   sequence parallel and loss parallel, tied weights, activation checkpointing;
 - against cp = 1 on the same ranks: PipeDream-2BW, torch.compile with selective checkpointing, bf16;
