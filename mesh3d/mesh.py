@@ -305,3 +305,15 @@ def build_mesh(
             backend_override=mesh_group_options(device, timeout, EXPERT_DIMS),
         )
     return Layout(mesh, device, backend, default_timeout(backend, timeout), expert_mesh)
+
+
+def layout_or_mesh(layout: Layout | None, **sizes: int | None) -> Layout:
+    """`layout` if given (ValueError where a size given beside it differs), else `build_mesh` of the
+    sizes given (None: build_mesh's default): parallelize's two ways of being told the layout."""
+    given = {axis: size for axis, size in sizes.items() if size is not None}
+    if layout is None:
+        return build_mesh(**given)
+    clash = {k: v for k, v in given.items() if v != getattr(layout, k)}
+    if clash:
+        raise ValueError(f"parallelize: got a layout {layout!r} and different sizes {clash}; pass one or the other")
+    return layout

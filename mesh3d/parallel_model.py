@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -51,6 +51,9 @@ class ParallelModel:
         optimizer: the optimizer parallelize built from its `optimizer=` factory, or None.
         index_bounds: the per-sample inputs the model declares indices, {name: n}: each in [0, n).
         sequence_shards: how each step's batch is cut over the cp ranks (None: cp = 1, as given).
+        expert_load: per-expert token counts, for a model whose experts are declared.
+        before_step: called at the start of every step and evaluate, before any forward (float8's
+            weight scales, recomputed after whatever changed the weights since: model/float8.py).
 
     Its public names are listed in docs/parallelize.md (tests/unit/test_public_names.py holds them).
     """
@@ -70,7 +73,9 @@ class ParallelModel:
         index_bounds: dict[str, int] | None = None,
         sequence_shards: SequenceShards | None = None,
         expert_load: ExpertLoad | None = None,
+        before_step: Callable[[], None] | None = None,
     ):
+        self._before_step = before_step
         self._expert_load = expert_load
         self._optimizer = optimizer
         self._layout = layout
@@ -164,6 +169,9 @@ class ParallelModel:
         with self._peer_failures("pm.step"):
             # fail before tied gradients are set aside
             batch, boundaries, kind = self._pipelined.check(inputs, targets, per_sample, "pm.step")
+            if self._before_step is not None:
+                with torch.no_grad():
+                    self._before_step()
             return self._pipelined.train(batch, boundaries, kind)
 
     @torch.no_grad()
@@ -175,6 +183,9 @@ class ParallelModel:
         self.flush()
         with self._peer_failures("pm.evaluate"):
             batch, boundaries, kind = self._pipelined.check(inputs, targets, per_sample, "pm.evaluate")
+            if self._before_step is not None:
+                with torch.no_grad():
+                    self._before_step()
             return self._pipelined.evaluate(batch, boundaries, kind)
 
     def train(self, mode: bool = True) -> ParallelModel:

@@ -10,8 +10,9 @@ its axis (torchtitan's parallelize_llama has the same shape):
    this rank's stages for real; tied weights shared across this rank's stages;
 3. a model given with values: replicas made equal along tp and dp (initialize.py), one tensor at
    a time; a model given on meta stays on meta through steps 4-6;
-4. tensor parallelism per stage (tensor/apply.py), on the meta stages too, so boundary shapes are
-   the local shards' shapes;
+4. with float8=, the blocks' linears become torchao's Float8Linear (model/float8.py), on the meta
+   stages too; then tensor parallelism per stage (tensor/apply.py), on the meta stages too, so
+   boundary shapes are the local shards' shapes;
 5. torch.compile per block (compiled_blocks.py), when asked;
 6. data parallelism per stage (data_parallel/), each stage its own FSDP/DDP root, carrying the
    mixed-precision policy (with dp = 1 too, when a compute dtype is asked for); then, for a model
@@ -24,6 +25,7 @@ its axis (torchtitan's parallelize_llama has the same shape):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -32,12 +34,13 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from mesh3d.context_parallel.model_check import POSITIONS
 from mesh3d.data_parallel.mixed_precision import MixedPrecision
-from mesh3d.data_parallel.wrap import DataParallelConfig, apply_data_parallel
+from mesh3d.data_parallel.wrap import SHARDING_MODES, DataParallelConfig, apply_data_parallel
 from mesh3d.distributed.agree import check_same_everywhere
 from mesh3d.distributed.printed_once import raised_alike
 from mesh3d.expert_parallel.apply import apply_expert_parallel, resolve_expert_parallel
-from mesh3d.mesh import Layout, build_mesh
+from mesh3d.mesh import Layout, layout_or_mesh
 from mesh3d.model.compiled_blocks import compile_blocks, resolve_compile
+from mesh3d.model.float8 import Float8Config, precompute_scales
 from mesh3d.model.fused_head_loss import check_fused_loss, fuse_head, fused_cross_entropy
 from mesh3d.model.initialize import make_replicas_identical, to_device
 from mesh3d.model.intake import anatomy_of
@@ -92,6 +95,7 @@ def parallelize(
     split_points: Sequence[str] | None = None,
     example_inputs: tuple | None = None,
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    float8: str | None = None,
 ) -> ParallelModel:
     """Split `model` into pipeline stages, keep this rank's, and return a ParallelModel.
 
@@ -189,10 +193,17 @@ def parallelize(
             model's modules are each seeded by (seed, module name), so every layout gets the same
             weights. None: the model's default (Hugging Face: torch.initial_seed()). Unused for a
             model given with values.
+        float8: train the blocks' linear layers in float8 through torchao (`pip install
+            "mesh3d[float8]"`; docs/parallelize.md#float8): None (default, off), "tensorwise" (one
+            scale per tensor; FSDP then gathers the weights in float8, and tp uses torchao's float8
+            styles) or "rowwise" (one scale per row; tp = 1 only). Converted: each nn.Linear inside
+            the repeated blocks whose in and out features are multiples of 16 (under tp, those the
+            plan shards with a plain ColwiseParallel or RowwiseParallel); never the embedding or the
+            output head. Refused by name with a traced model or ep > 1.
     """
     with raised_alike():
         anatomy = anatomy_of(model, example_inputs, split_points)  # which way the model came in, before any collective
-    layout = _resolve_layout(layout, pp, dp, tp, cp, ep)
+    layout = layout_or_mesh(layout, pp=pp, dp=dp, tp=tp, cp=cp, ep=ep)
     with raised_alike():  # arithmetic on the keywords, alike on every rank: printed once
         precision = MixedPrecision.resolve(model, param_dtype, reduce_dtype)
         replicas = layout.data_parallel_size  # dp x cp: context-parallel ranks hold the same parameters
@@ -224,8 +235,20 @@ def parallelize(
         )
         check_optimizer(pipe, optimizer)
         check_fused_loss(fused_loss, model, loss_fn, layout.tp, pipe.traced is not None)
+        low_precision = Float8Config.resolve(
+            float8,
+            model,
+            anatomy,
+            tensor.plan,
+            tp=layout.tp,
+            ep=layout.ep,
+            shards_weights=data.mode in SHARDING_MODES and (data.wraps(replicas) or pipe.never_drains),
+            never_drains=pipe.never_drains,
+            traced=pipe.traced is not None,
+        )
+        tensor = dataclasses.replace(tensor, plan=low_precision.tp_plan)  # converted linears: float8 styles
     _check_same_config_everywhere(
-        f"{pipe} {data} {tensor} ep={layout.ep} compile={compile_backend} fused_loss={fused_loss}"
+        f"{pipe} {data} {tensor} ep={layout.ep} compile={compile_backend} fused_loss={fused_loss} {low_precision}"
     )
 
     split = split_model(model, anatomy, pipe.stage_layers, pipe.schedule.local_stages(layout.pp_rank), pipe.traced)
@@ -239,6 +262,7 @@ def parallelize(
     tied.tie_locally()
     if fused_loss and pipe.schedule.n_stages - 1 in stages:
         fuse_head(stages[pipe.schedule.n_stages - 1])
+    low_precision.convert([*split.meta_stages, *stages.values()])  # before tp, compile and FSDP wrap them
     if not split.from_meta:
         make_replicas_identical(stages, layout)  # values given: sharding starts from the first rank's
     if experts is not None:
@@ -309,19 +333,8 @@ def parallelize(
             anatomy.cp_mask_input if any(anatomy.cp_mask_input in names for names in takes) else None,
         ),
         expert_load_of(anatomy, split, stages, layout),
+        before_step=(lambda: precompute_scales(stages.values())) if low_precision.precompute else None,
     )
-
-
-def _resolve_layout(
-    layout: Layout | None, pp: int | None, dp: int | None, tp: int | None, cp: int | None, ep: int | None
-) -> Layout:
-    given = {"pp": pp, "dp": dp, "tp": tp, "cp": cp, "ep": ep}
-    if layout is None:
-        return build_mesh(**{axis: size for axis, size in given.items() if size is not None})
-    clash = {k: v for k, v in given.items() if v is not None and v != getattr(layout, k)}
-    if clash:
-        raise ValueError(f"parallelize: got a layout {layout!r} and different sizes {clash}; pass one or the other")
-    return layout
 
 
 def _check_same_config_everywhere(config: str) -> None:
