@@ -67,6 +67,7 @@ def main() -> None:
     parser.add_argument(
         "--fused-loss", action="store_true", help="the head and the loss fused (parallelize(fused_loss=True))"
     )
+    parser.add_argument("--float8", choices=["tensorwise", "rowwise"], help="the blocks' linears in float8 (torchao)")
     parser.add_argument(
         "--sdpa-backend",
         default="auto",
@@ -94,6 +95,7 @@ def main() -> None:
         microbatches=max(args.microbatches, args.virtual_stages) if staged else args.microbatches,
         loss_fn=None if args.fused_loss else loss_fn,  # fused: the default (sum, count) loss, the same mean here
         fused_loss=args.fused_loss,
+        float8=args.float8,
         param_dtype=torch.bfloat16,
         activation_checkpoint=args.activation_checkpoint,
         compile=not args.no_compile,
@@ -134,7 +136,8 @@ def main() -> None:
         f"torch {torch.__version__}: "
         f"bf16, compile={not args.no_compile}, activation_checkpoint={args.activation_checkpoint}, "
         f"batch {args.batch} x seq {args.seq_len}, {pm.schedule.microbatches} microbatches, "
-        f"{args.virtual_stages} stage(s) on the rank, fused_loss={args.fused_loss}, SDPA {args.sdpa_backend}"
+        f"{args.virtual_stages} stage(s) on the rank, fused_loss={args.fused_loss}, SDPA {args.sdpa_backend}, "
+        f"float8={args.float8}"
     )
     print(f"step {seconds * 1e3:.1f} ms (median of {args.steps})  {tokens_per_s:,.0f} tokens/s  last loss {loss:.3f}")
     print(

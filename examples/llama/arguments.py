@@ -94,6 +94,12 @@ def build_parser(description: str | None = None) -> Parser:
     )
     p.add_argument("--loss-parallel", action="store_true", help="keep logits vocab-sharded over tp for the loss")
     p.add_argument(
+        "--float8",
+        choices=["tensorwise", "rowwise"],
+        default=None,
+        help="the blocks' linears in float8 through torchao (pip install 'mesh3d[float8]')",
+    )
+    p.add_argument(
         "--fused-loss",
         action="store_true",
         help="run the output head and the loss together, a chunk of rows at a time: no whole logits (tp 1)",

@@ -112,6 +112,7 @@ def set_up(args):
         # A Hugging Face model's plan is its own (its config's base_model_tp_plan)
         tp_plan=None if args.hf_model else llama_tp_plan(loss_parallel=args.loss_parallel),
         loss_parallel=args.loss_parallel,
+        float8=args.float8,
         seed=args.seed,
         optimizer=inside,
     )  # the default loss: next-token cross-entropy over the global batch's counted tokens, any layout
