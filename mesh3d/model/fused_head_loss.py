@@ -10,21 +10,24 @@ every logit, loss term and input gradient is the unfused one's; the weight's gra
 chunks in fp32 (one matmul sums over all rows in one pass), so it differs by rounding only.
 
 The runtime hands the last stage its targets (`head_targets`, pipeline/stage_compute.py); the head
-then returns the microbatch's summed loss, which `FusedCrossEntropy` passes on with its count.
-Called without targets (outside a step) the head is a plain linear layer.
+then returns the microbatch's summed loss, which `FusedCrossEntropy` passes on with its count, only
+if it is that very tensor (a model that did arithmetic on its head's output would otherwise train on
+a transformed loss). Called without targets (outside a step) the head is a plain linear layer.
+Selective checkpointing caches no chunk's logits (`computing_fused_head`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mesh3d.model.loss import IGNORE_INDEX, row_chunks
+from mesh3d.model.loss import IGNORE_INDEX, cross_entropy_loss, row_chunks
 
 # transformers' causal LMs whose lm_head output is the logits as they are (no scaling or softcapping
 # after it): tests/unit/test_fused_head_loss.py checks each against its unfused loss.
@@ -32,6 +35,8 @@ FUSED_HEAD_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen
 HEAD_NAMES = ("output", "lm_head")  # the mesh3d protocol's head, transformers'
 
 _TARGETS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("mesh3d_head_targets", default=None)
+_IN_CHUNKS: contextvars.ContextVar[bool] = contextvars.ContextVar("mesh3d_fused_head_chunks", default=False)
+_returned: list = [None]  # a weak reference to the loss the fused head returned last
 
 
 class FusedCrossEntropy:
@@ -42,6 +47,12 @@ class FusedCrossEntropy:
         self.ignore_index = ignore_index
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if output.dim() == 0 and not output.is_meta and (_returned[0] is None or _returned[0]() is not output):
+            raise RuntimeError(
+                "fused_loss: the last stage's output is not the loss its fused head returned: the model's forward "
+                "computes something from its head's output (a scale, a softcap, a slice), which the fused head "
+                "cannot take into the loss; pass fused_loss=False"
+            )
         if output.dim() != 0:
             if not output.is_meta:
                 raise RuntimeError(
@@ -72,7 +83,8 @@ def check_fused_loss(fused_loss: bool, model: nn.Module, loss_fn: object, tp: in
         return
     refusal = None
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if loss_fn is not None:
+    head = head_of(model)
+    if loss_fn is not None and loss_fn is not cross_entropy_loss:
         refusal = f"a loss_fn was given ({loss_fn!r}); the fused head computes the default cross-entropy only"
     elif tp > 1:
         refusal = (
@@ -86,8 +98,13 @@ def check_fused_loss(fused_loss: bool, model: nn.Module, loss_fn: object, tp: in
             f"its model_type {model_type!r} is not one whose head output is the logits as they are "
             f"(checked for {', '.join(FUSED_HEAD_MODEL_TYPES)})"
         )
-    elif head_of(model) is None:
+    elif head is None:
         refusal = f"it has no nn.Linear head named {' or '.join(repr(n) for n in HEAD_NAMES)}"
+    elif type(head).forward is not nn.Linear.forward:
+        refusal = (
+            f"its head is a {type(head).__name__} with a forward of its own, which the fused head would replace "
+            "by nn.Linear's"
+        )
     if refusal is not None:
         raise ValueError(f"parallelize: fused_loss=True cannot be used here: {refusal}; or pass fused_loss=False")
 
@@ -114,9 +131,22 @@ def fuse_head(stage: nn.Module) -> None:
         if target is None:
             return F.linear(hidden, head.weight, head.bias)
         rows = hidden.flatten(0, -2)
-        return _LinearCrossEntropy.apply(rows, head.weight, head.bias, target.flatten(), IGNORE_INDEX)
+        if rows.shape[0] != target.numel():
+            raise ValueError(
+                f"fused_loss: the head got {rows.shape[0]} rows and the microbatch has {target.numel()} targets "
+                f"(targets {tuple(target.shape)}); the fused head needs one target a row, as the default loss does"
+            )
+        loss = _LinearCrossEntropy.apply(rows, head.weight, head.bias, target.flatten(), IGNORE_INDEX)
+        _returned[0] = weakref.ref(loss)
+        return loss
 
     head.forward = forward
+
+
+def computing_fused_head() -> bool:
+    """Whether a fused head's chunks are being computed: selective checkpointing caches no matmul
+    result then (pipeline/activation_checkpoint.py), or it would hold every chunk's logits."""
+    return _IN_CHUNKS.get()
 
 
 @contextlib.contextmanager
@@ -138,10 +168,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.ignore_index = ignore_index
         ctx.save_for_backward(rows, weight, bias, target)
         total = None
-        for chunk in row_chunks(rows.shape[0], weight.shape[0]):
-            logits = F.linear(rows[chunk], weight, bias)
-            part = F.cross_entropy(logits.float(), target[chunk], ignore_index=ignore_index, reduction="sum")
-            total = part if total is None else total + part
+        token = _IN_CHUNKS.set(True)
+        try:
+            for chunk in row_chunks(rows.shape[0], weight.shape[0]):
+                logits = F.linear(rows[chunk], weight, bias)
+                part = F.cross_entropy(logits.float(), target[chunk], ignore_index=ignore_index, reduction="sum")
+                total = part if total is None else total + part
+        finally:
+            _IN_CHUNKS.reset(token)
         return total
 
     @staticmethod

@@ -57,6 +57,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from mesh3d.model.fused_head_loss import computing_fused_head
+
 _aten = torch.ops.aten
 
 # The expensive ops whose outputs are kept. A linear layer reaches the dispatcher as mm (no bias)
@@ -81,8 +83,11 @@ SAVED_OPS: frozenset = frozenset(
 
 
 def save_matmuls_and_attention(ctx: SelectiveCheckpointContext, op, *args, **kwargs) -> CheckpointPolicy:
-    """The selective policy: keep what `SAVED_OPS` computes, recompute the rest."""
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    """The selective policy: keep what `SAVED_OPS` computes, recompute the rest (a fused head's
+    chunks included: kept, they would be the whole logits it exists not to hold)."""
+    if op in SAVED_OPS and not computing_fused_head():
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def selective_contexts() -> tuple:

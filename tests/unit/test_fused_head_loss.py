@@ -22,7 +22,9 @@ from mesh3d.model.fused_head_loss import (
     FUSED_HEAD_MODEL_TYPES,
     _LinearCrossEntropy,
     check_fused_loss,
+    fuse_head,
     fused_cross_entropy,
+    head_targets,
 )
 from mesh3d.model.loss import IGNORE_INDEX, cross_entropy_loss
 
@@ -145,15 +147,23 @@ def _copy(model):
     return copy.deepcopy(model)
 
 
-def test_the_pair_loss_passes_the_heads_sum_on():
-    total = torch.tensor(3.5)
+def test_the_pair_loss_passes_on_the_sum_its_head_returned_and_nothing_else():
+    stage = torch.nn.Module()
+    stage.output = torch.nn.Linear(16, VOCAB)
+    fuse_head(stage)
     target = torch.tensor([[1, IGNORE_INDEX, 2]])
+    with head_targets(target):
+        total = stage.output(torch.randn(1, 3, 16))
     loss, count = fused_cross_entropy(total, target)
     assert loss is total and int(count) == 2
     meta_logits = torch.empty(1, 3, VOCAB, device="meta")  # the meta check of the loss's kind (loss.py)
     assert fused_cross_entropy(meta_logits, target)[0].shape == ()
     with pytest.raises(RuntimeError, match="not the loss its fused head computes"):
         fused_cross_entropy(torch.zeros(1, 3, VOCAB), target)  # never a silent zero loss
+    with pytest.raises(RuntimeError, match="not the loss its fused head returned"):
+        fused_cross_entropy(total / 2, target)  # a model's arithmetic on its head's output
+    with head_targets(target), pytest.raises(ValueError, match="the head got 2 rows and the microbatch has 3"):
+        stage.output(torch.randn(1, 2, 16))
 
 
 class _Headless(torch.nn.Module):
@@ -166,7 +176,7 @@ class _Headless(torch.nn.Module):
     "kwargs, words",
     [
         (dict(fused_loss="yes"), "must be True or False"),
-        (dict(loss_fn=cross_entropy_loss), "a loss_fn was given"),
+        (dict(loss_fn=lambda output, target: output.mean()), "a loss_fn was given"),
         (dict(tp=2), "tp=2 shards the head"),
         (dict(traced=True), "traced"),
     ],
@@ -180,9 +190,19 @@ def test_refusals_say_what_to_change(kwargs, words):
     assert "fused_loss=False" in str(info.value) or "True or False" in str(info.value)
 
 
+class _ScaledHead(torch.nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 0.5
+
+
 def test_refused_without_a_head_and_for_an_unchecked_transformers_model():
+    model = Transformer(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=32))
+    check_fused_loss(True, model, cross_entropy_loss, 1, False)  # the default loss, given by name
     with pytest.raises(ValueError, match="no nn.Linear head named 'output' or 'lm_head'"):
         check_fused_loss(True, _Headless(), None, 1, False)
+    model.output = _ScaledHead(16, 32)
+    with pytest.raises(ValueError, match="_ScaledHead with a forward of its own"):
+        check_fused_loss(True, model, None, 1, False)
     transformers = pytest.importorskip("transformers")
     config = transformers.AutoConfig.for_model(
         "gemma2", hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32
@@ -227,3 +247,55 @@ def test_fused_never_writes_a_microbatchs_logits_whole(monkeypatch, fused, most_
     finally:
         dist.destroy_process_group()
     assert widest.rows == most_rows
+
+
+class _HalvedOutput(Transformer):
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs) / 2
+
+
+def test_a_model_that_transforms_its_heads_output_is_stopped_at_its_first_step():
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16)
+    layout = mesh3d.build_mesh(pp=1, dp=1, tp=1, device="cpu")
+    try:
+        pm = mesh3d.parallelize(_HalvedOutput(args), layout, schedule="gpipe", dp_mode="ddp", fused_loss=True)
+        with pytest.raises(RuntimeError, match="not the loss its fused head returned"):
+            pm.step(*_batch(64))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_selective_checkpointing_of_a_whole_last_stage_keeps_no_chunk_of_logits(monkeypatch, fused):
+    """ZBV checkpoints each stage whole under "selective", caching every matmul's result: fused, the
+    head's chunks are recomputed instead (model/fused_head_loss.py's computing_fused_head)."""
+    import mesh3d.pipeline.activation_checkpoint as checkpointing
+
+    kept_logits = []
+    policy = checkpointing.save_matmuls_and_attention
+
+    def spy(ctx, op, *args, **kwargs):
+        decision = policy(ctx, op, *args, **kwargs)
+        if decision == checkpointing.CheckpointPolicy.MUST_SAVE and op is torch.ops.aten.mm.default:
+            if args[1].shape[-1] == 64:  # a result as wide as the vocabulary: logits
+                kept_logits.append(args[0].shape[0])
+        return decision
+
+    monkeypatch.setattr(checkpointing, "save_matmuls_and_attention", spy)
+    monkeypatch.setattr(loss_module, "LOSS_CHUNK_ELEMENTS", 7 * 64)
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16)
+    layout = mesh3d.build_mesh(pp=1, dp=1, tp=1, device="cpu")
+    try:
+        pm = mesh3d.parallelize(
+            Transformer(args),
+            layout,
+            schedule="zbv",
+            microbatches=2,
+            dp_mode="ddp",
+            activation_checkpoint="selective",
+            fused_loss=fused,
+        )
+        pm.step(*_batch(64))
+    finally:
+        dist.destroy_process_group()
+    assert sum(kept_logits) == (0 if fused else 2 * 24)  # unfused: both microbatches' 24 rows
