@@ -32,11 +32,25 @@ from examples.llama.model import Transformer  # noqa: E402
 TORCHTITAN_H100 = "h100-96gb"
 
 
+def megatron_2021_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Attention as Megatron-LM ran it in 2021 (before FlashAttention), for the planner to cost: one
+    batched matmul writes the scores out, one fused scale-mask-softmax kernel (it masks and scales
+    itself: no mask tensor, no separate scaling), dropout 0.1, one batched matmul. The probe charges
+    the bytes these move through the score matrix at the memory bandwidth (meters.ScoreMatrixBytes)."""
+    scores = torch.matmul(query, key.transpose(2, 3))
+    probs = torch.nn.functional.dropout(torch.softmax(scores, dim=-1), p=0.1, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+
+
+transformers.AttentionInterface.register("megatron_2021", megatron_2021_attention)
+
+
 def gpt_as_llama(hidden: int, layers: int, heads: int) -> transformers.LlamaConfig:
     """A GPT shape (Megatron's Table 1: vocab 51,200, MHA, a 4h two-matrix MLP) as a LlamaConfig:
-    SwiGLU's three matrices of 8h/3 (rounded to a multiple of 64) have the FLOPs of GPT's two of 4h."""
+    SwiGLU's three matrices of 8h/3 (rounded to a multiple of 64) have the FLOPs of GPT's two of 4h;
+    its attention Megatron's of the time (megatron_2021_attention)."""
     ffn = round(8 * hidden / 3 / 64) * 64
-    return transformers.LlamaConfig(
+    config = transformers.LlamaConfig(
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
@@ -46,6 +60,8 @@ def gpt_as_llama(hidden: int, layers: int, heads: int) -> transformers.LlamaConf
         max_position_embeddings=2048,
         tie_word_embeddings=False,
     )
+    config._attn_implementation = "megatron_2021"
+    return config
 
 
 def llama2_13b() -> transformers.LlamaConfig:
@@ -171,7 +187,7 @@ RUNS = [
         2048,
         512,
         one_rank(dp=32, microbatches=16, activation_checkpoint="always", dp_mode="ddp"),
-        0.399,
+        0.014,
     ),
     (
         "megatron GPT 3.6B 64xA100 TP2xDP32",
@@ -182,7 +198,7 @@ RUNS = [
         2048,
         512,
         dict(one_rank(dp=32, activation_checkpoint="always", dp_mode="ddp"), tp=2),
-        0.321,
+        0.023,
     ),
     (
         "megatron GPT 7.5B 128xA100 TP4xDP32",
@@ -193,7 +209,7 @@ RUNS = [
         2048,
         512,
         dict(one_rank(dp=32, activation_checkpoint="always", dp_mode="ddp"), tp=4),
-        0.138,
+        -0.011,
     ),
     (
         "megatron GPT 39.1B 512xA100 TP8xPP2xDP32",
@@ -213,7 +229,7 @@ RUNS = [
             activation_checkpoint="always",
             dp_mode="ddp",
         ),
-        0.094,
+        0.017,
     ),
     # Llama 3 paper Table 4: AC, microbatches and V not published (assumed: none, 32, 2, which would
     # hold 510 GiB a rank: not what ran); 163 is derived from 430 TFLOP/s at 6N + 12lhs FLOPs a token.
@@ -304,9 +320,14 @@ def test_the_other_runs_stand_where_docs_say(errors, run):
 
 
 def test_unfitted_runs_on_a_fitted_chip_stand_within_its_band(errors):
-    """The H100 preset, fitted on torchtitan's 500 W parts, on mesh3d's own 1B step on a 700 W one."""
-    for name in ("mesh3d 1B 1xH100 eager", "mesh3d 1B 1xH100 compiled"):
-        assert abs(errors[name]) <= HARDWARE["h100"].band, (name, errors[name])
+    """The H100 preset, fitted on torchtitan's 500 W parts, on mesh3d's own 1B step on a 700 W one;
+    the A100's, fitted on torchtitan's runs (flash attention), on Megatron's of 2021, whose attention
+    wrote its score matrix out (megatron_2021_attention)."""
+    fitted = {r[0] for runs in FITTED.values() for r in runs}
+    unfitted = [(r[0], r[4]) for r in RUNS if r[0] not in fitted and not r[0].startswith("llama3 405B")]
+    assert len(unfitted) == 6
+    for name, preset in unfitted:
+        assert abs(errors[name]) <= HARDWARE[preset].band, (name, errors[name])
 
 
 @pytest.mark.parametrize("gpus, published", [(8, 82.4), (128, 67.0)])

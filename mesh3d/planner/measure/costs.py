@@ -79,6 +79,10 @@ class PartCosts:
     expert_shapes: tuple[tuple[int, ...], ...] = ()
     dispatch_bytes: float = 0.0
     dispatches: int = 0
+    # Bytes moved through attention score matrices written out (meters.ScoreMatrixBytes), forward +
+    # backward and forward alone: memory-bound time beside the FLOPs; 0 under a fused kernel.
+    score_bytes: float = 0.0
+    forward_score_bytes: float = 0.0
 
     def minus(self, other: PartCosts, names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> PartCosts:
         return PartCosts(
@@ -91,6 +95,8 @@ class PartCosts:
             self.tp_collectives - other.tp_collectives,
             _by_kind_minus(self.tp_by_kind, other.tp_by_kind),
             cp=self.cp.minus(other.cp),
+            score_bytes=self.score_bytes - other.score_bytes,
+            forward_score_bytes=self.forward_score_bytes - other.forward_score_bytes,
         )
 
 

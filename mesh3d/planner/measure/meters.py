@@ -4,14 +4,19 @@ SavedBytesMeter on real runs too.
 - SavedBytesMeter: the bytes autograd keeps for backward (saved-tensor hooks), live and peak;
 - CollectiveBytes: the bytes each rank sends through DTensor's functional collectives;
 - ResultsOf: the bytes of the results of given ops (what "selective" checkpointing caches);
+- ScoreMatrixBytes: the bytes an attention that writes its score matrix out moves through it;
+- KernelsAsOnAGPU: SDPA's calls without dropout and dropout as one kernel, the kernels a GPU takes;
 - CPU_ATTENTION_FLOPS: FlopCounterMode's formulas for the CPU attention kernel (a custom mapping).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -142,6 +147,61 @@ class ResultsOf(TorchDispatchMode):
         return out
 
 
+class ScoreMatrixBytes(TorchDispatchMode):
+    """Bytes read and written through attention score matrices: floating-point tensors whose last
+    two dims are (queries, keys) and whose leading dims hold more than the microbatch (its heads), in
+    every op but a view and a fused attention kernel. An attention that writes its scores out
+    (transformers' "eager", SDPA's math kernel, Megatron-LM's kernels of 2021) moves them through
+    memory several times a pass: memory-bound traffic no FLOP count sees. A fused kernel (flash,
+    cuDNN, memory-efficient) keeps them on chip: 0."""
+
+    def __init__(self, batch: int, queries: int, keys: int):
+        super().__init__()
+        self.batch, self.shape = batch, (queries, keys)
+        self.total = self.forward = 0  # forward: the total when the forward ended (the probe sets it)
+
+    def _score_bytes(self, t) -> int:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            return 0
+        t = local_shard(t)
+        if t.dim() < 3 or tuple(t.shape[-2:]) != self.shape or math.prod(t.shape[:-2]) <= self.batch:
+            return 0
+        return t.numel() * t.element_size()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (
+            func.namespace == "aten"
+            and not func.is_view
+            and func not in _FUSED_ATTENTION
+            and func.overloadpacket not in _NO_TRAFFIC
+        ):
+            tensors = [*args, *(kwargs or {}).values(), *(out if isinstance(out, (tuple, list)) else (out,))]
+            self.total += sum(self._score_bytes(t) for t in tensors)
+        return out
+
+
+class KernelsAsOnAGPU(TorchFunctionMode):
+    """The probe's calls as a GPU runs them, where a CPU takes other kernels at the same FLOPs:
+    SDPA's calls without their dropout (on a CPU SDPA with dropout takes the math kernel, which
+    writes the score matrix out; a GPU's flash kernel drops out on chip), and a dropout as one
+    kernel with a mask of bytes (torch.native_dropout, a GPU's; a CPU's dropout makes a float mask
+    and passes over it three times). So ScoreMatrixBytes counts what a GPU moves."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            if len(args) > 4:
+                args = (*args[:4], 0.0, *args[5:])
+            kwargs = {**kwargs, "dropout_p": 0.0} if "dropout_p" in kwargs else kwargs
+        elif func is torch.nn.functional.dropout:
+            bound = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
+            p, training = bound.get("p", 0.5), bound.get("training", True)
+            if training and 0 < p < 1:
+                return torch.native_dropout(bound["input"], p, True)[0]
+        return func(*args, **kwargs)
+
+
 # The fake tensors live on CPU, where SDPA takes the CPU flash kernel: FlopCounterMode registers the
 # CUDA attention kernels only, so without this the attention's FLOPs would not be counted at all.
 # Torch's formulas count the whole score matrix, causal or not (the probe's call carries a mask,
@@ -160,4 +220,32 @@ CPU_ATTENTION_FLOPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
     **GROUPED_MM_FLOPS,  # experts' grouped matmuls
+}
+
+
+# Kernels that keep the score matrix on chip (ScoreMatrixBytes counts none of their operands), and
+# ops that move no bytes of their own.
+_FUSED_ATTENTION = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    *(
+        getattr(torch.ops.aten, name).default
+        for name in (
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_flash_attention_backward",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_efficient_attention_backward",
+            "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_cudnn_attention_backward",
+            "_flash_attention_forward",
+            "_flash_attention_backward",
+            "_efficient_attention_forward",
+            "_efficient_attention_backward",
+        )
+        if hasattr(torch.ops.aten, name)
+    ),
+}
+_NO_TRAFFIC = {
+    getattr(torch.ops.aten, name)
+    for name in ("_unsafe_view", "detach", "alias", "lift_fresh", "empty_like", "empty", "new_empty", "empty_strided")
 }

@@ -43,7 +43,15 @@ from mesh3d.pipeline.shape_ops import ShapeRunOps
 from mesh3d.planner.measure.context_parallel import GatheredAttentionShapes
 from mesh3d.planner.measure.costs import AttentionExchange, ModelCosts, PartCosts
 from mesh3d.planner.measure.measured_stages import KINDS, MeasuredStages, StageFlow, measured_stages, planner_anatomy
-from mesh3d.planner.measure.meters import CPU_ATTENTION_FLOPS, CollectiveBytes, ResultsOf, SavedBytesMeter, local_shard
+from mesh3d.planner.measure.meters import (
+    CPU_ATTENTION_FLOPS,
+    CollectiveBytes,
+    KernelsAsOnAGPU,
+    ResultsOf,
+    SavedBytesMeter,
+    ScoreMatrixBytes,
+    local_shard,
+)
 
 
 @contextlib.contextmanager
@@ -120,8 +128,13 @@ def measure_model(
                 raise ValueError(f"plan: tp={tp} needs a tensor-parallel plan, and {anatomy.name} declares none")
             apply_tensor_parallel(stages.values(), tp_plan, mesh)
         attention = GatheredAttentionShapes(cp) if cp > 1 else None
-        # ShapeRunOps: grouped-mm experts, expert loops
-        with FakeTensorMode(allow_non_fake_inputs=True), ShapeRunOps(), attention or contextlib.nullcontext():
+        # ShapeRunOps: grouped-mm experts, expert loops; KernelsAsOnAGPU: a GPU's attention and dropout
+        with (
+            FakeTensorMode(allow_non_fake_inputs=True),
+            ShapeRunOps(),
+            KernelsAsOnAGPU(),
+            attention or contextlib.nullcontext(),
+        ):
             results, message, checkpointed = _run_chain(measured, tp, microbatch_size, seq_len, param_dtype, attention)
     block = results["middle"]
     first = results["first"].minus(block, *_end_params(stages["first"], stages["middle"]))
@@ -177,13 +190,25 @@ def _run_chain(
         checkpointed[kind] = _saved_bytes(stage, x, targets if is_last else None, "always")
         if attention is not None:
             attention.calls.clear()  # the calls of the one forward below
-        flops, forward_flops, traffic, out = _flops_and_traffic(stage, x, targets if is_last else None, tp)
+        # under cp the attention is mesh3d's gathered one (SDPA's kernels): no score matrix written out
+        scores = ScoreMatrixBytes(batch, seq_len, seq_len) if attention is None else None
+        flops, forward_flops, traffic, out = _flops_and_traffic(stage, x, targets if is_last else None, tp, scores)
         exchange = attention.exchange() if attention is not None else AttentionExchange()
         own = measured.stages[kind]
         params = tuple(local_shard(p).shape for p in own.parameters())
         names = tuple(n for n, _ in own.named_parameters())
         results[kind] = PartCosts(
-            params, names, saved, flops, forward_flops, traffic.bytes, traffic.count, dict(traffic.by_kind), cp=exchange
+            params,
+            names,
+            saved,
+            flops,
+            forward_flops,
+            traffic.bytes,
+            traffic.count,
+            dict(traffic.by_kind),
+            cp=exchange,
+            score_bytes=scores.total if scores else 0,
+            forward_score_bytes=scores.forward if scores else 0,
         )
         if not is_last:
             flow.hand_on(kind, out)
@@ -241,15 +266,20 @@ def _saved_bytes(stage, x, targets, mode) -> int:
     return meter.peak
 
 
-def _flops_and_traffic(stage, x, targets, tp: int) -> tuple[float, float, CollectiveBytes, torch.Tensor]:
+def _flops_and_traffic(
+    stage, x, targets, tp: int, scores: ScoreMatrixBytes | None
+) -> tuple[float, float, CollectiveBytes, torch.Tensor]:
     """FLOPs per tp rank: FlopCounterMode counts a DTensor op at its global shape, and every op it
-    counts (matmuls, attention) is one the tensor-parallel plan shards over all tp ranks."""
+    counts (matmuls, attention) is one the tensor-parallel plan shards over all tp ranks. `scores`,
+    when given, counts the bytes through written-out score matrices (forward and backward)."""
     traffic = CollectiveBytes(tp)
     counter = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
     inp = _input(x)
-    with counter, traffic:
+    with counter, traffic, scores or contextlib.nullcontext():
         out = loss = _forward(stage, inp, targets, "never")  # the last stage's loss included
         forward = counter.get_total_flops()
+        if scores is not None:
+            scores.forward = scores.total
         grad_out = None if targets is not None else torch.ones_like(loss)
         torch.autograd.backward(loss, grad_out)  # .grad of fake parameters: no memory
     return counter.get_total_flops() / tp, forward / tp, traffic, out

@@ -1,17 +1,19 @@
 """Seconds per step at one layout: the schedule's own timeline with measured costs put in.
 
-Per stage and microbatch, a forward costs its FLOPs at the achievable rate plus its tensor-parallel
-collectives (not hidden: mesh3d runs them synchronously); a backward costs its FLOPs, its
-collectives and its recomputation. Under context parallelism the FLOPs are one cp rank's (measured
-on its tokens, the attention's second forward in backward included) and each attention call adds
-its K/V all-gather to the forward (and to a recompute), and a second all-gather and the fp32
-reduce-scatter of dK/dV to the backward, over the cp group's links, none hidden (the attention
-waits for them). Under expert parallelism each block's forward adds its all-to-alls of routed
-rows (the dispatch and the combine) and of their counts, its backward the two of rows again, over
-the ep group's link, none hidden (measure/experts.py). The simulator (pipeline/schedule/timeline.py) plays the
-schedule's real action lists with each stage's own costs and the P2P time of a boundary
-message, so the bubble is the schedule's, not a closed form. FSDP/DDP traffic overlaps the
-compute (what exceeds it shows), and the optimizer's update is memory-bound.
+Per stage and microbatch, a forward costs its FLOPs at the achievable rate, the bytes an attention
+that writes its score matrix out moves through it at the achievable memory bandwidth (0 under a
+fused kernel), and its tensor-parallel collectives (not hidden: mesh3d runs them synchronously); a
+backward costs its FLOPs, its score bytes, its collectives and its recomputation. Under context
+parallelism the FLOPs are one cp rank's (measured on its tokens, the attention's second forward in
+backward included) and each attention call adds its K/V all-gather to the forward (and to a
+recompute), and a second all-gather and the fp32 reduce-scatter of dK/dV to the backward, over the
+cp group's links, none hidden (the attention waits for them). Under expert parallelism each block's
+forward adds its all-to-alls of routed rows (the dispatch and the combine) and of their counts, its
+backward the two of rows again, over the ep group's link, none hidden (measure/experts.py). The
+simulator (pipeline/schedule/timeline.py) plays the schedule's real action lists with each stage's
+own costs and the P2P time of a boundary message, so the bubble is the schedule's, not a closed
+form. FSDP/DDP traffic overlaps the compute (what exceeds it shows), and the optimizer's update is
+memory-bound.
 
 A machine the planner measured ("this-machine": hardware.py's `times_the_model`) gives the seconds
 its parts were timed at (measure/part_timing.py) instead of FLOPs over a rate, each tensor- and
@@ -118,6 +120,7 @@ def step_time(
     (measure/data_parallel_timing.py); None: the copies are estimated as memory-bound."""
     achieved = C.ACHIEVABLE_COMPUTE_FRACTION if hardware.achievable_fraction is None else hardware.achievable_fraction
     rate = hardware.peak_for(fp32_compute) * achieved * (C.COMPILE_SPEEDUP if compile else 1.0)
+    stream = hardware.memory_bandwidth * C.ACHIEVABLE_MEMORY_FRACTION
     mbs, mode = place.microbatch_size, place.activation_checkpoint
     timed = hardware.times_the_model  # costs carry seconds timed at this microbatch size (measure/part_timing.py)
     forward, backward, weight_half = [], [], []
@@ -130,8 +133,15 @@ def step_time(
             bwd_s = sum(c * (p.split_backward_seconds if splits else p.backward_seconds) for p, c in parts)
             weight_half.append(sum(c * p.weight_half_seconds for p, c in parts))
         else:
-            fwd_s = sum(c * p.forward_flops for p, c in parts) * mbs / rate
-            bwd_s = sum(c * (p.flops - p.forward_flops) for p, c in parts) * mbs / rate
+            # an attention that writes its score matrix out streams it through memory besides its FLOPs
+            fwd_s = sum(c * (p.forward_flops / rate + p.forward_score_bytes / stream) for p, c in parts) * mbs
+            bwd_s = (
+                sum(
+                    c * ((p.flops - p.forward_flops) / rate + (p.score_bytes - p.forward_score_bytes) / stream)
+                    for p, c in parts
+                )
+                * mbs
+            )
         tp_bytes = sum(c * p.tp_bytes for p, c in parts) * mbs
         tp_count = sum(c * p.tp_collectives for p, c in parts)
         tp_s = 0.0
