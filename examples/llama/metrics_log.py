@@ -1,4 +1,5 @@
-"""train.py's --metrics file: one JSON line per step, written by rank 0.
+"""train.py's logs of each step's record, written by rank 0: the --metrics file (one JSON line per
+step), TensorBoard's and W&B's scalars, each where asked.
 
 A fresh run starts the file anew (saying so when it replaces an earlier run's lines); `--resume`
 and `--resume-from` append, also when no checkpoint was there yet (a restart before the first
@@ -9,9 +10,34 @@ run writes those steps again after them: for each step the line written last is 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
+
+from examples.llama.tensorboard_log import TensorBoardLog
+from examples.llama.wandb_log import WandbLog
+
+
+def open_step_logs(args, append: bool, say: Callable[[str], None]) -> list:
+    """The logs a step's record goes to (each with `write(record)` and `close()`), as the flags ask."""
+    logs: list = [JsonLines(open_metrics(args.metrics, append, say))] if args.metrics else []
+    logs += [TensorBoardLog(args.tensorboard)] if args.tensorboard else []
+    return logs + ([WandbLog(args.wandb, args)] if args.wandb else [])
+
+
+class JsonLines:
+    """The --metrics file as a log: a line per record, flushed (a crash loses no written step)."""
+
+    def __init__(self, file: TextIO):
+        self.file = file
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
 
 
 def open_metrics(path: str, append: bool, say: Callable[[str], None]) -> TextIO:

@@ -1,10 +1,26 @@
-"""What train.py says of each step: its metrics row and progress line, and the inputs each batch
-brings besides its tokens."""
+"""What train.py says of the run before its first step, of each step its metrics row and progress
+line, and the inputs each batch brings besides its tokens."""
 
 from __future__ import annotations
 
+from examples.llama import arguments
+from examples.llama.run_config import effective_config_toml
 from mesh3d.data.documents import document_ids
-from mesh3d.train import MemoryPeak, Progress
+from mesh3d.train import MemoryPeak, Progress, human_count
+
+
+def run_summary(args, layout, pm, model: str, n_params: int, origin: str, tokenizer, dataset, heldout, loader) -> str:
+    """The settings that differ from the defaults, the layout and its stages, the model, tokenizer and data."""
+    return (
+        f"effective config (TOML, the settings that differ from the defaults):\n"
+        f"{effective_config_toml(args, arguments.parse_args([])) or '(none)'}\n{layout}\n{pm}\n"
+        f"model {model}: {n_params / 1e6:.2f}M parameters, {origin}\n"
+        f"tokenizer: {'pre-tokenized' if args.token_file else repr(tokenizer)}\n"
+        f"data: {human_count(len(dataset.tokens))} tokens ({len(dataset)} samples of {args.seq_len} "
+        f"to train on{f', {len(heldout)} held out' if heldout else ''}), "
+        f"global batch {args.global_batch} = dp {layout.dp} x {loader.local_batch_size}"
+        + (f", each sequence cut over cp {layout.cp} ranks" if layout.cp > 1 else "")
+    )
 
 
 def step_record(step, loss, lr, grad_norm, seconds, progress, args, restart, stepped, peak, prediction) -> dict:

@@ -45,17 +45,14 @@ from examples.llama.checkpoints import (  # noqa: E402
 )
 from examples.llama.config_errors import flags_of, reported_once  # noqa: E402
 from examples.llama.fault_injection import FaultInjection  # noqa: E402
-from examples.llama.metrics_log import open_metrics  # noqa: E402
+from examples.llama.metrics_log import open_step_logs  # noqa: E402
 from examples.llama.model import count_parameters, llama_tp_plan  # noqa: E402
 from examples.llama.model_choice import build_model  # noqa: E402
 from examples.llama.optimization import build_optimizer, lr_at  # noqa: E402
 from examples.llama.placement import placement_report  # noqa: E402
 from examples.llama.profiling import StepProfiler  # noqa: E402
-from examples.llama.run_config import effective_config_toml  # noqa: E402
-from examples.llama.step_report import per_sample_inputs, router_terms, step_line, step_record  # noqa: E402
-from examples.llama.tensorboard_log import TensorBoardLog  # noqa: E402
+from examples.llama.step_report import per_sample_inputs, router_terms, run_summary, step_line, step_record  # noqa: E402
 from examples.llama.text_data import build_datasets, build_tokenizer  # noqa: E402
-from examples.llama.wandb_log import WandbLog  # noqa: E402
 from mesh3d.data import DistributedLoader  # noqa: E402
 from mesh3d.distributed.rendezvous import restart_count  # noqa: E402
 from mesh3d.planner import predict_memory, wants_prediction  # noqa: E402
@@ -122,16 +119,7 @@ def set_up(args):
     optimizer = pm.optimizer if pm.never_drains else build_optimizer(pm.parameters(), args)
     say = (lambda line: print(line, flush=True)) if layout.rank == 0 else (lambda line: None)
     start_step, origin, resumed = restore(args, pm, optimizer, loader, say)
-    say(
-        f"effective config (TOML, the settings that differ from the defaults):\n"
-        f"{effective_config_toml(args, arguments.parse_args([])) or '(none)'}\n{layout}\n{pm}\n"
-        f"model {described}: {n_params / 1e6:.2f}M parameters, {origin}\n"
-        f"tokenizer: {'pre-tokenized' if args.token_file else repr(tokenizer)}\n"
-        f"data: {mesh3d.train.human_count(len(dataset.tokens))} tokens ({len(dataset)} samples of {args.seq_len} "
-        f"to train on{f', {len(heldout)} held out' if heldout else ''}), "
-        f"global batch {args.global_batch} = dp {layout.dp} x {loader.local_batch_size}"
-        + (f", each sequence cut over cp {layout.cp} ranks" if layout.cp > 1 else "")
-    )
+    say(run_summary(args, layout, pm, described, n_params, origin, tokenizer, dataset, heldout, loader))
     progress = Progress(
         args.steps,
         args.global_batch * args.seq_len,
@@ -156,11 +144,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         fault.arm(pm)
     if resumed and progress.start_step >= args.steps and is_main:
         print(nothing_to_train(progress.start_step, args), flush=True)
-    metrics_file = None
-    if args.metrics and is_main:  # --resume appends, a fresh run starts anew (metrics_log.py)
-        metrics_file = open_metrics(args.metrics, bool(args.resume or args.resume_from), print)
-    scalar_logs = [TensorBoardLog(args.tensorboard)] if args.tensorboard and is_main else []
-    scalar_logs += [WandbLog(args.wandb, args)] if args.wandb and is_main else []
+    # rank 0's --metrics JSONL (--resume appends, a fresh run starts anew), TensorBoard, W&B
+    logs = open_step_logs(args, bool(args.resume or args.resume_from), print) if is_main else []
     # A never-drain step's updates have happened when its loss is known: count bad losses, skip nothing.
     guard = BadLossGuard(args.max_bad_steps) if pm.never_drains else BadStepGuard(args.max_bad_steps)
     history, restart = [], restart_count()  # which torchrun attempt
@@ -203,10 +188,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if evaluator and due(step + 1, args.eval_every, args.steps):
             record.update(evaluator(pm))
         history.append(record)
-        if metrics_file:  # rank 0 only
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-        for log in scalar_logs:  # rank 0 only
+        for log in logs:
             log.write(record)
         if is_main and (step % args.log_every == 0 or step + 1 == args.steps or "eval_loss" in record):
             print(step_line(progress, record, seconds, peak), flush=True)
@@ -221,7 +203,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             pm, optimizer, loader, max(args.steps, progress.start_step), args, is_main, fault, pending
         )
     finish_checkpoint(pending, is_main)  # published before the export and the end of the process group
-    for log in ([metrics_file] if metrics_file else []) + scalar_logs:
+    for log in logs:
         log.close()
     if args.export_hf:
         export_hf(pm, args, is_main)
