@@ -28,8 +28,9 @@ from mesh3d.planner.measure.part_timing import time_model
 from mesh3d.planner.measure.probe import measure_model_anywhere
 from mesh3d.planner.model_source import max_sequence_length, meta_model
 from mesh3d.planner.planned_layout import Plan
+from mesh3d.planner.predict.links import Links
 from mesh3d.planner.predict.memory import StagePlacement, rank_activations, rank_memory
-from mesh3d.planner.predict.step_time import Links, step_time
+from mesh3d.planner.predict.step_time import step_time
 from mesh3d.planner.search_space import (
     candidate_layouts,
     check_fix,
