@@ -4,6 +4,8 @@ and the step's time grows by exactly those bytes at the achievable memory bandwi
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -44,7 +46,9 @@ def llama(attention: str, dropout: float = 0.0) -> torch.nn.Module:
         return transformers.LlamaForCausalLM(config)
 
 
-def costs_of(model):
+@functools.cache
+def costs_of(attention: str, dropout: float = 0.0):
+    model = llama(attention, dropout)
     return measure_model(
         model,
         planner_anatomy(model, SEQ),
@@ -57,7 +61,7 @@ def costs_of(model):
 
 
 def test_a_written_out_score_matrix_is_counted_pass_by_pass():
-    block = costs_of(llama("written_out_for_test")).block
+    block = costs_of("written_out_for_test").block
     one_pass = BATCH * HEADS * SEQ * SEQ * 2  # a bf16 score matrix read or written once
     # forward: the matmul writes it, the softmax reads and writes, the dropout (one kernel with a
     # byte mask, as on a GPU) reads and writes, the second matmul reads
@@ -70,7 +74,7 @@ def test_a_written_out_score_matrix_is_counted_pass_by_pass():
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_sdpa_writes_no_score_matrix_with_or_without_dropout(dropout):
     """SDPA with dropout takes the math kernel on a CPU; the probe runs it as a GPU's flash kernel."""
-    costs = costs_of(llama("sdpa", dropout))
+    costs = costs_of("sdpa", dropout)
     assert costs.block.score_bytes == costs.first_end.score_bytes == costs.last_end.score_bytes == 0
 
 
@@ -87,7 +91,7 @@ def test_the_step_grows_by_the_bytes_at_the_memory_bandwidth():
         return mesh3d.plan(llama(attention), gpus=1, hardware=hardware, seq_len=SEQ, global_batch=BATCH, fix=fix)[0]
 
     fused, written = plan("sdpa").time, plan("written_out_for_test").time
-    fused_block, block = costs_of(llama("sdpa")).block, costs_of(llama("written_out_for_test")).block
+    fused_block, block = costs_of("sdpa").block, costs_of("written_out_for_test").block
     blocks = 4
     assert written.forward_seconds[0] - fused.forward_seconds[0] == pytest.approx(
         blocks * block.forward_score_bytes / stream, rel=1e-6
