@@ -8,15 +8,21 @@ for backward: backward gathers them again and recomputes the attention, so besid
 a rank holds one layer's whole-sequence K and V at a time, forward and backward alike (the price:
 the attention's forward runs twice, as under activation checkpointing).
 
-Under a mask the keys are sorted by how many of the rank's queries see them (under a causal mask,
-every call of a causal model, each query then sees a prefix of them) and the queries attend in
-row blocks, each to the keys up to the last one it sees (`_blocks`): a head chunk's queries skip
-the keys after it, and no SDPA call takes a mask of more than MASK_PAIRS (query, key) pairs. One
-call over every key would take (seq / cp) x seq of them, which SDPA turns into a float mask (at
-seq 16,384 and cp = 4: 256 MiB, besides the 64 MiB bool mask sdpa_calls.py builds once per call;
-docs/performance.md#long-sequences-context-parallelism). Attention sums over keys, so their order
-changes nothing but the rounding; the mask follows each key's global position. Without a mask the
-keys stay in gathered order (rank after rank) and one call attends to them all.
+A causal call (every call of a causal model without packed documents) attends each run of the
+rank's queries at consecutive positions (its head chunk, its tail chunk) to the keys sorted by
+position, up to its last query's: causal aligned at the lower right (lower_right_causal.py), which
+a GPU's flash kernel takes whole, with no mask and no host sync.
+
+Under another mask (documents) the keys are sorted by how many of the rank's queries see them and
+the queries attend in row blocks, each to the keys up to the last one it sees (`_blocks`): a head
+chunk's queries skip the keys after it, and no SDPA call takes a mask of more than MASK_PAIRS
+(query, key) pairs. One call over every key would take (seq / cp) x seq of them, which SDPA turns
+into a float mask (at seq 16,384 and cp = 4: 256 MiB, besides the 64 MiB bool mask sdpa_calls.py
+builds once per call; docs/performance.md#long-sequences-context-parallelism). A causal call where
+no fused kernel takes it (the CPU) is cut into row blocks of that size too. Attention sums over
+keys, so their order changes nothing but the rounding; the mask follows each key's global
+position. Without a mask the keys stay in gathered order (rank after rank) and one call attends
+to them all.
 
 Every rank of the group must call `attend` the same number of times in the same order (each
 block's attention, microbatch by microbatch, as the schedule runs them): the collectives pair up
@@ -33,6 +39,27 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mesh3d.context_parallel.lower_right_causal import fused_takes, lower_right_causal
+
+
+@dataclass(frozen=True)
+class CausalQueries:
+    """A causal call's queries by position: runs (first query, stop, position of the first) of
+    consecutive positions, and the gathered keys in position order (the gathered index of each;
+    together the keys hold each position of the sequence once)."""
+
+    runs: tuple[tuple[int, int, int], ...]
+    key_order: torch.Tensor
+
+    @staticmethod
+    def of(query_positions: torch.Tensor, key_positions: torch.Tensor) -> CausalQueries:
+        """From this rank's tokens' positions (host, in the order it holds them) and every gathered
+        key's (on the device the keys will be on)."""
+        breaks = [0, *((query_positions[1:] != query_positions[:-1] + 1).nonzero().flatten() + 1).tolist()]
+        stops = [*breaks[1:], len(query_positions)]
+        runs = tuple((a, b, int(query_positions[a])) for a, b in zip(breaks, stops, strict=True))
+        return CausalQueries(runs, torch.argsort(key_positions))
+
 
 @dataclass(frozen=True)
 class GatheredAttention:
@@ -48,6 +75,7 @@ class GatheredAttention:
     # host sync); None where the call has no mask to check (is_causal): nothing is read
     verdict: int | None
     refuse: Callable[[list[int]], None]  # raises on every rank when the verdicts say so
+    causal: CausalQueries | None = None  # a causal call: `mask` is not built, its runs are attended
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: GatheredAttention) -> torch.Tensor:
@@ -70,6 +98,19 @@ class _Blocks:
     mask: torch.Tensor | None
     order: torch.Tensor | None
     rows: list[tuple[int, int, int]]
+    causal: bool = False  # each row block causal at the lower right over its keys, no mask
+
+
+def _blocks_of(call: GatheredAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> _Blocks:
+    """How this call's queries attend: by causal runs, or under its mask (`_blocks`)."""
+    if call.causal is None:
+        return _blocks(call.mask(q.device), q.shape[-2], call.cp * k.shape[-2])
+    whole = fused_takes(q, k, v, call.enable_gqa)
+    rows = []
+    for start, stop, first in call.causal.runs:
+        step = stop - start if whole else max(1, MASK_PAIRS // (first + stop - start))
+        rows += [(a, min(a + step, stop), first + min(a + step, stop) - start) for a in range(start, stop, step)]
+    return _Blocks(None, call.causal.key_order, rows, causal=True)
 
 
 def _blocks(mask: torch.Tensor | None, queries: int, keys: int) -> _Blocks:
@@ -152,6 +193,12 @@ def _sdpa(q, k_all, v_all, mask, call: GatheredAttention) -> torch.Tensor:
     )
 
 
+def _attend_block(q, k_all, v_all, mask, blocks: _Blocks, call: GatheredAttention) -> torch.Tensor:
+    if blocks.causal:
+        return lower_right_causal(q, k_all, v_all, call.scale, call.enable_gqa)
+    return _sdpa(q, k_all, v_all, mask, call)
+
+
 def _block(q, k_all, v_all, blocks: _Blocks, start: int, stop: int, keys: int):
     """Queries start..stop-1 and the keys and mask columns they attend to."""
     mask = blocks.mask
@@ -167,16 +214,18 @@ def _block_gradients(q, k_all, v_all, grad_out, blocks: _Blocks, start, stop, ke
     with torch.enable_grad():
         *tensors, mask = _block(q, k_all, v_all, blocks, start, stop, keys)
         q_, k_, v_ = (t.detach().requires_grad_(True) for t in tensors)
-        out = _sdpa(q_, k_, v_, mask, call)
+        out = _attend_block(q_, k_, v_, mask, blocks, call)
         return torch.autograd.grad(out, (q_, k_, v_), grad_out[..., start:stop, :])
 
 
 class _GatheredAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: GatheredAttention):
-        blocks = _blocks(call.mask(q.device), q.shape[-2], call.cp * k.shape[-2])
+        blocks = _blocks_of(call, q, k, v)
         k_all, v_all = _gather_kv(k, v, call, True, blocks.order)
-        out = torch.cat([_sdpa(*_block(q, k_all, v_all, blocks, *r), call) for r in blocks.rows], dim=-2)
+        out = torch.cat(
+            [_attend_block(*_block(q, k_all, v_all, blocks, *r), blocks, call) for r in blocks.rows], dim=-2
+        )
         ctx.save_for_backward(q, k, v)
         ctx.call = call
         return out
@@ -185,7 +234,7 @@ class _GatheredAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v = ctx.saved_tensors
         call: GatheredAttention = ctx.call
-        blocks = _blocks(call.mask(q.device), q.shape[-2], call.cp * k.shape[-2])
+        blocks = _blocks_of(call, q, k, v)
         k_all, v_all = _gather_kv(k, v, call, False, blocks.order)
         # Each key's gradient is a sum over every rank's queries: summed here in fp32, each rank's
         # part in a row of `parts`, then reduce-scattered to its owner.

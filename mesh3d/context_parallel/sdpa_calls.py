@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mesh3d.context_parallel.attention import GatheredAttention, attend
+from mesh3d.context_parallel.attention import CausalQueries, GatheredAttention, attend
 from mesh3d.context_parallel.sequence_cut import SequenceCut
 
 # A mask's verdict, shared by the ranks of a cp group: which whole-sequence mask it is on this
@@ -46,6 +46,7 @@ class ContextParallelAttention(TorchFunctionMode):
         self.cut, self.group, self.document_ids = cut, group, document_ids
         self.calls = 0
         self._positions: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._causal: dict[torch.device, CausalQueries] = {}
         # A mask agreed on once is the same mask at every later call that passes it (the layers of a
         # stage, the recompute): no second comparison, no second read of the verdicts. Each is held
         # here, so no other tensor can take its memory (and its key) while the context lives.
@@ -94,8 +95,15 @@ class ContextParallelAttention(TorchFunctionMode):
             enable_gqa=enable_gqa,
             verdict=verdict,
             refuse=self._refuse,
+            causal=self._causal_queries(query.device) if kind == CAUSAL else None,
         )
         return attend(query, key, value, call)
+
+    def _causal_queries(self, device: torch.device) -> CausalQueries:
+        """This rank's queries as runs of positions, and the keys' order, for causal calls (made once)."""
+        if device not in self._causal:
+            self._causal[device] = CausalQueries.of(self.cut.positions, self._positions_on(device)[1])
+        return self._causal[device]
 
     def _positions_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's tokens' positions, every gathered key's position) on `device`, made once."""

@@ -88,6 +88,9 @@ class SequenceShards:
                 )
             documents = documents_from_positions(whole[POSITIONS])
             local[self.mask_input] = own_tokens_mask(cut, documents)
+        if documents is not None and bool((documents == documents[:, :1]).all()):
+            # one document a row: its mask is the causal one, which attention.py attends without mask rows
+            documents = None
         per_microbatch = documents.chunk(self.microbatches) if documents is not None else None
         group = layout.group("cp")
 

@@ -16,11 +16,11 @@ from tests.unit.test_plan_published import TORCHTITAN_H100, predict  # noqa: E40
 
 # torchtitan Table 2 (benchmarks/llama3_h100_202412_torchtitan.md): Llama 3.1 8B on 8 H100s, FSDP x CP
 # over the 8 GPUs, full AC, local batch 1, torch.compile and Float8: each rank holds 32k tokens at every
-# length. mesh3d has no Float8 (bf16 is predicted, compile pinned). The four runs are modelled as mesh3d
-# runs them, which is not how torchtitan does (docs/plan.md): its ring attention runs the causal flash
-# kernel on each K/V chunk and keeps no mask, and its loss takes the whole logits in fp32; mesh3d
-# gathers K/V for masked SDPA calls over row blocks of queries, runs them again in backward, keeps the
-# boolean mask rows, and chunks its loss.
+# length. The planner does not plan Float8 (bf16 is predicted, compile pinned). The four runs are
+# modelled as mesh3d runs them, which is not how torchtitan does (docs/plan.md): its ring attention
+# runs the causal flash kernel on each K/V chunk, and its loss takes the whole logits in fp32; mesh3d
+# gathers K/V for two causal calls a layer (a rank's head and tail chunks), runs them again in
+# backward, and chunks its loss.
 # (dp, cp, seq_len, published tokens/s/GPU, published GiB)
 CONTEXT_PARALLEL_RUNS = [
     (8, 1, 32768, 3890, 83.9),
@@ -31,7 +31,7 @@ CONTEXT_PARALLEL_RUNS = [
 # Where each stands (docs/plan.md): torchtitan ran these in Float8 (1.28x bf16's tokens/s in its own
 # Table 1), the planner predicts bf16, so at 32k it is low by about that; past 65k it is optimistic:
 # torchtitan's attention runs at a falling rate (27.5 % MFU at 262k in its own count), and the planner
-# charges mesh3d's at the one achievable rate, its row blocks of 2**21 / seq_len queries included.
+# charges mesh3d's at the matmuls' rate: bench/cp_attention.py measures it on a GPU.
 CONTEXT_PARALLEL_ERRORS = {32768: -0.214, 65536: 0.048, 131072: 0.516, 262144: 0.665}
 
 
@@ -80,8 +80,8 @@ def test_context_parallel_speed_stands_where_docs_say(context_parallel_plans, dp
 def test_context_parallel_memory_against_torchtitan(context_parallel_plans):
     """torchtitan's memory is flat (84 GiB) over the four: the same 32k tokens per rank, parameters
     sharded over the same 8. The planner's held and kept bytes are the same at every cp too; what
-    grows is mesh3d's own: one layer's whole-sequence K/V and the mask rows of 32k queries over every
-    key, which torchtitan's ring attention does not hold. So the prediction stays below the published
+    grows is mesh3d's own: one layer's whole-sequence K/V and their fp32 gradients, which
+    torchtitan's ring attention does not hold. So the prediction stays below the published
     peak (mesh3d's loss is chunked, torchtitan's takes the fp32 logits) and the gap closes with S."""
     plans = [context_parallel_plans[seq_len] for _, _, seq_len, _, _ in CONTEXT_PARALLEL_RUNS]
     kept = {(p.memory_per_rank.parameters, p.memory_per_rank.activations) for p in plans}

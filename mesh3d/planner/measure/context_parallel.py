@@ -10,12 +10,13 @@ meters count what a cp rank keeps and computes (the second forward's FLOPs inclu
 `exchange` what it sends and holds, from the calls' own shapes: no head counts are assumed (a model
 that repeats its K/V heads before SDPA gathers them repeated).
 
-Under a mask (a causal call, or a boolean mask mesh3d extends) attention.py attends row blocks of
-queries, each to the prefix of keys, sorted by how many queries see them, that its last query
-sees: under a causal mask that is the key positions up to its own, and over the head and tail
-chunks of every rank (context_parallel/sequence_cut.py) (seq_len + 1) / 2 keys a query on average,
-whatever the rank. The probe attends that many keys (document masks see fewer pairs, within the
-same prefixes: charged as causal); unmasked, every key.
+Under a mask (a causal call, or a boolean mask mesh3d extends) attention.py attends each query to
+the keys up to its own position, sorted by position (documents: a prefix that holds them): over the
+head and tail chunks of every rank (context_parallel/sequence_cut.py) (seq_len + 1) / 2 keys a
+query on average, whatever the rank. The probe attends that many keys (document masks see fewer
+pairs, within the same prefixes: charged as causal); unmasked, every key. A causal call builds no
+mask (a GPU's flash kernel takes it whole, lower_right_causal.py), and the planner plans sequences
+of one document: packed documents' mask rows (queries x sequence booleans a call) are not counted.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ class AttentionCall:
     kv_bytes: int  # this rank's K and V (compute dtype)
     kv_elements: int
     whole_kv_bytes: int  # the gathered K and V
-    mask_bytes: int  # the boolean mask rows of its queries over every key; 0 unmasked
     element_size: int
     run_flops: float  # the attention forward, its rerun and its backward, over the keys the row blocks attend
     model_flops: float  # forward and backward over the whole score matrix (MFU's count, as at cp = 1)
@@ -63,7 +63,7 @@ class GatheredAttentionShapes(TorchFunctionMode):
     def _attend(
         self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
     ) -> torch.Tensor:
-        masked = is_causal or attn_mask is not None  # mesh3d builds mask rows for both (sdpa_calls.py)
+        masked = is_causal or attn_mask is not None
         q, k, v = (local_shard(t) for t in (query, key, value))
         whole = self.cp * k.shape[-2]
         keys = (whole + 1) // 2 if masked else whole
@@ -82,7 +82,6 @@ class GatheredAttentionShapes(TorchFunctionMode):
                 kv_bytes=(k.numel() + v.numel()) * size,
                 kv_elements=k.numel() + v.numel(),
                 whole_kv_bytes=self.cp * (k.numel() + v.numel()) * size,
-                mask_bytes=q.shape[-2] * whole if masked else 0,
                 element_size=size,
                 run_flops=2 * run_forward + run_backward,
                 model_flops=forward + backward,
@@ -96,13 +95,12 @@ class GatheredAttentionShapes(TorchFunctionMode):
         calls, n = self.calls, self.cp
         if not calls:
             return AttentionExchange()
-        largest = max(calls, key=lambda c: (c.whole_kv_bytes, c.mask_bytes))
+        largest = max(calls, key=lambda c: c.whole_kv_bytes)
         return AttentionExchange(
             calls=len(calls),
             gathered_bytes=sum((n - 1) * c.kv_bytes for c in calls),
             reduced_bytes=sum((n - 1) * c.kv_elements * 4 for c in calls),  # fp32: (cp-1)/cp of cp x local
             whole_kv_bytes=largest.whole_kv_bytes,
-            mask_bytes=largest.mask_bytes,
             element_size=largest.element_size,
             run_flops=sum(c.run_flops for c in calls),
             model_flops=sum(c.model_flops for c in calls),

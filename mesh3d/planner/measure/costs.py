@@ -19,11 +19,9 @@ class AttentionExchange:
     calls: int = 0  # attention calls: each one all-gather forward, one all-gather and one reduce-scatter backward
     gathered_bytes: float = 0.0  # bytes this rank sends in one forward's all-gathers (ring: (cp-1) x its K and V)
     reduced_bytes: float = 0.0  # bytes it sends in the backward's reduce-scatters ((cp-1)/cp of the fp32 dK, dV)
-    # The largest call's whole-sequence K and V (compute dtype), and the boolean mask rows it builds
-    # for this rank's queries over every key (0: an unmasked call): the predictions hold one call's
+    # The largest call's whole-sequence K and V (compute dtype): the predictions hold one call's
     # buffers at a time (predict/memory.py).
     whole_kv_bytes: int = 0
-    mask_bytes: int = 0
     element_size: int = 0  # of the compute dtype
     # The attention's FLOPs as the rank runs them (counted in the part's: forward, its rerun in
     # backward and backward, over the keys its row blocks attend), and as MFU counts a model's
@@ -41,7 +39,6 @@ class AttentionExchange:
             self.gathered_bytes - other.gathered_bytes,
             self.reduced_bytes - other.reduced_bytes,
             self.whole_kv_bytes if calls else 0,
-            self.mask_bytes if calls else 0,
             self.element_size,
             self.run_flops - other.run_flops,
             self.model_flops - other.model_flops,

@@ -21,8 +21,7 @@
   gradients it accumulates until the step's one reduction; DDP's compute-dtype copy; a receive
   buffer per boundary message;
 - context_parallel: under cp, one attention call's whole-sequence buffers at a time (they are not
-  kept between calls, context_parallel/attention.py): the boolean mask rows of the rank's queries
-  over every key (causal rows: one per microbatch, not per sequence), the gathered K and V, and in
+  kept between calls, context_parallel/attention.py): the gathered K and V, and in
   backward the fp32 sums of their gradients and a row block's gradients; the activations a cp rank
   keeps are measured on its own tokens (measure/context_parallel.py);
 - optimizer_step: what AdamW's step adds beyond the backward's peak. Its foreach kernels (torch's
@@ -263,15 +262,15 @@ def rank_memory(
 
 def _whole_sequence_bytes(block: PartCosts, microbatch_size: int) -> int:
     """The most one context-parallel attention call holds at once (0 at cp = 1), in the order
-    context_parallel/attention.py allocates its backward, the fuller pass: the boolean mask rows
-    (kept through the call), the whole K and V (W, for the microbatch), the fp32 sums of their
-    gradients by owner (W x 4 / b), a row block's dK and dV (at most W) and the fp32 copy of one of
-    them (none from fp32). The forward holds the mask and 2W at most (the gather's buffer beside
-    K and V); a row block's own mask columns and SDPA's float copy of them are bounded by
-    attention.py's MASK_PAIRS (a few MiB) and not counted."""
+    context_parallel/attention.py allocates its backward, the fuller pass: the whole K and V (W,
+    for the microbatch), the fp32 sums of their gradients by owner (W x 4 / b), a row block's dK
+    and dV (at most W) and the fp32 copy of one of them (none from fp32). The forward holds 2W at
+    most (the gather's buffer beside K and V). A causal call builds no mask on a GPU (on the CPU,
+    row blocks of MASK_PAIRS pairs); packed documents' mask rows are not planned
+    (measure/context_parallel.py)."""
     cp = block.cp
     if not cp.calls:
         return 0
     kv, b = cp.whole_kv_bytes * microbatch_size, cp.element_size
     fp32_copy = kv // 2 * 4 // b if b < 4 else 0
-    return cp.mask_bytes + kv + kv * 4 // b + kv + fp32_copy
+    return kv + kv * 4 // b + kv + fp32_copy
