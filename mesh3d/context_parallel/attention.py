@@ -128,11 +128,10 @@ def _blocks(mask: torch.Tensor | None, queries: int, keys: int) -> _Blocks:
     order = torch.argsort(counts, descending=True, stable=True)
     place = torch.empty_like(order)
     place[order] = torch.arange(keys, device=order.device)  # where each key stands in `order`
-    rows = []
-    for start, stop in spans:
-        visible = place[seen[start:stop].any(dim=0)]  # a host sync on a GPU, once per block
-        rows.append((start, stop, int(visible.max()) + 1 if len(visible) else 1))  # seeing none: as SDPA says
-    return _Blocks(mask, order, rows)
+    # the last key each block sees, kept on the device until all are known: one host sync a call
+    last = torch.stack([torch.where(seen[start:stop].any(dim=0), place, -1).max() for start, stop in spans])
+    rows = [(start, stop, max(1, n + 1)) for (start, stop), n in zip(spans, last.tolist(), strict=True)]
+    return _Blocks(mask, order, rows)  # a block seeing no key attends to the first, as SDPA says
 
 
 def _gather_kv(k: torch.Tensor, v: torch.Tensor, call: GatheredAttention, check: bool, order) -> tuple:
