@@ -88,10 +88,7 @@ class SequenceShards:
                 )
             documents = documents_from_positions(whole[POSITIONS])
             local[self.mask_input] = own_tokens_mask(cut, documents)
-        if documents is not None and bool((documents == documents[:, :1]).all()):
-            # one document a row: its mask is the causal one, which attention.py attends without mask rows
-            documents = None
-        per_microbatch = documents.chunk(self.microbatches) if documents is not None else None
+        per_microbatch = _packed_microbatches(documents, self.microbatches)
         group = layout.group("cp")
 
         def around(mb: int) -> AbstractContextManager:
@@ -99,3 +96,13 @@ class SequenceShards:
             return ContextParallelAttention(cut, group, docs)
 
         return RankBatch(cut.cut(inputs), cut.cut(targets), local, around)
+
+
+def _packed_microbatches(documents: torch.Tensor | None, microbatches: int) -> list[torch.Tensor | None] | None:
+    """Each microbatch's document ids, None for one whose rows are each one document: its mask is
+    the causal one, which attention.py attends without mask rows (one host sync a step)."""
+    if documents is None:
+        return None
+    parts = documents.chunk(microbatches)
+    packed = torch.stack([(part != part[:, :1]).any() for part in parts]).tolist()
+    return [part if is_packed else None for part, is_packed in zip(parts, packed, strict=True)]

@@ -6,8 +6,9 @@ its own, measured by bench/long_context.py's own `measure` (the rise of ru_maxrs
 glibc's M_MMAP_THRESHOLD is fixed at 128 KiB in the ranks, so every tensor of 128 KiB or more is
 a mapping of its own, returned when freed: the rise then follows the bytes of live tensors, and
 repeats to the MiB (cp = 1: 394 MiB; cp = 4: 124 to 128 MiB per rank, 0.32x, on a 2-core machine,
-torch 2.13; 0.34x while causal calls held mask rows). With glibc's own threshold the rise also holds what the heap keeps of freed
-tensors, which varies run to run (0.49x to 0.61x here; docs/performance.md#long-sequences-context-parallelism).
+torch 2.13; 0.34x while causal calls held mask rows). With glibc's own threshold the rise also
+holds what the heap keeps of freed tensors, which varies run to run (0.49x to 0.61x here;
+docs/performance.md#long-sequences-context-parallelism).
 
 The bound, 0.40x, leaves 0.08 over the measured 0.32 for what may move with torch or the machine
 (the first step's one-time allocations: FSDP's and gloo's buffers; the kernels' own scratch); what

@@ -42,7 +42,7 @@ def _rank_attention(cut: SequenceCut, q, k, v, monkeypatch, mask_pairs: int):
     for start, stop, keys in blocks.rows:
         assert keys == int(mine[stop - 1]) + 1  # up to the block's last query, no further
         assert int(mine[stop - 1]) - int(mine[start]) == stop - start - 1  # one run of positions
-    q_mine = q[..., mine, :].clone().requires_grad_(True)
+    q_mine = q[..., mine, :].detach().clone().requires_grad_(True)
     out = torch.cat(
         [lower_right_causal(q_mine[..., a:b, :], k[..., :n, :], v[..., :n, :], None, True) for a, b, n in blocks.rows],
         dim=-2,
@@ -54,8 +54,7 @@ def _rank_attention(cut: SequenceCut, q, k, v, monkeypatch, mask_pairs: int):
 @pytest.mark.parametrize("mask_pairs", [2**21, 40])
 def test_a_rank_s_causal_runs_equal_the_whole_sequence_at_its_positions(cp, mask_pairs, monkeypatch):
     seq = 2 * cp * 4
-    q, k, v = _qkv(seq=seq)
-    k, v = k.requires_grad_(True), v.requires_grad_(True)
+    q, k, v = (t.requires_grad_(True) for t in _qkv(seq=seq))
     whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     for rank in range(cp):
         cut = SequenceCut(cp, rank, seq)
@@ -68,9 +67,10 @@ def test_a_rank_s_causal_runs_equal_the_whole_sequence_at_its_positions(cp, mask
         torch.testing.assert_close(out, whole[..., cut.positions, :], rtol=1e-12, atol=1e-12)
         grad = torch.randn_like(out)
         got = torch.autograd.grad(out, (q_mine, k, v), grad)
-        expected = torch.autograd.grad(whole[..., cut.positions, :], (k, v), grad, retain_graph=True)
-        torch.testing.assert_close(got[1], expected[0], rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(got[2], expected[1], rtol=1e-12, atol=1e-12)
+        expected = torch.autograd.grad(whole[..., cut.positions, :], (q, k, v), grad, retain_graph=True)
+        torch.testing.assert_close(got[0], expected[0][..., cut.positions, :], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got[1], expected[1], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got[2], expected[2], rtol=1e-12, atol=1e-12)
 
 
 def test_runs_of_a_cut_are_its_head_and_tail_chunks():
@@ -138,3 +138,32 @@ def test_causal_calls_go_without_mask_rows_and_documents_with_them(monkeypatch):
     assert [call.causal is not None for call in calls] == [True, True, False]
     assert calls[0].causal.runs == ((0, 8, 4),)  # cp rank 1 of 2 holds chunks 1 and 2: one run
     assert calls[2].mask(q.device).shape == (1, 1, 8, 16)
+
+
+def test_a_causal_call_runs_under_a_dispatch_mode():
+    """Selective checkpointing runs the recompute under a dispatch mode, where no tensor subclass
+    (such as PyTorch's CausalBias) can be made: the calls build none."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (t.requires_grad_(True) for t in _qkv())
+    with PassThrough():
+        out = lower_right_causal(q[..., -5:, :], k, v, None, True)
+        out.sum().backward()
+    assert q.grad is not None and k.grad is not None
+    with pytest.raises(ValueError, match="4 query heads and 2 key/value heads needs enable_gqa=True"):
+        lower_right_causal(q[..., -5:, :], k, v, None, False)
+
+
+def test_microbatches_of_one_document_a_row_are_attended_causally():
+    """step/sequence_shards.py hands a microbatch's document ids to its attention only where a row
+    holds several documents: the others' mask is the causal one, attended without mask rows."""
+    from mesh3d.step.sequence_shards import _packed_microbatches
+
+    documents = torch.tensor([[0, 0, 0, 0], [3, 3, 3, 3], [0, 0, 1, 1], [2, 2, 2, 2]])
+    parts = _packed_microbatches(documents, 2)
+    assert parts[0] is None and torch.equal(parts[1], documents[2:])
+    assert _packed_microbatches(None, 2) is None

@@ -40,6 +40,7 @@ class AttentionCall:
     kv_elements: int
     whole_kv_bytes: int  # the gathered K and V
     element_size: int
+    kv_groups: int  # query heads per K/V head
     run_flops: float  # the attention forward, its rerun and its backward, over the keys the row blocks attend
     model_flops: float  # forward and backward over the whole score matrix (MFU's count, as at cp = 1)
     float_mask: bool  # an additive mask: mesh3d refuses it under cp
@@ -83,6 +84,7 @@ class GatheredAttentionShapes(TorchFunctionMode):
                 kv_elements=k.numel() + v.numel(),
                 whole_kv_bytes=self.cp * (k.numel() + v.numel()) * size,
                 element_size=size,
+                kv_groups=q.shape[-3] // k.shape[-3],
                 run_flops=2 * run_forward + run_backward,
                 model_flops=forward + backward,
                 float_mask=attn_mask is not None and attn_mask.dtype != torch.bool,
@@ -102,6 +104,7 @@ class GatheredAttentionShapes(TorchFunctionMode):
             reduced_bytes=sum((n - 1) * c.kv_elements * 4 for c in calls),  # fp32: (cp-1)/cp of cp x local
             whole_kv_bytes=largest.whole_kv_bytes,
             element_size=largest.element_size,
+            kv_groups=largest.kv_groups,
             run_flops=sum(c.run_flops for c in calls),
             model_flops=sum(c.model_flops for c in calls),
             float_masks=sum(c.float_mask for c in calls),

@@ -23,6 +23,7 @@ class AttentionExchange:
     # buffers at a time (predict/memory.py).
     whole_kv_bytes: int = 0
     element_size: int = 0  # of the compute dtype
+    kv_groups: int = 1  # query heads per K/V head in that call (the GPU kernels' expanded dK/dV)
     # The attention's FLOPs as the rank runs them (counted in the part's: forward, its rerun in
     # backward and backward, over the keys its row blocks attend), and as MFU counts a model's
     # (forward and backward over the whole score matrix, as the probe counts them at cp = 1).
@@ -40,6 +41,7 @@ class AttentionExchange:
             self.reduced_bytes - other.reduced_bytes,
             self.whole_kv_bytes if calls else 0,
             self.element_size,
+            self.kv_groups,
             self.run_flops - other.run_flops,
             self.model_flops - other.model_flops,
             self.float_masks - other.float_masks,

@@ -264,8 +264,11 @@ def _whole_sequence_bytes(block: PartCosts, microbatch_size: int) -> int:
     """The most one context-parallel attention call holds at once (0 at cp = 1), in the order
     context_parallel/attention.py allocates its backward, the fuller pass: the whole K and V (W,
     for the microbatch), the fp32 sums of their gradients by owner (W x 4 / b), a row block's dK
-    and dV (at most W) and the fp32 copy of one of them (none from fp32). The forward holds 2W at
-    most (the gather's buffer beside K and V). A causal call builds no mask on a GPU (on the CPU,
+    and dV (at most W) and the fp32 copy of one of them (none from fp32). With grouped K/V heads
+    (g queries' heads a K/V head) the GPU's kernels hold more in that backward: flash its dK and dV
+    per query head (g x W) before summing them, the memory-efficient kernel (fp32) K and V repeated
+    to the query heads and their gradients (2g x W). The forward holds 2W at most (the gather's
+    buffer beside K and V). A causal call builds no mask on a GPU (on the CPU,
     row blocks of MASK_PAIRS pairs); packed documents' mask rows are not planned
     (measure/context_parallel.py)."""
     cp = block.cp
@@ -273,4 +276,6 @@ def _whole_sequence_bytes(block: PartCosts, microbatch_size: int) -> int:
         return 0
     kv, b = cp.whole_kv_bytes * microbatch_size, cp.element_size
     fp32_copy = kv // 2 * 4 // b if b < 4 else 0
-    return kv + kv * 4 // b + kv + fp32_copy
+    groups = cp.kv_groups
+    expanded = 0 if groups == 1 else groups * kv if b < 4 else 2 * groups * kv
+    return kv + kv * 4 // b + kv + fp32_copy + expanded
