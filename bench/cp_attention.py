@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from torch.utils import flop_counter  # noqa: E402
 
 from mesh3d.context_parallel.attention import CausalQueries, GatheredAttention, _blocks_of  # noqa: E402
+from mesh3d.context_parallel.call_verdicts import CAUSAL  # noqa: E402
 from mesh3d.context_parallel.lower_right_causal import lower_right_causal  # noqa: E402
 from mesh3d.context_parallel.sequence_cut import SequenceCut  # noqa: E402
 from mesh3d.planner.hardware import HARDWARE  # noqa: E402
@@ -61,7 +62,7 @@ def measure(seq: int, cp: int, heads: int, kv_heads: int, head_dim: int, dtype, 
     k_all, v_all = (torch.randn(1, kv_heads, seq, head_dim, dtype=dtype, device=device) for _ in range(2))
     grad_out = torch.randn_like(q)
     causal = CausalQueries.of(cut.positions, cut.gathered_positions)
-    call = GatheredAttention(None, cp, lambda _: None, None, True, None, lambda _: None, causal)
+    call = GatheredAttention(None, cp, lambda _: None, None, True, CAUSAL, lambda _: None, causal)
     rows = _blocks_of(call, q, k_all[..., :local, :], v_all[..., :local, :]).rows
 
     def timed(backward: bool) -> float:

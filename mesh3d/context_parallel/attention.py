@@ -27,8 +27,9 @@ to them all.
 Every rank of the group must call `attend` the same number of times in the same order (each
 block's attention, microbatch by microbatch, as the schedule runs them): the collectives pair up
 by order. Each call also carries the rank's verdict on the mask (sdpa_calls.py) inside the same
-all-gather, so a mask one rank cannot extend is refused by every rank of the group together,
-never a hang.
+all-gather; the gathered verdicts stay on the device, summed over the step and read with its loss
+(call_verdicts.py), so a mask one rank cannot extend, or ranks calling differently, is refused by
+every rank together at the step's end, never a hang and never a host sync a call.
 """
 
 from __future__ import annotations
@@ -71,10 +72,10 @@ class GatheredAttention:
     mask: Callable[[torch.device], torch.Tensor | None]
     scale: float | None
     enable_gqa: bool
-    # this rank's verdict on the call's mask (sdpa_calls.py), shared in the gather and read there (a
-    # host sync); None where the call has no mask to check (is_causal): nothing is read
-    verdict: int | None
-    refuse: Callable[[list[int]], None]  # raises on every rank when the verdicts say so
+    # this rank's verdict on the call (sdpa_calls.py), shared in the gather; `note` takes every rank's,
+    # a (cp,) tensor on the device, unread (call_verdicts.py judges them at the step's end)
+    verdict: int
+    note: Callable[[torch.Tensor], None]
     causal: CausalQueries | None = None  # a causal call: `mask` is not built, its runs are attended
 
 
@@ -136,14 +137,14 @@ def _blocks(mask: torch.Tensor | None, queries: int, keys: int) -> _Blocks:
 
 def _gather_kv(k: torch.Tensor, v: torch.Tensor, call: GatheredAttention, check: bool, order) -> tuple:
     """Every rank's k and v along the sequence, in gathered order (rank after rank) or in `order`
-    (and, where `check`, every rank's verdict on the mask, refused together)."""
-    verdict = k.new_full((1,), float(call.verdict or 0))
+    (and, where `check`, every rank's verdict on the call, noted unread)."""
+    verdict = k.new_full((1,), float(call.verdict))
     flat = torch.cat([k.reshape(-1), v.reshape(-1), verdict])
     gathered = flat.new_empty(call.cp * flat.numel())
     dist.all_gather_single(gathered, flat, group=call.group)
     rows = gathered.view(call.cp, -1)
-    if check and call.verdict is not None:
-        call.refuse([int(x) for x in rows[:, -1].tolist()])
+    if check:
+        call.note(rows[:, -1])
     n = k.numel()
     k_all = _along_sequence(rows[:, :n], k.shape, call.cp, order)
     v_all = _along_sequence(rows[:, n : n + v.numel()], v.shape, call.cp, order)

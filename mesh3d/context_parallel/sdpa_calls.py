@@ -8,8 +8,8 @@ first becomes causal attention over every gathered key by global position. A mas
 where it is one mesh3d can extend to the whole sequence: the call's mask must equal, on this
 rank's own tokens, one of the masks the whole rows define -- block-causal over the step's
 `document_ids`, causal, or none -- and that mask's rows over every key are used. Anything else is
-refused by name on every rank of the cp group together (the verdicts travel in the K/V gather),
-never computed as a silently different model.
+refused by name on every rank together at the step's end (the verdicts travel in the K/V gather:
+call_verdicts.py), never trained on as a silently different model.
 """
 
 from __future__ import annotations
@@ -20,12 +20,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from mesh3d.context_parallel.attention import CausalQueries, GatheredAttention, attend
+from mesh3d.context_parallel.call_verdicts import CAUSAL, DOCUMENTS, NO_MASK, NOT_BOOLEAN, NOT_EXTENSIBLE, StepVerdicts
 from mesh3d.context_parallel.sequence_cut import SequenceCut
-
-# A mask's verdict, shared by the ranks of a cp group: which whole-sequence mask it is on this
-# rank's tokens, or none of them.
-DOCUMENTS, CAUSAL, NO_MASK, NOT_EXTENSIBLE, NOT_BOOLEAN = 1, 2, 3, 8, 9
-_NAMES = {DOCUMENTS: "block-causal over document_ids", CAUSAL: "causal", NO_MASK: "no mask"}
 
 
 class ContextParallelAttention(TorchFunctionMode):
@@ -35,21 +31,29 @@ class ContextParallelAttention(TorchFunctionMode):
         cut: this rank's tokens of each sequence (sequence_cut.py).
         group: the cp process group.
         document_ids: the microbatch's whole-row document ids (batch, seq), or None.
+        verdicts: where the step's calls note their verdicts (judged with the step's loss).
     """
 
     # Re-entered where a block checkpointed on its own recomputes its forward inside the backward
     # (pipeline/activation_checkpoint.py): its SDPA calls must span the whole sequence there too.
     reenter_on_recompute = True
 
-    def __init__(self, cut: SequenceCut, group: dist.ProcessGroup, document_ids: torch.Tensor | None = None):
+    def __init__(
+        self,
+        cut: SequenceCut,
+        group: dist.ProcessGroup,
+        document_ids: torch.Tensor | None = None,
+        verdicts: StepVerdicts | None = None,
+    ):
         super().__init__()
         self.cut, self.group, self.document_ids = cut, group, document_ids
+        self.verdicts = verdicts if verdicts is not None else StepVerdicts()
         self.calls = 0
         self._positions: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._causal: dict[torch.device, CausalQueries] = {}
-        # A mask agreed on once is the same mask at every later call that passes it (the layers of a
-        # stage, the recompute): no second comparison, no second read of the verdicts. Each is held
-        # here, so no other tensor can take its memory (and its key) while the context lives.
+        # A mask judged once is the same mask at every later call that passes it (the layers of a
+        # stage, the recompute): no second comparison. Each is held here, so no other tensor can take
+        # its memory (and its key) while the context lives.
         self._agreed: dict[tuple, tuple[int, torch.Tensor]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -78,23 +82,23 @@ class ContextParallelAttention(TorchFunctionMode):
                 "dropout to 0, or use cp=1"
             )
         q_pos, k_pos = self._positions_on(query.device)
-        verdict, kind = None, CAUSAL if is_causal else NO_MASK
+        kind = CAUSAL if is_causal else NO_MASK
         if attn_mask is not None:
             # _version: a mask buffer refilled in place between layers is a new mask
             mask_id = (attn_mask.data_ptr(), attn_mask._version, tuple(attn_mask.shape), attn_mask.stride())
             seen = (*mask_id, attn_mask.dtype, is_causal)
             kind = self._agreed.get(seen, (None,))[0]
             if kind is None:
-                verdict = kind = self._match(attn_mask, q_pos, k_pos, is_causal)
-                self._agreed[seen] = (kind, attn_mask)  # agreed by every rank in the gather, or it raises
+                kind = self._match(attn_mask, q_pos, k_pos, is_causal)
+                self._agreed[seen] = (kind, attn_mask)
         call = GatheredAttention(
             group=self.group,
             cp=cut.cp,
             mask=lambda device: self._rows(kind, *self._positions_on(device)),
             scale=scale,
             enable_gqa=enable_gqa,
-            verdict=verdict,
-            refuse=self._refuse,
+            verdict=kind,
+            note=self.verdicts.note,
             causal=self._causal_queries(query.device) if kind == CAUSAL else None,
         )
         return attend(query, key, value, call)
@@ -133,19 +137,6 @@ class ContextParallelAttention(TorchFunctionMode):
             if torch.equal(attn_mask.expand(shape), own.expand(shape)):
                 return kind
         return NOT_EXTENSIBLE
-
-    def _refuse(self, verdicts: list[int]) -> None:
-        """Raise on every rank of the group when any rank's mask could not be extended, or when the
-        ranks' masks are of different kinds."""
-        if any(v in (NOT_EXTENSIBLE, NOT_BOOLEAN) for v in verdicts) or len(set(verdicts)) > 1:
-            seen = ", ".join(f"cp rank {r}: {_NAMES.get(v, 'none of them')}" for r, v in enumerate(verdicts))
-            raise ValueError(
-                "context parallelism: the model called scaled_dot_product_attention with an attn_mask mesh3d cannot "
-                f"extend to the whole sequence ({seen}). Under cp a mask must be boolean and, on a rank's own "
-                f"tokens, one of: {', '.join(_NAMES.values())} (built from the per-sample inputs mesh3d hands the "
-                "stage); call SDPA with is_causal=True, or build the mask from document_ids, or use cp=1 "
-                "(docs/model_protocol.md#context-parallelism)"
-            )
 
 
 def mask_rows(q_pos: torch.Tensor, k_pos: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:

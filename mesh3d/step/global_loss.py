@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mesh3d.context_parallel.call_verdicts import StepVerdicts
 from mesh3d.distributed.agree import gather_or_raise
 from mesh3d.distributed.host_to_device import to_device
 from mesh3d.mesh import Layout
@@ -198,14 +199,17 @@ class GlobalLoss:
             return LossScale(PAIR, divisor, local.sum(), (each.double() / dp).float())
         return LossScale(PAIR, divisor, local.sum())
 
-    def total(self, totals: torch.Tensor, loss: ScaledLoss | None = None) -> torch.Tensor:
+    def total(
+        self, totals: torch.Tensor, loss: ScaledLoss | None = None, verdicts: StepVerdicts | None = None
+    ) -> torch.Tensor:
         """Every rank's [loss values, counts, router terms] summed over the world: the global loss,
         on every rank (a 0-dim float32 tensor on the host); `terms` keeps its parts.
 
         Only last-stage ranks at tp rank 0 contribute (the other tp ranks hold the same values).
         Given the step's `loss`, a pair loss whose counts during the step differ from those found
         before it (a count that depends on the output) is an error on every rank: the gradients
-        were scaled wrongly.
+        were scaled wrongly. Given the step's context-parallel attention `verdicts`, a refused call
+        on any rank is an error on every rank (call_verdicts.py), read in the same read.
         """
         mine = totals.detach() if self.layout.tp_rank == 0 else torch.zeros_like(totals)
         scale = loss.scale if loss is not None else None
@@ -213,10 +217,15 @@ class GlobalLoss:
             recount = (totals[1] != scale.expected_count).to(mine.dtype).reshape(1)  # read with the loss below
         else:
             recount = torch.zeros(1, dtype=mine.dtype, device=mine.device)
-        everything = torch.cat([mine, recount])
+        checks = [recount]
+        if verdicts is not None:
+            checks.append(verdicts.sums(mine.device).to(mine.dtype))
+        everything = torch.cat([mine, *checks])
         if self.layout.world_size > 1:
             dist.all_reduce(everything)
-        value, count, router, mismatches = everything.tolist()  # the step's one read of the loss
+        value, count, router, mismatches, *refused = everything.tolist()  # the step's one read of the loss
+        if verdicts is not None:
+            verdicts.judge(refused)
         if mismatches:
             raise ValueError(
                 "loss_fn returned counts during the step that differ from those it gave before the step on the "

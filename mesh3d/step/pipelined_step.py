@@ -108,7 +108,7 @@ class PipelinedStep:
             never_drain is not None
         ):  # updates inside the pipeline; after a failure, refused until a checkpoint is loaded
             with never_drain.failure_marked(self.drop_partial_state):
-                return self._global_loss.total(run(), loss)
+                return self._global_loss.total(run(), loss, batch.verdicts)
         self._tied.set_aside_grads()
         try:
             totals = run()
@@ -122,7 +122,7 @@ class PipelinedStep:
             raise
         settle_gradients(param for _, param in named_stage_parameters(self._runtime.stages))
         self._tied.sync_grads()
-        value = self._global_loss.total(totals, loss)
+        value = self._global_loss.total(totals, loss, batch.verdicts)
         if self._optimizer is not None:
             self._optimizer.step()
             self._optimizer.zero_grad()
@@ -137,7 +137,7 @@ class PipelinedStep:
         for stage in stages:
             stage.train(False)
         try:
-            return self._global_loss.total(self._run(batch, boundaries, loss, train=False))
+            return self._global_loss.total(self._run(batch, boundaries, loss, train=False), verdicts=batch.verdicts)
         finally:
             for module, training in modes.items():
                 module.training = training

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mesh3d.context_parallel.call_verdicts import StepVerdicts
 from mesh3d.context_parallel.model_check import POSITIONS
 from mesh3d.context_parallel.sdpa_calls import ContextParallelAttention, own_tokens_mask
 from mesh3d.context_parallel.sequence_cut import SequenceCut, whole_positions
@@ -27,12 +28,14 @@ DOCUMENTS = "document_ids"
 @dataclass(frozen=True)
 class RankBatch:
     """What this rank's stages run on: its tokens, targets and per-sample inputs, and the context
-    a stage's call on microbatch `mb` runs in (`around(mb)`; None: no context)."""
+    a stage's call on microbatch `mb` runs in (`around(mb)`; None: no context), with the step's
+    attention verdicts those contexts note (judged with the loss; None at cp = 1)."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
     per_sample: dict[str, torch.Tensor]
     around: Callable[[int], AbstractContextManager] | None = None
+    verdicts: StepVerdicts | None = None
 
 
 class SequenceShards:
@@ -90,12 +93,13 @@ class SequenceShards:
             local[self.mask_input] = own_tokens_mask(cut, documents)
         per_microbatch = _packed_microbatches(documents, self.microbatches)
         group = layout.group("cp")
+        verdicts = StepVerdicts()
 
         def around(mb: int) -> AbstractContextManager:
             docs = per_microbatch[mb] if per_microbatch is not None else None
-            return ContextParallelAttention(cut, group, docs)
+            return ContextParallelAttention(cut, group, docs, verdicts)
 
-        return RankBatch(cut.cut(inputs), cut.cut(targets), local, around)
+        return RankBatch(cut.cut(inputs), cut.cut(targets), local, around, verdicts)
 
 
 def _packed_microbatches(documents: torch.Tensor | None, microbatches: int) -> list[torch.Tensor | None] | None:

@@ -16,7 +16,9 @@ plain and with packed documents, and a protocol model of its own attention):
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from multiprocess import run_on_ranks
 from pipeline_cases import LR, MAX_NORM, SEQ_LEN, STEPS, TOLERANCE, VOCAB, meta_model, tiny_args, tp_args, worst_error
@@ -144,14 +146,14 @@ def test_cp_in_eight_ranks():
 class LearnedPositionsLM(nn.Module):
     """A protocol model of its own (GPT-2-like): learned position embeddings read from
     `position_ids` (so a chunk that took its positions from itself would train another model), and
-    attention through F.scaled_dot_product_attention(is_causal=True), or by hand (`by_hand`)."""
+    attention through F.scaled_dot_product_attention(is_causal=True), or as `attention` says (Block)."""
 
-    def __init__(self, by_hand: bool = False, positions: bool = True, dim: int = 16, layers: int = 2):
+    def __init__(self, attention: str = "causal", positions: bool = True, dim: int = 16, layers: int = 2):
         super().__init__()
         self.vocab_size = VOCAB
         self.tok_embeddings = nn.Embedding(VOCAB, dim)
         self.pos_embeddings = nn.Embedding(SEQ_LEN, dim)
-        self.layers = nn.ModuleDict({str(i): Block(dim, by_hand) for i in range(layers)})
+        self.layers = nn.ModuleDict({str(i): Block(dim, attention) for i in range(layers)})
         self.norm = nn.LayerNorm(dim)
         self.output = nn.Linear(dim, VOCAB, bias=False)
         if not positions:
@@ -174,21 +176,34 @@ class LearnedPositionsLM(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, by_hand: bool):
+    """`attention`: "causal" (is_causal=True), "by hand" (no SDPA call), "causal mask" (an explicit
+    causal mask on its own tokens), "odd ranks unmasked" (cp rank 0 is_causal=True, the others an
+    all-True mask: calls of different kinds), "random mask" (a mask no whole sequence extends)."""
+
+    def __init__(self, dim: int, attention: str):
         super().__init__()
-        self.by_hand = by_hand
+        self.attention = attention
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)  # a key bias has a zero gradient: Adam would magnify its noise
         self.proj = nn.Linear(dim, dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = (t.unflatten(-1, (2, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
-        if self.by_hand:
+        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=x.device).tril()
+        if self.attention == "by hand":
             scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
-            causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=x.device).tril()
             out = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
-        else:
+        elif self.attention == "causal":
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif self.attention == "causal mask":
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+        elif self.attention == "random mask":
+            every_other_key = torch.arange(k.shape[-2], device=x.device) % 2 == 0
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal & every_other_key)
+        else:  # "odd ranks unmasked"
+            masked = dist.get_rank() % 2 == 1  # tp = 1: consecutive ranks are a cp group's
+            mask = torch.ones_like(causal) if masked else None
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not masked)
         h = x + self.proj(out.transpose(1, 2).flatten(2))
         return h + self.mlp(h)
 
@@ -222,33 +237,47 @@ def _own_model_and_errors(initial, data):
         optimizer.zero_grad()
     inputs, targets, _ = data[0]
     mean = mesh3d.parallelize(meta_model(False, args=tiny_args(False, 2)), layout, schedule="1f1b", loss_fn=loss_fn)
+
+    def step_with(attention: str):
+        model = LearnedPositionsLM(attention)
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in initial.items()})
+        return mesh3d.parallelize(model, layout, schedule="1f1b", microbatches=2).step(inputs, targets)
+
+    # a causal mask on one's own tokens is the causal call: the first step's loss, as is_causal gives it
+    causal_mask_loss = step_with("causal mask").item()
     errors = messages_of(
         {
             "length": lambda: pm.step(inputs[:, :6], targets[:, :6]),
             "mean loss": lambda: mean.step(inputs, targets),
             "no positions": lambda: mesh3d.parallelize(LearnedPositionsLM(positions=False), layout, schedule="1f1b"),
-            "by hand": lambda: mesh3d.parallelize(LearnedPositionsLM(by_hand=True), layout, schedule="1f1b"),
+            "by hand": lambda: mesh3d.parallelize(LearnedPositionsLM("by hand"), layout, schedule="1f1b"),
+            # refused together at the step's end, never a rank left waiting in its next gather
+            "calls of different kinds": lambda: step_with("odd ranks unmasked"),
+            "a mask no sequence extends": lambda: step_with("random mask"),
             "sizes": lambda: mesh3d.build_mesh(pp=2, dp=1, cp=3, tp=1),
         }
     )
-    return losses, pm.full_state_dict(), errors
+    return losses, pm.full_state_dict(), errors, causal_mask_loss
 
 
 def test_own_protocol_model_takes_global_positions_and_bad_input_is_refused_everywhere():
     data = data_of(5, False)
     initial, ref_losses, ref_state = _own_model_reference(data)
     per_rank = run_on_ranks(_own_model_and_errors, 4, initial, data, timeout=450)
-    for losses, state, _ in per_rank:
+    for losses, state, _, causal_mask_loss in per_rank:
         error, where = worst_error((losses, [], state, None), (ref_losses, [], ref_state))
         assert error <= TOLERANCE, f"relative error {error:.2e} at {where}"
+        assert causal_mask_loss == pytest.approx(ref_losses[0], rel=TOLERANCE)
     expected = {
         "length": "sequence length 6 does not cut into 2*cp=4 equal chunks",
         "mean loss": "context parallelism (cp=2) needs a loss_fn that returns (loss_sum, count)",
         "no positions": "LearnedPositionsLM: context parallelism (cp=2) needs a model that takes position_ids",
         "by hand": "LearnedPositionsLM: context parallelism (cp=2): block(s) ['layers.0', 'layers.1'] never call",
+        "calls of different kinds": "the whole sequence (the ranks of a cp group made: causal, no mask)",
+        "a mask no sequence extends": "(the ranks of a cp group made: a boolean mask that is none of them)",
         "sizes": "pp*dp*cp*tp=6 does not equal the world size (pp=2, dp=1, cp=3, tp=1, world size=4)",
     }
-    assert_raised_on_every_rank([errors for *_, errors in per_rank], expected)
+    assert_raised_on_every_rank([errors for _, _, errors, _ in per_rank], expected)
 
 
 def _steps(sizes, data, path, save_after=None, load=False):

@@ -8,6 +8,7 @@ import torch
 
 from mesh3d.context_parallel import attention
 from mesh3d.context_parallel.attention import CausalQueries, GatheredAttention, _blocks_of
+from mesh3d.context_parallel.call_verdicts import CAUSAL
 from mesh3d.context_parallel.lower_right_causal import fused_takes, lower_right_causal
 from mesh3d.context_parallel.sequence_cut import SequenceCut
 
@@ -34,7 +35,7 @@ def _rank_attention(cut: SequenceCut, q, k, v, monkeypatch, mask_pairs: int):
     monkeypatch.setattr(attention, "MASK_PAIRS", mask_pairs)
     mine = cut.positions
     causal = CausalQueries.of(mine, cut.gathered_positions)
-    call = GatheredAttention(None, cut.cp, lambda device: None, None, True, None, lambda _: None, causal)
+    call = GatheredAttention(None, cut.cp, lambda device: None, None, True, CAUSAL, lambda _: None, causal)
     blocks = _blocks_of(call, q[..., mine, :], k[..., mine, :], v[..., mine, :])
     gathered = cut.gathered_positions[blocks.order]  # the keys' positions in the order attended
     assert gathered.tolist() == list(range(cut.seq_len))

@@ -239,7 +239,7 @@ def test_context_parallel_is_refused_by_name_where_mesh3d_cannot_cut_the_sequenc
         mesh3d.plan(config, **SIZES, fix={"tp": 1, "cp": 2})
 
 
-def test_a_custom_hardware_and_a_memory_limit_as_text():
+def test_a_custom_hardware_and_a_memory_limit_as_text(plans):
     slow = mesh3d.Hardware(
         "slow",
         peak_flops=1e12,
@@ -248,7 +248,7 @@ def test_a_custom_hardware_and_a_memory_limit_as_text():
         inter_node_bandwidth=1e8,
         memory_bandwidth=1e10,
     )
-    fast = mesh3d.plan(debug_model(), **SIZES)[0]
+    fast = plans[0]
     plans = mesh3d.plan(debug_model(), **{**SIZES, "hardware": slow}, memory_limit="512MiB")
     assert plans[0].tokens_per_second_per_gpu < fast.tokens_per_second_per_gpu
     assert all(p.memory_per_rank.total <= 512 * 2**20 for p in plans)
@@ -303,7 +303,10 @@ def test_this_machine_is_measured_once_and_plans():
     machine = measure_this_machine()
     assert machine is measure_this_machine()  # measured once per process
     assert machine.achievable_fraction == 1.0 and machine.peak_flops > 1e8 and machine.intra_node_bandwidth > 1e6
-    plans = mesh3d.plan(debug_model(), **{**SIZES, "hardware": "this-machine"}, fix={"tp": 1, "param_dtype": None})
+    # dp and its mode pinned: the data-parallel overhead is timed once, not per dp and mode (test_plan_this_machine.py
+    # checks the timings themselves)
+    fix = {"tp": 1, "dp": 2, "dp_mode": "fsdp", "param_dtype": None}
+    plans = mesh3d.plan(debug_model(), **{**SIZES, "hardware": "this-machine"}, fix=fix)
     assert plans and all(p.param_dtype is None for p in plans)
 
 

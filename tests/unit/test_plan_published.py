@@ -231,8 +231,9 @@ RUNS = [
         ),
         0.017,
     ),
-    # Llama 3 paper Table 4: AC, microbatches and V not published (assumed: none, 32, 2, which would
-    # hold 510 GiB a rank: not what ran); 163 is derived from 430 TFLOP/s at 6N + 12lhs FLOPs a token.
+    # Llama 3 paper Table 4, S. 3.3.2: no AC; microbatches and V not published (assumed 32 and 2, which
+    # would hold 510 GiB a rank: not what ran; 126 blocks over 16 x 8 - 2 stages, its ends alone, is
+    # what mesh3d cannot split); 163 is derived from 430 TFLOP/s at 6N + 12lhs FLOPs a token.
     (
         "llama3 405B 8192xH100 TP8xPP16xDP64",
         163,
