@@ -148,7 +148,9 @@ def parallelize(
             microbatch keeps its matmul and attention outputs and recomputes the cheap ops between
             them: pipeline/activation_checkpoint.py). Each block is checkpointed on its own (the
             ends are not), or, under a split-backward schedule, each stage whole (docs/pipeline.md).
-        layers_per_stage: explicit layer counts, one per stage (pp * virtual_stages, in stage order).
+        layers_per_stage: explicit layer counts, one per stage (pp * virtual_stages, in stage order);
+            the first and the last may be 0, a stage of the embedding, or of the output layer and
+            loss, alone (a traced model's stages each need a block).
         stage_balance: "layers" (each layer costs 1) or "params" (each layer costs its parameter
             count), used when layers_per_stage is not given.
         end_weight: with stage_balance="layers", the embedding and the output head each count as

@@ -26,28 +26,41 @@ def assign_layers(
     first_cost: float = 0.0,
     last_cost: float = 0.0,
     layers_per_stage: Sequence[int] | None = None,
+    ends_alone: tuple[bool, bool] = (False, False),
 ) -> list[range]:
     """Contiguous layer ranges, one per stage, each with at least one layer.
 
-    Explicit `layers_per_stage` is taken as given. Otherwise the split minimizes the most
-    expensive stage, where a stage costs the sum of its `layer_costs` (default 1 each) plus
-    `first_cost` on stage 0 and `last_cost` on the last stage (embedding and output head); among
-    equally good splits, earlier stages take more layers.
+    Explicit `layers_per_stage` is taken as given; there the first and the last stage may hold no
+    layer where `ends_alone` says the model has an end for them (the embedding alone, the output
+    layer and loss alone: Megatron-LM's and the Llama 3 paper's balance). Otherwise the split
+    minimizes the most expensive stage, where a stage costs the sum of its `layer_costs` (default 1
+    each) plus `first_cost` on stage 0 and `last_cost` on the last stage (embedding and output
+    head); among equally good splits, earlier stages take more layers.
     """
+    if layers_per_stage is not None:
+        counts = list(layers_per_stage)
+        least = [1] * n_stages
+        if n_stages > 1:
+            least[0], least[-1] = (0 if alone else 1 for alone in ends_alone)
+        if len(counts) != n_stages or sum(counts) != n_layers or any(c < m for c, m in zip(counts, least)):
+            ends = [name for name, alone in zip(("first", "last"), ends_alone) if alone and n_stages > 1]
+            allowed = f"; the {' and the '.join(ends)} may be 0 (a stage of its end alone)" if ends else ""
+            raise ValueError(
+                f"layers_per_stage={counts} must list {n_stages} counts (pp x virtual_stages) of at least one "
+                f"layer each{allowed}, adding up to the model's {n_layers} layers"
+            )
+        starts = [sum(counts[:s]) for s in range(n_stages)]
+        return [range(start, start + c) for start, c in zip(starts, counts)]
     if n_stages > n_layers:
         raise ValueError(
             f"cannot split {n_layers} layers into {n_stages} pipeline stages (pp x virtual_stages); every stage "
             f"needs at least one layer: lower pp or virtual_stages so that pp * virtual_stages <= {n_layers}"
-        )
-    if layers_per_stage is not None:
-        counts = list(layers_per_stage)
-        if len(counts) != n_stages or sum(counts) != n_layers or any(c < 1 for c in counts):
-            raise ValueError(
-                f"layers_per_stage={counts} must list {n_stages} positive counts (pp x virtual_stages) "
-                f"that add up to the model's {n_layers} layers"
+            + (
+                ", or give layers_per_stage with the first or last stage at 0 (its end alone)"
+                if any(ends_alone)
+                else ""
             )
-        starts = [sum(counts[:s]) for s in range(n_stages)]
-        return [range(start, start + c) for start, c in zip(starts, counts)]
+        )
 
     costs = [1.0] * n_layers if layer_costs is None else [float(c) for c in layer_costs]
     prefix = [0.0]
@@ -90,6 +103,8 @@ def stage_layer_ranges(
     if stage_balance not in STAGE_BALANCE:
         raise ValueError(f"stage_balance={stage_balance!r}; choose one of {list(STAGE_BALANCE)}")
     n_layers = len(anatomy.block_names(model))
+    # a stage of an end alone needs an end to hold (a traced model's stages come from its graph's cuts)
+    ends_alone = (bool(anatomy.first), bool(anatomy.last)) if anatomy.traced is None else (False, False)
     if stage_balance == "params":
         per_layer, first, last = block_parameter_counts(model, anatomy)
         return assign_layers(
@@ -99,9 +114,15 @@ def stage_layer_ranges(
             first_cost=first,
             last_cost=last,
             layers_per_stage=layers_per_stage,
+            ends_alone=ends_alone,
         )
     return assign_layers(
-        n_layers, n_stages, first_cost=end_weight, last_cost=end_weight, layers_per_stage=layers_per_stage
+        n_layers,
+        n_stages,
+        first_cost=end_weight,
+        last_cost=end_weight,
+        layers_per_stage=layers_per_stage,
+        ends_alone=ends_alone,
     )
 
 

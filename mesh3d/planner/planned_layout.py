@@ -43,10 +43,11 @@ class Plan:
     dp_shard: int | None = None  # HSDP: the dp ranks (a node's) that shard a stage; replicas across nodes
     error_band: float = 0.0  # the band its speed was ranked with (band.py): +- this fraction
     fused_loss: bool = False  # the head fused with the loss (parallelize's fused_loss; pinned, never searched)
+    layers_per_stage: tuple[int, ...] | None = None  # as given to `plan`
 
     def parallelize_kwargs(self) -> dict:
         """What to hand `mesh3d.parallelize(model, **kwargs)` to run exactly this plan (a traced
-        model's `example_inputs` and any `split_points` included)."""
+        model's `example_inputs` and any `split_points` or `layers_per_stage` included)."""
         kwargs = dict(
             pp=self.pp,
             dp=self.dp,
@@ -65,6 +66,8 @@ class Plan:
             kwargs["example_inputs"] = self.example_inputs
         if self.split_points is not None:
             kwargs["split_points"] = list(self.split_points)
+        if self.layers_per_stage is not None:
+            kwargs["layers_per_stage"] = list(self.layers_per_stage)
         if self.reshard_after_forward is not None:
             kwargs["reshard_after_forward"] = self.reshard_after_forward
         if self.dp_shard is not None:

@@ -56,6 +56,7 @@ def plan(
     tp_plan: dict | None = None,
     split_points: Sequence[str] | None = None,
     tie_band: float | None = None,
+    layers_per_stage: Sequence[int] | None = None,
 ) -> list[Plan]:
     """Rank the layouts of `model` on `gpus` devices of `hardware`: the fastest first, only those
     that fit; within the planner's error band of each other, those near the memory limit last (band.py).
@@ -84,6 +85,8 @@ def plan(
         split_points: the blocks where stages 1, 2, ... begin, as `parallelize` takes them (a
             traced model's blocks are then that container's children): only layouts of
             len(split_points) + 1 stages are planned, split there, and the plans pass them on.
+        layers_per_stage: blocks per stage, as `parallelize` takes them (the first and the last
+            stage may hold 0: an end alone); only layouts of that many stages are planned.
         tie_band: among plans whose tokens/s lie within this fraction of the fastest of their
             tier, those predicted within constants.MEMORY_PREDICTION_BAND of the memory limit
             rank last (band.py); default the hardware's error band (`Hardware.band`: how far its
@@ -107,9 +110,17 @@ def plan(
     fused_loss = fix.get("fused_loss", False)  # refused as parallelize refuses it; planned at tp = 1 only
     check_fused_loss(fused_loss, model, None, fix.get("tp", 1), anatomy.traced is not None)
     n_blocks = len(anatomy.block_names(model))
+    if split_points is not None and layers_per_stage is not None:
+        raise ValueError("plan: give split_points or layers_per_stage, not both")
     split_counts = (
-        None if split_points is None else split_point_counts(anatomy, anatomy.block_names(model), split_points)
+        list(layers_per_stage)
+        if layers_per_stage is not None
+        else None
+        if split_points is None
+        else split_point_counts(anatomy, anatomy.block_names(model), split_points)
     )
+    if split_counts is not None:  # bad counts refused before the search, as parallelize refuses them
+        stage_layer_ranges(model, anatomy, len(split_counts), "layers", 0.0, split_counts)
     plan_tp = tp_plan if tp_plan is not None else anatomy.tp_plan
     tied = any(len(group) > 1 for group in find_ties(model))
     param_bytes = next(model.parameters()).element_size()
@@ -193,7 +204,7 @@ def plan(
         ep_choices=ep_choices,
     ):
         if split_counts is not None and cand["pp"] * cand["virtual_stages"] != len(split_counts):
-            continue  # the split points name the stages
+            continue  # the split names the stages
         costs = costs_at(cand["tp"], cand["param_dtype"], cand["cp"], cand["ep"])
         refusal = context_parallel_refusal(costs, anatomy.name)
         if refusal is not None:
@@ -283,6 +294,7 @@ def plan(
                 cand["ep"],
                 cand["dp_shard"],
                 fused_loss=fused_loss,
+                layers_per_stage=None if layers_per_stage is None else tuple(layers_per_stage),
             )
         )
     if not plans:

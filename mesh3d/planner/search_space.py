@@ -327,7 +327,7 @@ def nothing_fits(gpus, limit, smallest_need, fix, global_batch, split_counts=Non
         stages = (
             ""
             if split_counts is None
-            else f", and split_points make {len(split_counts)} stages, "
+            else f", and the split (split_points or layers_per_stage) makes {len(split_counts)} stages, "
             f"so pp * virtual_stages must be {len(split_counts)}"
         )
         return (

@@ -4,11 +4,11 @@ Every (pp, dp, tp) whose product is 1, 2, 4 or 8, FSDP over dp, interleaved 1F1B
 schedule), tied and untied (at 8 ranks each layout once, tied and untied alternating); DDP on
 every layout with dp > 1; 1F1B, GPipe, the zero-bubble schedules, DualPipeV, other microbatch
 counts, activation checkpointing (selective too), reshard_after_forward=True, loss parallel and
-the fused head and loss on a subset. Each data-parallel
+the fused head and loss, stages of an end alone on a subset. Each data-parallel
 rank steps on its share of the global batch; the reference is one process on the whole batch.
 One process-group launch per world size (two for 8) runs all its cases.
 
-57 cases; a vocabulary of 65 or 66 rows makes FSDP pad the tied weight. The model is a tiny LLaMA
+58 cases; a vocabulary of 65 or 66 rows makes FSDP pad the tied weight. The model is a tiny LLaMA
 whose split sizes all divide 8 (pipeline_cases.tp_args: dim 64, 16 heads, 8 kv heads, FFN 176,
 vocabulary 64, sequence 8), with one block per stage the case's schedule makes (two where
 activation checkpointing chooses among a stage's blocks; 8 stages at most). docs/parallelize.md's
@@ -56,6 +56,8 @@ EXTRA = {
         # W under ZBV, with FSDP and both tie ends on rank 0; and recomputed under DDP.
         ((2, 2, 1), True, {"fused_loss": True, "loss_fn": None, "schedule": "zbv", "microbatches": 4}),
         ((2, 2, 1), False, {"fused_loss": True, "loss_fn": None, "dp_mode": "ddp", "activation_checkpoint": "always"}),
+        # Stages of an end alone (the embedding, the head and loss) under FSDP, both tie ends on them.
+        ((2, 2, 1), True, {"layers_per_stage": [0, 2, 2, 0]}),
     ],
     # At 8 ranks, what only 8 hold: every schedule family with all three axes at once (interleaved
     # 1F1B in the FSDP part; 1F1B, GPipe and selective checkpointing composed at 4 ranks already),

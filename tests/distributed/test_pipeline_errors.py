@@ -98,7 +98,8 @@ EXPECTED = {
     "bad checkpoint mode": (
         "activation_checkpoint='sometimes'; choose one of ['never', 'always', 'except_last', 'selective']"
     ),
-    "bad layers_per_stage": "layers_per_stage=[4, 4] must list 4 positive counts",
+    "bad layers_per_stage": "layers_per_stage=[4, 4] must list 4 counts (pp x virtual_stages) of at least one layer "
+    "each; the first and the last may be 0 (a stage of its end alone), adding up to the model's 8 layers",
     "different configs on ranks": "ranks were given different pipeline configurations",
     "never-drain without an optimizer": "schedule 'pipedream_2bw' updates the weights inside the pipeline, stage by "
     "stage, so mesh3d must own the optimizer: pass optimizer=functools.partial(",

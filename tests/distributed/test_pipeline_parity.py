@@ -121,3 +121,70 @@ def test_pipeline_matches_single_process(pp):
             if checkpointed_blocks != want_blocks:
                 failures.append(f"{case}: {checkpointed_blocks} blocks checkpointed one by one, expected {want_blocks}")
     assert not failures, "\n".join(failures)
+
+
+# Stages of an end alone (layers_per_stage 0 at the first or the last stage: the embedding alone, the
+# output layer and loss alone), on the LLaMA example and on transformers' models (a mixture of
+# experts' router loss through an empty first stage included): (name, model, parallelize options).
+ENDS_ALONE = [
+    (
+        "interleaved both ends",
+        "example",
+        dict(schedule="interleaved_1f1b", virtual_stages=2, layers_per_stage=[0, 2, 2, 0]),
+    ),
+    (
+        "zbv both ends tied",
+        "example tied",
+        dict(schedule="zbv", layers_per_stage=[0, 2, 2, 0], activation_checkpoint="always"),
+    ),
+    ("1f1b first alone", "example", dict(schedule="1f1b", layers_per_stage=[0, 4], activation_checkpoint="selective")),
+    ("gpipe last alone tied", "example tied", dict(schedule="gpipe", layers_per_stage=[4, 0])),
+    (
+        "llama interleaved both ends",
+        "llama",
+        dict(schedule="interleaved_1f1b", virtual_stages=2, layers_per_stage=[0, 2, 2, 0]),
+    ),
+    ("qwen3_moe zbv both ends", "qwen3_moe", dict(schedule="zbv", layers_per_stage=[0, 2, 2, 0])),
+]
+ENDS_ALONE_MICROBATCHES = 4
+
+
+def _ends_alone_on_ranks(references):
+    import hf_cases
+    from pipeline_cases import tiny_args
+
+    layout = mesh3d.build_mesh(pp=2, dp=1, tp=1)
+    outcome = {}
+    for name, model, options in ENDS_ALONE:
+        options = dict(options, microbatches=ENDS_ALONE_MICROBATCHES)
+        if model.startswith("example"):
+            tied = model.endswith("tied")
+            data = batches(MICROBATCH_SIZE * ENDS_ALONE_MICROBATCHES)
+            outcome[name] = worst_error(
+                pipeline_run(layout, tied, data, args=tiny_args(tied, 4), **options), references[model]
+            )
+        else:
+            data = hf_cases.masked_batches(MICROBATCH_SIZE * ENDS_ALONE_MICROBATCHES)
+            outcome[name] = hf_cases.worst_error(
+                hf_cases.pipeline_run(model, layout, data, **options), references[model]
+            )
+    return outcome
+
+
+def test_stages_of_an_end_alone_match_single_process():
+    pytest.importorskip("transformers")
+    import hf_cases
+    from pipeline_cases import tiny_args
+
+    data = batches(MICROBATCH_SIZE * ENDS_ALONE_MICROBATCHES)
+    references = {f"example{' tied' * tied}": reference_run(tied, data, tiny_args(tied, 4)) for tied in (False, True)}
+    hf_data = hf_cases.masked_batches(MICROBATCH_SIZE * ENDS_ALONE_MICROBATCHES)
+    references.update({arch: hf_cases.reference_run(arch, hf_data) for arch in ("llama", "qwen3_moe")})
+    per_rank = run_on_ranks(_ends_alone_on_ranks, 2, references, timeout=300)
+    failures = [
+        f"rank {rank} {name}: relative error {error:.2e} at {where}"
+        for rank, outcome in enumerate(per_rank)
+        for name, (error, where) in outcome.items()
+        if error > TOLERANCE
+    ]
+    assert not failures and all(len(outcome) == len(ENDS_ALONE) for outcome in per_rank), failures

@@ -372,3 +372,19 @@ def test_the_fused_head_and_loss_is_planned_when_pinned():
         mesh3d.plan(debug_model(), **SIZES, fix={"fused_loss": True, "tp": 2})
     with pytest.raises(ValueError, match="fix fused_loss='yes'"):
         mesh3d.plan(debug_model(), **SIZES, fix={"fused_loss": "yes"})
+
+
+def test_layers_per_stage_names_the_stages_and_reaches_parallelize():
+    """Stages of an end alone (the first and the last at 0 blocks) planned as parallelize runs them:
+    only layouts of that many stages, the counts handed on; bad counts refused before the search."""
+    counts = [0, 4, 4, 0]
+    fix = {"tp": 1, "dp": 1, "schedule": "interleaved_1f1b", "activation_checkpoint": "never", "param_dtype": None}
+    plans = mesh3d.plan(debug_model(), **{**SIZES, "gpus": 2, "gpus_per_node": 2}, fix=fix, layers_per_stage=counts)
+    assert plans and all(p.pp * p.virtual_stages == 4 for p in plans)
+    assert plans[0].parallelize_kwargs()["layers_per_stage"] == counts
+    with pytest.raises(
+        ValueError, match=r"layers_per_stage=\[0, 0, 8, 0\] must list 4 counts .* the first and the last"
+    ):
+        mesh3d.plan(debug_model(), **SIZES, layers_per_stage=[0, 0, 8, 0])
+    with pytest.raises(ValueError, match="give split_points or layers_per_stage, not both"):
+        mesh3d.plan(debug_model(), **SIZES, split_points=["layers.4"], layers_per_stage=[4, 4])

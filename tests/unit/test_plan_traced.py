@@ -144,7 +144,7 @@ def test_split_points_pick_the_stages_and_are_passed_on():
     )
     assert plans and all(p.pp * p.virtual_stages == 2 for p in plans)
     assert all(p.parallelize_kwargs()["split_points"] == ["blocks.3"] for p in plans)
-    with pytest.raises(ValueError, match="split_points make 2 stages, so pp \\* virtual_stages must be 2"):
+    with pytest.raises(ValueError, match=r"layers_per_stage\) makes 2 stages, so pp \* virtual_stages must be 2"):
         mesh3d.plan(meta_copy(SkipModel(tied=False)), **SIZES, split_points=["blocks.3"], fix={"pp": 4})
 
 

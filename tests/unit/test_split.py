@@ -73,10 +73,26 @@ def test_assignment_by_parameter_count():
 
 def test_explicit_and_invalid_assignments():
     assert sizes(assign_layers(8, 3, layers_per_stage=[1, 5, 2])) == [1, 5, 2]
-    with pytest.raises(ValueError, match=r"must list 3 positive counts .* add up to the model's 8 layers"):
+    with pytest.raises(
+        ValueError, match=r"must list 3 counts .* of at least one layer each, adding up to the model's 8"
+    ):
         assign_layers(8, 3, layers_per_stage=[4, 4])
     with pytest.raises(ValueError, match="must list"):
         assign_layers(8, 2, layers_per_stage=[8, 0])
+
+
+def test_the_ends_may_stand_alone_where_the_model_has_them():
+    """The Llama 3 paper's split: the first stage the embedding alone, the last the output layer and
+    loss alone (126 blocks over 16 x 8 stages); never a middle stage without a block."""
+    both = (True, True)
+    assert sizes(assign_layers(126, 128, layers_per_stage=[0] + [1] * 126 + [0], ends_alone=both))[:3] == [0, 1, 1]
+    assert sizes(assign_layers(8, 2, layers_per_stage=[8, 0], ends_alone=both)) == [8, 0]
+    with pytest.raises(ValueError, match=r"the first and the last may be 0 \(a stage of its end alone\)"):
+        assign_layers(8, 4, layers_per_stage=[0, 8, 0, 0], ends_alone=both)
+    with pytest.raises(ValueError, match=r"of at least one layer each; the last may be 0"):
+        assign_layers(8, 2, layers_per_stage=[0, 8], ends_alone=(False, True))
+    with pytest.raises(ValueError, match=r"or give layers_per_stage with the first or last stage at 0"):
+        assign_layers(4, 6, ends_alone=both)
     with pytest.raises(ValueError, match=r"cannot split 4 layers into 8 pipeline stages .* pp \* virtual_stages <= 4"):
         assign_layers(4, 8)
 

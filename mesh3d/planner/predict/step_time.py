@@ -110,8 +110,11 @@ def step_time(
             "except_last": f,
             "selective": C.SELECTIVE_RECOMPUTE_FRACTION * fwd_s + gather_s + dispatch_f,
         }
-        forward.append(f)
-        backward.append(bwd_s + tp_s / 2 + gather_s + reduce_s + dispatch_b + recompute.get(mode, 0.0))
+        # A stage without FLOPs (the embedding alone, layers_per_stage 0) still writes its output
+        # (forward) and reads its gradient (backward) at the memory bandwidth.
+        moved = costs.message_bytes * mbs / stream
+        forward.append(max(f, moved))
+        backward.append(max(bwd_s + tp_s / 2 + gather_s + reduce_s + dispatch_b + recompute.get(mode, 0.0), moved))
         tp_time = max(tp_time, tp_s)
         cp_time = max(cp_time, 2 * gather_s + reduce_s)
         ep_time = max(ep_time, dispatch_f + dispatch_b)
