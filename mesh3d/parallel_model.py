@@ -326,7 +326,11 @@ class ParallelModel:
 
     def __repr__(self) -> str:
         s = self.schedule
-        mine = {i: f"layers {r.start}..{r.stop - 1}" for i, r in enumerate(self._stage_layers) if i in self.stages}
+        mine = {
+            i: f"layers {r.start}..{r.stop - 1}" if len(r) else "an end alone"
+            for i, r in enumerate(self._stage_layers)
+            if i in self.stages
+        }
         return (
             f"ParallelModel({self.layout!r}, schedule={s.name}, microbatches={s.microbatches}, "
             f"virtual_stages={s.virtual_stages}, stages here={mine})"

@@ -11,7 +11,8 @@ raised there while a peer (its check skipped: a mask it had judged before) went 
 peer waiting in its next collective. So the gathered verdicts stay on the device, summed over the
 step (`StepVerdicts`), and are read with the loss in the step's one read (step/global_loss.py):
 every rank of the world judges the same sums at the same point and raises alike, before the
-optimizer steps.
+optimizer steps (a never-drain schedule has updated inside the call by then: it refuses the next
+call until a checkpoint is loaded).
 """
 
 from __future__ import annotations
@@ -24,41 +25,55 @@ from mesh3d.distributed.printed_once import agreed
 DOCUMENTS, CAUSAL, NO_MASK, NOT_EXTENSIBLE, NOT_BOOLEAN = 1, 2, 3, 8, 9
 KINDS = (DOCUMENTS, CAUSAL, NO_MASK, NOT_EXTENSIBLE, NOT_BOOLEAN)
 TAKEN = {DOCUMENTS: "block-causal over document_ids", CAUSAL: "causal", NO_MASK: "no mask"}
-_NAMES = {**TAKEN, NOT_EXTENSIBLE: "a boolean mask that is none of them", NOT_BOOLEAN: "a float (additive) mask"}
+_NAMES = {
+    **TAKEN,
+    NO_MASK: "no mask (or an all-True one)",
+    NOT_EXTENSIBLE: "a boolean mask that is none of them",
+    NOT_BOOLEAN: "a float (additive) mask",
+}
 
 
 class StepVerdicts:
-    """The refused calls of one step, counted on the device: [refused calls, then per kind of
-    KINDS whether a refused call had a rank of that kind]."""
+    """The refused calls of one step, counted on the device: [refused calls, then for each cp rank
+    and each kind of KINDS, the refused calls where that rank's call was of that kind].
 
-    def __init__(self):
+    Args:
+        cp: the cp group's size (every rank of the world has the same).
+    """
+
+    def __init__(self, cp: int):
+        self.cp = cp
         self._sums: torch.Tensor | None = None
 
     def note(self, verdicts: torch.Tensor) -> None:
-        """One call's verdicts, every cp rank's ((cp,) on the device, as gathered): added, unread."""
-        codes = torch.tensor(KINDS, dtype=verdicts.dtype, device=verdicts.device)
+        """One call's verdicts, every cp rank's ((cp,) on the device, as gathered): added, unread
+        (compared with Python numbers: a tensor of the codes made here would be a copy to the device,
+        which waits for it on CUDA)."""
         refused = (verdicts != verdicts[0]).any() | (verdicts >= NOT_EXTENSIBLE).any()
-        kinds = (verdicts[:, None] == codes[None, :]).any(dim=0) & refused
-        row = torch.cat([refused.reshape(1), kinds]).float()
+        kinds = torch.stack([verdicts == code for code in KINDS], dim=1) & refused  # (cp, kinds)
+        row = torch.cat([refused.reshape(1), kinds.flatten()]).float()
         self._sums = row if self._sums is None else self._sums + row
 
     def sums(self, device: torch.device) -> torch.Tensor:
         """What `judge` reads, once summed over every rank (zeros where no call was made here)."""
         if self._sums is None:
-            return torch.zeros(1 + len(KINDS), device=device)
+            return torch.zeros(1 + self.cp * len(KINDS), device=device)
         return self._sums.to(device)
 
-    @staticmethod
-    def judge(sums: list[float]) -> None:
+    def judge(self, sums: list[float]) -> None:
         """Raise, on every rank alike, where any rank's step made a refused call (`sums`: `sums()`
         summed over every rank, read on the host)."""
         if not sums[0]:
             return
-        seen = [_NAMES[kind] for kind, flag in zip(KINDS, sums[1:], strict=True) if flag]
+        flags = [sums[1 + r * len(KINDS) : 1 + (r + 1) * len(KINDS)] for r in range(self.cp)]
+        made = "; ".join(
+            f"cp rank {r}: " + " or ".join(_NAMES[kind] for kind, n in zip(KINDS, row, strict=True) if n)
+            for r, row in enumerate(flags)
+        )
         raise agreed(
             ValueError(
                 "context parallelism: the model called scaled_dot_product_attention in a way mesh3d cannot extend "
-                f"to the whole sequence (the ranks of a cp group made: {', '.join(seen)}). Under cp every rank of "
+                f"to the whole sequence ({made}). Under cp every rank of "
                 "a group must make the same kind of call, and a mask must be boolean and, on a rank's own "
                 f"tokens, one of: {', '.join(TAKEN.values())} (built from the per-sample inputs mesh3d hands the "
                 "stage); call SDPA with is_causal=True, or build the mask from document_ids, or use cp=1 "

@@ -47,7 +47,7 @@ class ContextParallelAttention(TorchFunctionMode):
     ):
         super().__init__()
         self.cut, self.group, self.document_ids = cut, group, document_ids
-        self.verdicts = verdicts if verdicts is not None else StepVerdicts()
+        self.verdicts = verdicts if verdicts is not None else StepVerdicts(cut.cp)
         self.calls = 0
         self._positions: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._causal: dict[torch.device, CausalQueries] = {}

@@ -45,6 +45,8 @@ def assign_layers(
         if len(counts) != n_stages or sum(counts) != n_layers or any(c < m for c, m in zip(counts, least)):
             ends = [name for name, alone in zip(("first", "last"), ends_alone) if alone and n_stages > 1]
             allowed = f"; the {' and the '.join(ends)} may be 0 (a stage of its end alone)" if ends else ""
+            if not ends and 0 in counts and n_stages > 1:
+                allowed = " (a stage of an end alone needs a model whose anatomy names its ends: not a traced one)"
             raise ValueError(
                 f"layers_per_stage={counts} must list {n_stages} counts (pp x virtual_stages) of at least one "
                 f"layer each{allowed}, adding up to the model's {n_layers} layers"
@@ -57,7 +59,7 @@ def assign_layers(
             f"needs at least one layer: lower pp or virtual_stages so that pp * virtual_stages <= {n_layers}"
             + (
                 ", or give layers_per_stage with the first or last stage at 0 (its end alone)"
-                if any(ends_alone)
+                if any(ends_alone) and n_stages <= n_layers + sum(ends_alone)
                 else ""
             )
         )

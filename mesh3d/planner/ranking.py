@@ -202,6 +202,7 @@ def plan(
         seq_len=seq_len,
         cp_choices=cp_choices,
         ep_choices=ep_choices,
+        n_stages=None if split_counts is None else len(split_counts),
     ):
         if split_counts is not None and cand["pp"] * cand["virtual_stages"] != len(split_counts):
             continue  # the split names the stages

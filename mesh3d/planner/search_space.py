@@ -49,6 +49,7 @@ def candidate_layouts(
     seq_len=None,
     cp_choices=(1,),
     ep_choices=(1,),
+    n_stages=None,
 ):
     """Every layout mesh3d accepts for these sizes, with `fix` applied; tp = 1 only, unless fixed,
     for a model without a tensor-parallel plan. `cp_choices`: the context-parallel degrees the
@@ -56,7 +57,8 @@ def candidate_layouts(
     chunks and, unless pinned, where its cp x tp ranks fit in a node (each layer's K/V all-gather
     wants NVLink); the global batch divides over dp alone (a cp group's ranks share their rows).
     `ep_choices` (expert_parallel_degrees): each kept where it divides the stage's dp x cp x tp
-    ranks and, unless pinned, fits in a node (its all-to-alls every block want NVLink)."""
+    ranks and, unless pinned, fits in a node (its all-to-alls every block want NVLink). `n_stages`:
+    the stages a given split makes (split_points, layers_per_stage): pp divides it, v is the rest."""
 
     def allowed(name, values):
         return [fix[name]] if name in fix else values
@@ -72,7 +74,10 @@ def candidate_layouts(
         and (cp * tp <= gpus_per_node or "cp" in fix)
     ]
     for tp, cp in pairs:
-        for pp in allowed("pp", [p for p in divisors(gpus // (tp * cp)) if p <= n_blocks]):
+        pp_choices = [
+            p for p in divisors(gpus // (tp * cp)) if (p <= n_blocks if n_stages is None else n_stages % p == 0)
+        ]
+        for pp in allowed("pp", pp_choices):
             if gpus % (tp * cp * pp):
                 continue
             dp = gpus // (tp * cp * pp)
@@ -80,17 +85,20 @@ def candidate_layouts(
                 continue
             local = global_batch // dp
             for ep in [e for e in ep_choices if (dp * cp * tp) % e == 0 and (e <= gpus_per_node or "ep" in fix)]:
-                yield from _schedules(allowed, fix, n_blocks, pp, dp, cp, tp, ep, local, gpus_per_node)
+                yield from _schedules(allowed, fix, n_blocks, pp, dp, cp, tp, ep, local, gpus_per_node, n_stages)
 
 
-def _schedules(allowed, fix, n_blocks, pp, dp, cp, tp, ep, local, gpus_per_node):
+def _schedules(allowed, fix, n_blocks, pp, dp, cp, tp, ep, local, gpus_per_node, n_stages=None):
     """The schedule, microbatch, checkpointing and data-parallel choices of one (pp, dp, cp, tp, ep)."""
     for schedule in allowed("schedule", ["1f1b"] if pp == 1 else list(PLANNED_SCHEDULES)):
         spec = SCHEDULES[schedule]
         v_choices = (
             [spec.fixed_virtual_stages] if spec.fixed_virtual_stages else ([1, 2, 4] if spec.multi_stage else [1])
         )
-        for v in allowed("virtual_stages", [v for v in v_choices if pp * v <= n_blocks]):
+        if n_stages is not None:  # the split decides v
+            v_choices = [v for v in [n_stages // pp] if pp * v == n_stages and (v == 1 or spec.multi_stage)]
+            v_choices = [v for v in v_choices if not spec.fixed_virtual_stages or v == spec.fixed_virtual_stages]
+        for v in allowed("virtual_stages", [v for v in v_choices if n_stages is not None or pp * v <= n_blocks]):
             for m in allowed("microbatches", [m for m in divisors(local) if m <= 4 * pp * v or m == pp]):
                 if local % m:
                     continue

@@ -93,7 +93,7 @@ class SequenceShards:
             local[self.mask_input] = own_tokens_mask(cut, documents)
         per_microbatch = _packed_microbatches(documents, self.microbatches)
         group = layout.group("cp")
-        verdicts = StepVerdicts()
+        verdicts = StepVerdicts(layout.cp)
 
         def around(mb: int) -> AbstractContextManager:
             docs = per_microbatch[mb] if per_microbatch is not None else None

@@ -273,8 +273,8 @@ def test_own_protocol_model_takes_global_positions_and_bad_input_is_refused_ever
         "mean loss": "context parallelism (cp=2) needs a loss_fn that returns (loss_sum, count)",
         "no positions": "LearnedPositionsLM: context parallelism (cp=2) needs a model that takes position_ids",
         "by hand": "LearnedPositionsLM: context parallelism (cp=2): block(s) ['layers.0', 'layers.1'] never call",
-        "calls of different kinds": "the whole sequence (the ranks of a cp group made: causal, no mask)",
-        "a mask no sequence extends": "(the ranks of a cp group made: a boolean mask that is none of them)",
+        "calls of different kinds": "the whole sequence (cp rank 0: causal; cp rank 1: no mask (or an all-True one))",
+        "a mask no sequence extends": "(cp rank 0: a boolean mask that is none of them; cp rank 1: a boolean mask",
         "sizes": "pp*dp*cp*tp=6 does not equal the world size (pp=2, dp=1, cp=3, tp=1, world size=4)",
     }
     assert_raised_on_every_rank([errors for _, _, errors, _ in per_rank], expected)

@@ -139,6 +139,13 @@ ENDS_ALONE = [
     ),
     ("1f1b first alone", "example", dict(schedule="1f1b", layers_per_stage=[0, 4], activation_checkpoint="selective")),
     ("gpipe last alone tied", "example tied", dict(schedule="gpipe", layers_per_stage=[4, 0])),
+    ("dualpipev both ends", "example", dict(schedule="dualpipev", layers_per_stage=[0, 2, 2, 0])),
+    # the head fused with the loss, alone on its stage and checkpointed whole
+    (
+        "fused head alone",
+        "example tied",
+        dict(schedule="1f1b", layers_per_stage=[4, 0], fused_loss=True, loss_fn=None, activation_checkpoint="always"),
+    ),
     (
         "llama interleaved both ends",
         "llama",

@@ -382,6 +382,11 @@ def test_layers_per_stage_names_the_stages_and_reaches_parallelize():
     plans = mesh3d.plan(debug_model(), **{**SIZES, "gpus": 2, "gpus_per_node": 2}, fix=fix, layers_per_stage=counts)
     assert plans and all(p.pp * p.virtual_stages == 4 for p in plans)
     assert plans[0].parallelize_kwargs()["layers_per_stage"] == counts
+    # more stages than blocks, pp and v unpinned: the split decides v for each pp (8 stages of 6 blocks)
+    fix = {key: fix[key] for key in ("tp", "activation_checkpoint", "param_dtype")}
+    counts = [0, 1, 1, 1, 1, 1, 1, 0]
+    plans = mesh3d.plan(debug_model(n_layers=6), **SIZES, fix=fix, layers_per_stage=counts)
+    assert {(p.pp, p.virtual_stages) for p in plans} >= {(2, 4), (4, 2)}
     with pytest.raises(
         ValueError, match=r"layers_per_stage=\[0, 0, 8, 0\] must list 4 counts .* the first and the last"
     ):

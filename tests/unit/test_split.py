@@ -93,6 +93,10 @@ def test_the_ends_may_stand_alone_where_the_model_has_them():
         assign_layers(8, 2, layers_per_stage=[0, 8], ends_alone=(False, True))
     with pytest.raises(ValueError, match=r"or give layers_per_stage with the first or last stage at 0"):
         assign_layers(4, 6, ends_alone=both)
+    with pytest.raises(ValueError, match=r"virtual_stages <= 4$"):  # two more stages than blocks at most
+        assign_layers(4, 7, ends_alone=both)
+    with pytest.raises(ValueError, match=r"needs a model whose anatomy names its ends: not a traced one"):
+        assign_layers(4, 2, layers_per_stage=[0, 4])
     with pytest.raises(ValueError, match=r"cannot split 4 layers into 8 pipeline stages .* pp \* virtual_stages <= 4"):
         assign_layers(4, 8)
 
