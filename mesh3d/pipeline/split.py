@@ -28,7 +28,7 @@ def assign_layers(
     layers_per_stage: Sequence[int] | None = None,
     ends_alone: tuple[bool, bool] = (False, False),
 ) -> list[range]:
-    """Contiguous layer ranges, one per stage, each with at least one layer.
+    """Contiguous layer ranges, one per stage, each with at least one layer (but see `ends_alone`).
 
     Explicit `layers_per_stage` is taken as given; there the first and the last stage may hold no
     layer where `ends_alone` says the model has an end for them (the embedding alone, the output
