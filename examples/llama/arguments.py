@@ -80,6 +80,14 @@ def build_parser(description: str | None = None) -> Parser:
         default=None,
         help="stages per pp rank (default: the schedule's, see docs/pipeline.md)",
     )
+    p.add_argument(
+        "--layers-per-stage",
+        type=int,
+        nargs="+",
+        default=None,
+        help="blocks per stage, pp x virtual stages of them (e.g. 0 2 2 0); the first and last may be 0: "
+        "the embedding, the head and loss alone (default: balanced)",
+    )
     p.add_argument("--dp-mode", default=LIBRARY_DEFAULTS["dp_mode"], choices=list(DP_MODES))
     p.add_argument(
         "--dp-shard",

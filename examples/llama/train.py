@@ -92,6 +92,7 @@ def set_up(args):
         schedule=args.schedule,
         microbatches=args.microbatches,
         virtual_stages=args.virtual_stages,
+        layers_per_stage=args.layers_per_stage,
         activation_checkpoint=args.activation_checkpoint,
         dp_mode=args.dp_mode,
         param_dtype=arguments.PARAM_DTYPES[args.param_dtype],

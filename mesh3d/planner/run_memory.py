@@ -79,6 +79,8 @@ def predict_memory(
             memory_limit=2**60,  # say what it needs, whatever the device holds
             fix=fix,
             tie_band=0,
+            split_points=given.get("split_points"),
+            layers_per_stage=given.get("layers_per_stage"),
         )
     except Exception as error:  # noqa: BLE001 - a prediction that cannot be made is said, never raised
         return MemoryPrediction(None, f"{type(error).__name__}: {str(error).splitlines()[0]}", baseline)

@@ -76,3 +76,13 @@ def test_a_layout_the_planner_does_not_model_is_said_not_raised():
     prediction = predict_memory(_debug_on_meta(), layout, seq_len=64, global_batch=4, schedule="pipedream")
     assert prediction.predicted_bytes is None and prediction.as_record() == {}
     assert "not modelled by the planner" in prediction.beside(MemoryPeak(peak_bytes=GIB, rank=0))
+
+
+def test_the_prediction_plans_the_split_parallelize_is_given():
+    """A layers_per_stage (the ends alone here) reaches the planner as parallelize takes it."""
+    layout = types.SimpleNamespace(device=torch.device("cpu"), world_size=2, pp=2, dp=1, cp=1, tp=1, ep=1)
+    kwargs = dict(seq_len=64, global_batch=4, schedule="interleaved_1f1b", virtual_stages=2)
+    alone = predict_memory(_debug_on_meta(), layout, **kwargs, layers_per_stage=[0, 4, 4, 0])
+    balanced = predict_memory(_debug_on_meta(), layout, **kwargs)
+    assert alone.predicted_bytes is not None and balanced.predicted_bytes is not None
+    assert alone.predicted_bytes != balanced.predicted_bytes
