@@ -30,8 +30,8 @@ class ContextParallelAttention(TorchFunctionMode):
     Args:
         cut: this rank's tokens of each sequence (sequence_cut.py).
         group: the cp process group.
-        document_ids: the microbatch's whole-row document ids (batch, seq), or None.
         verdicts: where the step's calls note their verdicts (judged with the step's loss).
+        document_ids: the microbatch's whole-row document ids (batch, seq), or None.
     """
 
     # Re-entered where a block checkpointed on its own recomputes its forward inside the backward
@@ -42,12 +42,11 @@ class ContextParallelAttention(TorchFunctionMode):
         self,
         cut: SequenceCut,
         group: dist.ProcessGroup,
+        verdicts: StepVerdicts,
         document_ids: torch.Tensor | None = None,
-        verdicts: StepVerdicts | None = None,
     ):
         super().__init__()
-        self.cut, self.group, self.document_ids = cut, group, document_ids
-        self.verdicts = verdicts if verdicts is not None else StepVerdicts(cut.cp)
+        self.cut, self.group, self.verdicts, self.document_ids = cut, group, verdicts, document_ids
         self.calls = 0
         self._positions: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._causal: dict[torch.device, CausalQueries] = {}

@@ -112,14 +112,11 @@ def plan(
     n_blocks = len(anatomy.block_names(model))
     if split_points is not None and layers_per_stage is not None:
         raise ValueError("plan: give split_points or layers_per_stage, not both")
-    split_counts = (
-        list(layers_per_stage)
-        if layers_per_stage is not None
-        else None
-        if split_points is None
-        else split_point_counts(anatomy, anatomy.block_names(model), split_points)
-    )
-    if split_counts is not None:  # bad counts refused before the search, as parallelize refuses them
+    split_counts = None
+    if split_points is not None:
+        split_counts = split_point_counts(anatomy, anatomy.block_names(model), split_points)
+    elif layers_per_stage is not None:  # bad counts refused before the search, as parallelize refuses them
+        split_counts = list(layers_per_stage)
         stage_layer_ranges(model, anatomy, len(split_counts), "layers", 0.0, split_counts)
     plan_tp = tp_plan if tp_plan is not None else anatomy.tp_plan
     tied = any(len(group) > 1 for group in find_ties(model))

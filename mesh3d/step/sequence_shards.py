@@ -97,7 +97,7 @@ class SequenceShards:
 
         def around(mb: int) -> AbstractContextManager:
             docs = per_microbatch[mb] if per_microbatch is not None else None
-            return ContextParallelAttention(cut, group, docs, verdicts)
+            return ContextParallelAttention(cut, group, verdicts, docs)
 
         return RankBatch(cut.cut(inputs), cut.cut(targets), local, around, verdicts)
 

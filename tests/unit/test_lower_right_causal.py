@@ -8,7 +8,7 @@ import torch
 
 from mesh3d.context_parallel import attention
 from mesh3d.context_parallel.attention import CausalQueries, GatheredAttention, _blocks_of
-from mesh3d.context_parallel.call_verdicts import CAUSAL
+from mesh3d.context_parallel.call_verdicts import CAUSAL, StepVerdicts
 from mesh3d.context_parallel.lower_right_causal import fused_takes, lower_right_causal
 from mesh3d.context_parallel.sequence_cut import SequenceCut
 
@@ -130,11 +130,11 @@ def test_causal_calls_go_without_mask_rows_and_documents_with_them(monkeypatch):
     monkeypatch.setattr(sdpa_calls, "attend", lambda q, k, v, call: calls.append(call) or q)
     cut = SequenceCut(2, 1, 16)
     q = torch.randn(1, 2, 8, 4)
-    with ContextParallelAttention(cut, None):
+    with ContextParallelAttention(cut, None, StepVerdicts(cut.cp)):
         F.scaled_dot_product_attention(q, q, q, is_causal=True)
         F.scaled_dot_product_attention(q, q, q, attn_mask=own_tokens_mask(cut, None))
     documents = torch.tensor([[0] * 6 + [1] * 10])
-    with ContextParallelAttention(cut, None, documents):
+    with ContextParallelAttention(cut, None, StepVerdicts(cut.cp), documents):
         F.scaled_dot_product_attention(q, q, q, attn_mask=own_tokens_mask(cut, documents))
     assert [call.causal is not None for call in calls] == [True, True, False]
     assert calls[0].causal.runs == ((0, 8, 4),)  # cp rank 1 of 2 holds chunks 1 and 2: one run

@@ -84,5 +84,10 @@ def test_the_prediction_plans_the_split_parallelize_is_given():
     kwargs = dict(seq_len=64, global_batch=4, schedule="interleaved_1f1b", virtual_stages=2)
     alone = predict_memory(_debug_on_meta(), layout, **kwargs, layers_per_stage=[0, 4, 4, 0])
     balanced = predict_memory(_debug_on_meta(), layout, **kwargs)
-    assert alone.predicted_bytes is not None and balanced.predicted_bytes is not None
-    assert alone.predicted_bytes != balanced.predicted_bytes
+    defaults = inspect.signature(mesh3d.parallelize).parameters
+    fix = dict(pp=2, dp=1, tp=1, schedule="interleaved_1f1b", microbatches=2, virtual_stages=2, param_dtype=None)
+    fix.update({k: defaults[k].default for k in ("activation_checkpoint", "dp_mode", "compile")})
+    (planned,) = mesh3d.plan(
+        _debug_on_meta(), gpus=2, seq_len=64, global_batch=4, memory_limit=2**60, fix=fix, layers_per_stage=[0, 4, 4, 0]
+    )
+    assert alone.predicted_bytes == planned.memory_per_rank.total != balanced.predicted_bytes
