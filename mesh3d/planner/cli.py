@@ -3,6 +3,7 @@ the best one wins.
 
     mesh3d-plan --model llama3-70b --gpus 256 --hardware h100 --seq-len 8192 --global-batch 512
     mesh3d-plan --model path/to/config.json --gpus 8 --fix pp=2 --fix schedule=1f1b --draw best.png
+    mesh3d-plan --model llama3-8b --gpus 8 --layers-per-stage 0 16 16 0 --fix tp=1
 
 Prints the ranked table (the top 10, or every plan with --all), then the terms of the step time
 and memory that separate the best plan from the runner-up. --draw writes the best plan's
@@ -66,6 +67,19 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help=f"pin a choice, repeatable: {', '.join(FIXABLE)} (v, m, ac for short); "
         "param_dtype takes bf16, fp32 or none; compile and fused_loss take true or false",
+    )
+    p.add_argument(
+        "--layers-per-stage",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="blocks in each pipeline stage, e.g. 0 2 2 0 (the ends alone): only layouts of that many stages",
+    )
+    p.add_argument(
+        "--split-points",
+        nargs="+",
+        metavar="NAME",
+        help="module names each stage after the first starts at, e.g. layers.4: only layouts of that many stages",
     )
     p.add_argument(
         "--tie-band",
@@ -196,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             memory_limit=limit,
             fix=fix,
             tie_band=args.tie_band,
+            split_points=args.split_points,
+            layers_per_stage=args.layers_per_stage,
         )
     except (ValueError, ImportError) as error:
         _fail(str(error))

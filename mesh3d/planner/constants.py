@@ -8,7 +8,7 @@ they give against published runs.
 # Fraction of the dense peak a transformer's matmuls and attention reach in a real step (kernel
 # efficiency, memory-bound ops between them, launch gaps), counted in the FLOPs the step executes
 # (recomputation included), for hardware fitted on no published run: the presets carry their own,
-# fitted per GPU (hardware.py; 0.394 for the H100, 0.641 for the A100, docs/plan.md). 0.45:
+# fitted per GPU (hardware.py; the H100 0.394 at 500 W and 0.445 at 700 W, the A100 0.641). 0.45:
 # Megatron-LM's weak-scaling runs on A100 (Narayanan et al. 2021, Table 1) reach 43-52 % of peak in
 # exactly that count.
 ACHIEVABLE_COMPUTE_FRACTION = 0.45

@@ -134,19 +134,26 @@ class Hardware:
 # NVLink figures are the datasheets' bidirectional totals halved; the network is one NIC per GPU.
 # The achievable fraction is fitted per GPU on the published runs docs/plan.md lists (each run's
 # whole layout pinned, tests/unit/test_plan_published.py), minimising the largest error; the band
-# is that error. The H100, H100 96 GB and H200 are one chip: one fraction.
-_H100_FRACTION = 0.394
-_H100_BAND = 0.14
-_H100_FITTED_ON = (
-    "torchtitan's Llama 3.1 8B on 8 H100 (eager and compiled) and on 128, FSDP with selective "
+# is that error. The H100 runs at two power limits in them, fitted apart: torchtitan's 96 GB parts
+# at 500 W (HBM2e) and the 80 GB SXM5 at its 700 W TDP (HBM3), which the H200 shares.
+_H100_500W = dict(
+    achievable_fraction=0.394,
+    error_band=0.14,
+    fitted_on="torchtitan's Llama 3.1 8B on 8 H100 (eager and compiled) and on 128, FSDP with selective "
     "checkpointing, and its 70B on 256, FSDP 32 x TP 8 (96 GB parts at 500 W: "
-    "benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3; its PR #1299)"
+    "benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3; its PR #1299)",
+)
+_H100_700W = dict(
+    achievable_fraction=0.445,
+    error_band=0.10,
+    fitted_on="mesh3d's Llama 3.2 1B shape on one H100 80 GB, eager and compiled (docs/performance.md), and "
+    "the Llama 3 paper's 405B on 8,192 (Table 4; its layout partly assumed: docs/plan.md)",
 )
 
 
-def _hopper(name: str, memory_bytes: int, memory_bandwidth: float, source: str) -> Hardware:
+def _hopper(name: str, memory_bytes: int, memory_bandwidth: float, source: str, fit: dict) -> Hardware:
     """An H100-chip part (SXM: 989 TFLOP/s dense BF16, NVLink 4, a 400 Gb/s port per GPU) and its
-    memory, with the chip's fitted fraction and band."""
+    memory, with the fraction and band fitted at its power limit."""
     return Hardware(
         name,
         peak_flops=989e12,
@@ -156,9 +163,7 @@ def _hopper(name: str, memory_bytes: int, memory_bandwidth: float, source: str) 
         memory_bandwidth=memory_bandwidth,
         peak_fp32_flops=494.5e12,
         source=source,
-        achievable_fraction=_H100_FRACTION,
-        fitted_on=_H100_FITTED_ON,
-        error_band=_H100_BAND,
+        **fit,
     )
 
 
@@ -169,6 +174,7 @@ HARDWARE: dict[str, Hardware] = {
         3350 * GB,
         "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 (1,979 with sparsity), 80 GB HBM3 at "
         "3.35 TB/s, NVLink 4 900 GB/s; ConnectX-7 400 Gb/s per GPU (DGX H100)",
+        _H100_700W,
     ),
     "h100-96gb": _hopper(
         "h100-96gb",
@@ -177,6 +183,7 @@ HARDWARE: dict[str, Hardware] = {
         "The H100 96 GB of Meta's Grand Teton hosts, torchtitan's benchmark machine "
         "(benchmarks/llama3_h100_202412_torchtitan.md): 96 GB HBM2e at 2.4 TB/s, a 500 W power limit "
         "(the SXM5's 700 W TDP), 400 Gb/s RDMA per GPU; the SXM5's 989 TFLOP/s dense BF16 as the peak",
+        _H100_500W,
     ),
     "h200": _hopper(
         "h200",
@@ -184,6 +191,7 @@ HARDWARE: dict[str, Hardware] = {
         4800 * GB,
         "NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; "
         "ConnectX-7 400 Gb/s per GPU (DGX H200)",
+        _H100_700W,
     ),
     "a100-80gb": Hardware(
         "a100-80gb",

@@ -16,6 +16,8 @@ plain and with packed documents, and a protocol model of its own attention):
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -178,7 +180,8 @@ class LearnedPositionsLM(nn.Module):
 class Block(nn.Module):
     """`attention`: "causal" (is_causal=True), "by hand" (no SDPA call), "causal mask" (an explicit
     causal mask on its own tokens), "odd ranks unmasked" (cp rank 0 is_causal=True, the others an
-    all-True mask: calls of different kinds), "random mask" (a mask no whole sequence extends)."""
+    all-True mask: calls of different kinds), "rank 1 unmasked" (so in one cp group of two only),
+    "random mask" (a mask no whole sequence extends)."""
 
     def __init__(self, dim: int, attention: str):
         super().__init__()
@@ -200,8 +203,9 @@ class Block(nn.Module):
         elif self.attention == "random mask":
             every_other_key = torch.arange(k.shape[-2], device=x.device) % 2 == 0
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal & every_other_key)
-        else:  # "odd ranks unmasked"
-            masked = dist.get_rank() % 2 == 1  # tp = 1: consecutive ranks are a cp group's
+        else:  # "odd ranks unmasked", "rank 1 unmasked"
+            # tp = 1: consecutive ranks are a cp group's
+            masked = dist.get_rank() == 1 if self.attention == "rank 1 unmasked" else dist.get_rank() % 2 == 1
             mask = torch.ones_like(causal) if masked else None
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not masked)
         h = x + self.proj(out.transpose(1, 2).flatten(2))
@@ -238,10 +242,15 @@ def _own_model_and_errors(initial, data):
     inputs, targets, _ = data[0]
     mean = mesh3d.parallelize(meta_model(False, args=tiny_args(False, 2)), layout, schedule="1f1b", loss_fn=loss_fn)
 
-    def step_with(attention: str):
+    def step_with(attention: str, on=layout, schedule: str = "1f1b", call: str = "step"):
         model = LearnedPositionsLM(attention)
         model.load_state_dict({k: torch.from_numpy(v) for k, v in initial.items()})
-        return mesh3d.parallelize(model, layout, schedule="1f1b", microbatches=2).step(inputs, targets)
+        # a never-draining schedule updates inside the pipeline: it owns the optimizer
+        owned = {"optimizer": functools.partial(torch.optim.AdamW, lr=LR)} if schedule.startswith("pipedream") else {}
+        pm = mesh3d.parallelize(model, on, schedule=schedule, microbatches=2, **owned)
+        return getattr(pm, call)(inputs, targets)
+
+    two_cp_groups = mesh3d.build_mesh(pp=1, dp=2, cp=2, tp=1)
 
     # a causal mask on one's own tokens is the causal call: the first step's loss, as is_causal gives it
     causal_mask_loss = step_with("causal mask").item()
@@ -254,6 +263,9 @@ def _own_model_and_errors(initial, data):
             # refused together at the step's end, never a rank left waiting in its next gather
             "calls of different kinds": lambda: step_with("odd ranks unmasked"),
             "a mask no sequence extends": lambda: step_with("random mask"),
+            "in evaluate": lambda: step_with("odd ranks unmasked", call="evaluate"),
+            "never draining": lambda: step_with("odd ranks unmasked", schedule="pipedream_2bw"),
+            "one cp group of two": lambda: step_with("rank 1 unmasked", on=two_cp_groups),
             "sizes": lambda: mesh3d.build_mesh(pp=2, dp=1, cp=3, tp=1),
         }
     )
@@ -275,6 +287,9 @@ def test_own_protocol_model_takes_global_positions_and_bad_input_is_refused_ever
         "by hand": "LearnedPositionsLM: context parallelism (cp=2): block(s) ['layers.0', 'layers.1'] never call",
         "calls of different kinds": "the whole sequence (cp rank 0: causal; cp rank 1: no mask (or an all-True one))",
         "a mask no sequence extends": "(cp rank 0: a boolean mask that is none of them; cp rank 1: a boolean mask",
+        "in evaluate": "(cp rank 0: causal; cp rank 1: no mask (or an all-True one))",
+        "never draining": "(cp rank 0: causal; cp rank 1: no mask (or an all-True one))",
+        "one cp group of two": "(cp rank 0: causal; cp rank 1: no mask (or an all-True one))",
         "sizes": "pp*dp*cp*tp=6 does not equal the world size (pp=2, dp=1, cp=3, tp=1, world size=4)",
     }
     assert_raised_on_every_rank([errors for _, _, errors, _ in per_rank], expected)
@@ -346,8 +361,6 @@ def test_cp_composes_with_never_drain_compile_selective_and_bf16():
     """Against the same training at cp = 1 (exact to one process or to its update rule elsewhere):
     PipeDream-2BW (updates inside the pipeline), torch.compile with selective checkpointing (on rows of
     one document: the causal path), bf16."""
-    import functools
-
     masked = []
     for inputs, targets, documents in data_of(8, True) * 2:  # four steps: never-drain rules need a few
         targets = targets.clone()

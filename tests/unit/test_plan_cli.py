@@ -213,6 +213,24 @@ def test_fix_pins_typed_values(config_dir):
     assert "param_dtype float32" in out
 
 
+def test_the_split_flags_reach_plan(config_dir, capsys):
+    """--layers-per-stage (the ends alone) and --split-points plan what plan() plans given them."""
+    config = transformers.AutoConfig.from_pretrained(config_dir)
+    fix = dict(tp=1, dp=1, schedule="1f1b", activation_checkpoint="never")
+    pins = [f"--fix={k}={v}" for k, v in fix.items()]
+    splits = (("--layers-per-stage", [0, 2, 2, 0]), ("--split-points", [f"model.layers.{i}" for i in (1, 2, 3)]))
+    for flag, value in splits:
+        out = _run(_argv(config_dir, *pins, flag, *map(str, value)))
+        keyword = flag.removeprefix("--").replace("-", "_")
+        expected = plan(config, **SIZES, fix=fix, **{keyword: value})
+        assert [row[1:11] for row in _rows(out)] == [_layout(p) for p in expected[:10]]
+        assert expected[0].parallelize_kwargs()[keyword] == value
+        assert f"{keyword}={value!r}" in out  # the parallelize call that runs #1
+    with pytest.raises(SystemExit):
+        cli.main(_argv(config_dir, "--layers-per-stage", "0", "0", "4", "0"))
+    assert "must list" in capsys.readouterr().err
+
+
 def test_draw_writes_the_timeline_the_planner_timed(config_dir, tmp_path):
     pytest.importorskip("matplotlib")
     png, trace = tmp_path / "best.png", tmp_path / "best.json"
