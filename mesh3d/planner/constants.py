@@ -8,7 +8,7 @@ they give against published runs.
 # Fraction of the dense peak a transformer's matmuls and attention reach in a real step (kernel
 # efficiency, memory-bound ops between them, launch gaps), counted in the FLOPs the step executes
 # (recomputation included), for hardware fitted on no published run: the presets carry their own,
-# fitted per GPU (hardware.py; the H100 0.394 at 500 W and 0.445 at 700 W, the A100 0.641). 0.45:
+# fitted per GPU (hardware.py; the H100 0.37 at 500 W and 0.445 at 700 W, the A100 0.641). 0.45:
 # Megatron-LM's weak-scaling runs on A100 (Narayanan et al. 2021, Table 1) reach 43-52 % of peak in
 # exactly that count.
 ACHIEVABLE_COMPUTE_FRACTION = 0.45
@@ -19,8 +19,8 @@ ACHIEVABLE_COMPUTE_FRACTION = 0.45
 UNCALIBRATED_ERROR_BAND = 0.40
 
 # How near the memory limit a plan's predicted memory may come before the planner treats it as
-# possibly not fitting (band.py ranks such plans after the roomy ones as fast as them): the published
-# peaks of docs/plan.md stand 4.6 % and 5.5 % above the planner's predictions; twice that.
+# possibly not fitting (band.py ranks such plans after the roomy ones as fast as them): the
+# planner's predictions stand 4.7 % and 5.5 % under the published peaks of docs/plan.md; about twice that.
 MEMORY_PREDICTION_BAND = 0.10
 
 # The error band of "this-machine", whose parts are timed rather than rated: against real

@@ -137,10 +137,10 @@ class Hardware:
 # is that error. The H100 runs at two power limits in them, fitted apart: torchtitan's 96 GB parts
 # at 500 W (HBM2e) and the 80 GB SXM5 at its 700 W TDP (HBM3), which the H200 shares.
 _H100_500W = dict(
-    achievable_fraction=0.394,
-    error_band=0.14,
+    achievable_fraction=0.37,
+    error_band=0.07,
     fitted_on="torchtitan's Llama 3.1 8B on 8 H100 (eager and compiled) and on 128, FSDP with selective "
-    "checkpointing, and its 70B on 256, FSDP 32 x TP 8 (96 GB parts at 500 W: "
+    "checkpointing, and its 70B on 256, FSDP 32 x TP 8 with sequence parallelism (96 GB parts at 500 W: "
     "benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3; its PR #1299)",
 )
 _H100_700W = dict(
