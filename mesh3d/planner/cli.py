@@ -68,14 +68,15 @@ def _parser() -> argparse.ArgumentParser:
         help=f"pin a choice, repeatable: {', '.join(FIXABLE)} (v, m, ac for short); "
         "param_dtype takes bf16, fp32 or none; compile and fused_loss take true or false",
     )
-    p.add_argument(
+    split = p.add_mutually_exclusive_group()
+    split.add_argument(
         "--layers-per-stage",
         type=int,
         nargs="+",
         metavar="N",
         help="blocks in each pipeline stage, e.g. 0 2 2 0 (the ends alone): only layouts of that many stages",
     )
-    p.add_argument(
+    split.add_argument(
         "--split-points",
         nargs="+",
         metavar="NAME",

@@ -15,7 +15,8 @@ ACHIEVABLE_COMPUTE_FRACTION = 0.45
 
 # The error band stated for hardware fitted on no published run (a `Hardware` of the user's, the
 # b200 preset): with the one fraction above for every GPU, the planner stood from -41 % to +25 %
-# of the published runs of docs/plan.md (the issue that brought per-GPU fitting, hardware.py).
+# of the published runs of docs/plan.md when per-GPU fitting came (hardware.py), from -35 % to
+# +29 % as they are modelled now.
 UNCALIBRATED_ERROR_BAND = 0.40
 
 # How near the memory limit a plan's predicted memory may come before the planner treats it as

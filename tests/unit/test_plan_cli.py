@@ -229,6 +229,9 @@ def test_the_split_flags_reach_plan(config_dir, capsys):
     with pytest.raises(SystemExit):
         cli.main(_argv(config_dir, "--layers-per-stage", "0", "0", "4", "0"))
     assert "must list" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one split or the other, refused before planning
+        cli.main(_argv(config_dir, "--layers-per-stage", "2", "2", "--split-points", "model.layers.2"))
+    assert "not allowed with argument --layers-per-stage" in capsys.readouterr().err
 
 
 def test_draw_writes_the_timeline_the_planner_timed(config_dir, tmp_path):

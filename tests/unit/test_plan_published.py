@@ -123,8 +123,8 @@ def one_rank(**layout) -> dict:
     return {"pp": 1, "tp": 1, "schedule": "1f1b", "microbatches": 1, **layout}
 
 
-# (name, published tokens/s/GPU, model, gpus, hardware, seq_len, global_batch, layout, error docs/plan.md
-# records or None where the preset was fitted on the run)
+# (name, published tokens/s/GPU, model, gpus, hardware, seq_len, global_batch, layout, the error docs/plan.md
+# records, whether the preset was fitted on the run)
 RUNS = [
     (
         "torchtitan 8B 8xH100",
@@ -135,7 +135,8 @@ RUNS = [
         8192,
         16,
         one_rank(dp=8, activation_checkpoint="selective"),
-        None,
+        0.032,
+        True,
     ),
     (
         "torchtitan 8B 8xH100 compile",
@@ -146,7 +147,8 @@ RUNS = [
         8192,
         16,
         one_rank(dp=8, activation_checkpoint="selective", compile=True),
-        None,
+        -0.037,
+        True,
     ),
     (
         "torchtitan 8B 128xH100",
@@ -157,7 +159,8 @@ RUNS = [
         8192,
         256,
         one_rank(dp=128, activation_checkpoint="selective"),
-        None,
+        0.064,
+        True,
     ),
     (
         "torchtitan 70B 256xH100 FSDP32xTP8",
@@ -168,7 +171,8 @@ RUNS = [
         8192,
         512,
         dict(one_rank(dp=32, activation_checkpoint="always", compile=True), tp=8),
-        None,
+        -0.059,
+        True,
     ),
     (
         "torchtitan 13B 64xA100",
@@ -179,7 +183,8 @@ RUNS = [
         4096,
         128,
         one_rank(dp=64, activation_checkpoint="never"),
-        None,
+        0.029,
+        True,
     ),
     (
         "torchtitan 8B 64xA100",
@@ -190,7 +195,8 @@ RUNS = [
         8192,
         64,
         one_rank(dp=64, activation_checkpoint="selective"),
-        None,
+        0.091,
+        True,
     ),
     (
         "torchtitan 70B 64xA100",
@@ -201,7 +207,8 @@ RUNS = [
         8192,
         64,
         one_rank(dp=64, activation_checkpoint="always"),
-        None,
+        -0.082,
+        True,
     ),
     # Megatron Table 1 does not print the microbatch size; 1, 2 or 16 sequences make the same FLOPs.
     (
@@ -214,6 +221,7 @@ RUNS = [
         512,
         one_rank(dp=32, microbatches=16, activation_checkpoint="always", dp_mode="ddp"),
         0.014,
+        False,
     ),
     (
         "megatron GPT 3.6B 64xA100 TP2xDP32",
@@ -225,6 +233,7 @@ RUNS = [
         512,
         dict(one_rank(dp=32, activation_checkpoint="always", dp_mode="ddp"), tp=2),
         0.023,
+        False,
     ),
     (
         "megatron GPT 7.5B 128xA100 TP4xDP32",
@@ -236,6 +245,7 @@ RUNS = [
         512,
         dict(one_rank(dp=32, activation_checkpoint="always", dp_mode="ddp"), tp=4),
         -0.011,
+        False,
     ),
     (
         "megatron GPT 39.1B 512xA100 TP8xPP2xDP32",
@@ -256,11 +266,12 @@ RUNS = [
             dp_mode="ddp",
         ),
         0.017,
+        False,
     ),
-    # Llama 3 paper Table 4, S. 3.3.2 (700 W H100 80 GB): no AC, the first and last stages the
-    # embedding and the output layer alone; 126 blocks over 16 x 8 - 2 stages points to V = 8;
-    # microbatches not published (assumed 32: 193 GiB a rank, not what ran); TP with sequence
-    # parallelism (assumed: mesh3d_405b); 163 is derived from 430 TFLOP/s at 6N + 12lhs FLOPs a token.
+    # Llama 3 paper Table 4; S. 3.3.1: 700 W H100 80 GB; S. 3.3.2: no AC, the first and last stages the
+    # embedding and the output layer alone; 126 blocks over 16 x 8 - 2 stages points to V = 8. Assumed:
+    # interleaved 1F1B for the paper's own schedule, 32 microbatches (193 GiB a rank, not what ran), TP
+    # with sequence parallelism (mesh3d_405b). 163 is derived from 430 TFLOP/s at 6N + 12lhs FLOPs a token.
     (
         "llama3 405B 8192xH100 TP8xPP16xDP64",
         163,
@@ -280,7 +291,8 @@ RUNS = [
             activation_checkpoint="never",
             reshard_after_forward=False,
         ),
-        None,
+        -0.094,
+        True,
     ),
     (
         "mesh3d 1B 1xH100 eager",
@@ -291,7 +303,8 @@ RUNS = [
         2048,
         4,
         one_rank(dp=1, activation_checkpoint="never"),
-        None,
+        0.09,
+        True,
     ),
     (
         "mesh3d 1B 1xH100 compiled",
@@ -302,7 +315,8 @@ RUNS = [
         2048,
         4,
         one_rank(dp=1, activation_checkpoint="never", compile=True),
-        None,
+        0.033,
+        True,
     ),
 ]
 
@@ -327,13 +341,11 @@ def errors() -> dict[str, float]:
     return {
         name: predict(model_of(model), gpus, hardware, seq_len, batch, **layout).tokens_per_second_per_gpu / published
         - 1
-        for name, published, model, gpus, hardware, seq_len, batch, layout, _ in RUNS
+        for name, published, model, gpus, hardware, seq_len, batch, layout, _, _ in RUNS
     }
 
 
-FITTED = {
-    preset: [r for r in RUNS if r[4] == preset and r[8] is None] for preset in (TORCHTITAN_H100, "h100", "a100-80gb")
-}
+FITTED = {preset: [r for r in RUNS if r[4] == preset and r[9]] for preset in (TORCHTITAN_H100, "h100", "a100-80gb")}
 
 
 @pytest.mark.parametrize("preset", sorted(FITTED))
@@ -343,11 +355,17 @@ def test_a_preset_stands_within_its_band_of_the_runs_it_was_fitted_on(errors, pr
     fitted = {r[0]: errors[r[0]] for r in FITTED[preset]}
     assert all(abs(e) <= band for e in fitted.values()), (band, fitted)
     assert abs(max(fitted.values()) + min(fitted.values())) <= 0.02, fitted
-    assert HARDWARE["h200"].achievable_fraction == HARDWARE["h100"].achievable_fraction  # 700 W, one chip
 
 
-@pytest.mark.parametrize("run", [r for r in RUNS if r[8] is not None], ids=lambda r: r[0])
-def test_the_other_runs_stand_where_docs_say(errors, run):
+def test_the_h100_is_fitted_at_each_power_limit():
+    """The 500 W parts reach less of the peak than the 700 W ones; the H200 (700 W, the same chip) borrows
+    the 700 W fit."""
+    assert HARDWARE[TORCHTITAN_H100].achievable_fraction < HARDWARE["h100"].achievable_fraction
+    assert HARDWARE["h200"].achievable_fraction == HARDWARE["h100"].achievable_fraction
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: r[0])
+def test_every_run_stands_where_docs_say(errors, run):
     assert errors[run[0]] == pytest.approx(run[8], abs=0.01)
 
 

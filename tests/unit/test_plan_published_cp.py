@@ -29,9 +29,10 @@ CONTEXT_PARALLEL_RUNS = [
     (1, 8, 262144, 548, 84.5),
 ]
 # Where each stands (docs/plan.md): torchtitan ran these in Float8 (1.28x bf16's tokens/s in its own
-# Table 1), the planner predicts bf16, so at 32k it is low by about that; past 65k it is optimistic:
-# torchtitan's attention runs at a falling rate (27.5 % MFU at 262k in its own count), and the planner
-# charges mesh3d's at the matmuls' rate: bench/cp_attention.py measures it on a GPU.
+# Table 1), the planner predicts bf16, so at 32k it is 26 % low; past 65k it is optimistic:
+# torchtitan's attention runs at a falling rate (27 % and 25 % MFU at 131k and 262k in its own count),
+# and the planner charges mesh3d's at the matmuls' rate: bench/cp_attention.py measures it on a GPU.
+# transformers' Llama 3 (no tp here: it predicts as mesh3d's example model does).
 CONTEXT_PARALLEL_ERRORS = {32768: -0.262, 65536: -0.014, 131072: 0.427, 262144: 0.569}
 
 
