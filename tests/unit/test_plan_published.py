@@ -100,8 +100,8 @@ def mesh3d_1b() -> torch.nn.Module:
 
 
 def torchtitan_llama3(size: str, seq_len: int = 8192) -> torch.nn.Module:
-    """Llama 3 as torchtitan runs it: mesh3d's example model is torchtitan's Llama 3 (the same shapes
-    and ops) with its tensor-parallel plan, sequence parallelism included (transformers' has none)."""
+    """Llama 3 as torchtitan runs it: mesh3d's example model at its shapes, whose tensor-parallel plan
+    has sequence parallelism as torchtitan's does (transformers' has none)."""
     with torch.device("meta"):
         return Transformer(get_config(size, max_seq_len=seq_len))
 
