@@ -6,7 +6,8 @@ each, and returns the list of the ranks' return values. If any rank raises, it f
 rank's traceback (and every other failing rank's); if ranks are still running when the timeout
 expires, or a few seconds after another rank failed (they are then usually stuck in a
 collective), it kills them and fails naming them. A deadlock therefore costs seconds, not CI's
-90 minutes.
+90 minutes. Every rank runs under NCCL's point-to-point rules (nccl_rules.py) unless its
+environment sets MESH3D_NCCL_RULES=0.
 
 Processes come from a fork server that has imported torch once, so a launch costs a fork, not a
 fresh `import torch` per rank; `fn` must be importable (defined at module level).
@@ -22,6 +23,8 @@ import socket
 import time
 import traceback
 from typing import Any, Callable
+
+import nccl_rules
 
 # CUDA_VISIBLE_DEVICES as the suite found it ("all": unset), kept while hide_gpus hides them.
 VISIBLE_GPUS_ENV = "MESH3D_TESTS_VISIBLE_GPUS"
@@ -113,6 +116,8 @@ def _rank_main(fn: Callable, args: tuple, rank: int, env: dict, results: Any) ->
         import torch
 
         torch.set_num_threads(1)
+        if nccl_rules.enabled():  # NCCL's order over gloo (nccl_rules.py); MESH3D_NCCL_RULES=0 lifts it
+            nccl_rules.install()
         profile_dir = os.environ.get("MESH3D_PROFILE_RANKS")  # a folder: each rank's cProfile lands there
         if profile_dir:
             import cProfile

@@ -90,7 +90,6 @@ class NeverDrainCalls:
 
     def _execute(self, step: StageCompute, actions: tuple[Action, ...], what: str) -> torch.Tensor:
         try:
-            step.mailbox.post_receives_ahead(actions)
             for action in actions:
                 step.execute(action, is_last_backward=False)  # a never-drain step asks its update rule
             totals = step.finish()  # its sends done, its losses summed

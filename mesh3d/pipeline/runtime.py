@@ -2,8 +2,9 @@
 
 Per step it splits the batch into microbatches and hands each action of this rank's list, in
 order, to the step's `StageCompute` (stage_compute.py: F, B, I, W, recompute; RECV and SEND go to
-its mailbox, p2p.py, which posts receives early and hands tensors between stages of this rank in
-memory). Under a never-drain schedule each training step is one call (never_drain_calls.py).
+its mailbox, p2p.py, which posts each receive where the lowering put it and hands tensors
+between stages of this rank in memory). Under a never-drain schedule each training step is one
+call (never_drain_calls.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from mesh3d.model.stage_inputs import stage_input_names
 from mesh3d.pipeline.activation_checkpoint import ActivationCheckpointing
 from mesh3d.pipeline.boundary import Boundaries, BoundaryShapes
 from mesh3d.pipeline.never_drain_calls import NeverDrainCalls
-from mesh3d.pipeline.p2p import Mailbox, PipelinePeers, ReceiveBuffers
+from mesh3d.pipeline.p2p import Mailbox, PipelinePeers
 from mesh3d.pipeline.routes import MessageSpec, StageRoutes
 from mesh3d.pipeline.schedule.ir import RELEASES
 from mesh3d.pipeline.schedule.lower import LoweredSchedule
@@ -98,7 +99,6 @@ class PipelineRuntime:
         self.train_actions = training.actions[peers.pp_rank]
         self.eval_actions = evaluation.actions[peers.pp_rank]
         self.counters = RuntimeCounters()  # of the last training step
-        self.receive_buffers = ReceiveBuffers()  # kept between steps on CPU (p2p.py)
         last_backward = {}  # per stage, its last action that finishes weight gradients (B, or W)
         for index, action in enumerate(self.train_actions):
             if action.kind in RELEASES:
@@ -185,7 +185,6 @@ class PipelineRuntime:
                 loss,
                 True,
                 RuntimeCounters(),
-                window=2 * m,
                 versions=never_drain.versions,
             )
             return never_drain.call(input_chunks, target_chunks, boundaries.specs, loss, counters, start, extra_chunks)
@@ -197,7 +196,6 @@ class PipelineRuntime:
         step = self._start(boundaries.specs, input_chunks, target_chunks, loss, train, counters)
         step.per_sample = extra_chunks
         actions = self.train_actions if train else self.eval_actions
-        step.mailbox.post_receives_ahead(actions)
         for index, action in enumerate(actions):
             step.execute(action, is_last_backward=index in self._last_backward_index)
         return step.finish()
@@ -210,12 +208,11 @@ class PipelineRuntime:
         loss: MicrobatchLoss,
         train: bool,
         counters: RuntimeCounters,
-        window: int | None = None,
         versions: WeightVersions | None = None,
     ) -> StageCompute:
-        """A step's shared state, its mailbox sized for `specs` (boundary shapes) and `window`."""
+        """A step's shared state, its mailbox sized for `specs` (boundary shapes)."""
         wire = {pair: spec.wire for pair, spec in specs.items()}
-        mailbox = Mailbox(self.peers, self.schedule, wire, counters, self.receive_buffers, window=window)
+        mailbox = Mailbox(self.peers, self.schedule, wire, counters)
         return StageCompute(self.local, inputs, targets, mailbox, loss, train, counters, specs, versions)
 
     def flush(self) -> None:
