@@ -13,13 +13,14 @@ stream, so, unlike gloo:
 gloo forgives all three: it runs operations side by side and pairs messages by tag, so a list that
 deadlocks or mispairs on NCCL can pass on gloo. `install()` (done in every rank of
 `multiprocess.run_on_ranks` unless `MESH3D_NCCL_RULES=0`) wraps torch.distributed's
-point-to-point calls, and the collectives issued through torch.distributed on a communicator that
-carries point-to-point traffic (a tie's all-reduce on a pipeline channel, say), so that each
-communicator of a rank has one worker thread running its operations one after another, each
-waited on before the next starts, and every message goes to gloo with a tag that is its number in
-its (communicator, sender, receiver) order (rule 3), the caller's tag kept only for the log.
-Collectives on other groups, and those torch's DTensor and FSDP issue from C++, go to gloo as
-before: no point-to-point message shares their communicators.
+point-to-point calls and its collectives (a tie's all-reduce on a pipeline channel waits behind
+the channel's messages, say), so that each communicator of a rank has one worker thread running
+its operations one after another, each waited on before the next starts, and every message goes
+to gloo with a tag that is its number in its (communicator, sender, receiver) order (rule 3), the
+caller's tag kept only for the log. The collectives torch's DTensor and FSDP issue from C++ go to
+gloo directly, on the mesh's groups, which carry no message; they keep their order among the
+wrapped ones, since a wrapped collective is waited on before its caller goes on (mesh3d issues
+none asynchronously).
 
 A wait that outlasts `MESH3D_NCCL_RULES_TIMEOUT` seconds (default 240) raises `NCCLOrderDeadlock`
 naming the communicator, the operation at its head and what is queued behind it: on NCCL the same
@@ -94,7 +95,6 @@ class _Communicator:
         self.ready = threading.Condition()
         self.issued: list[Issued] = []
         self.sequence: collections.Counter = collections.Counter()  # (op, peer) -> messages so far
-        self.carries_p2p = False
         self._worker: threading.Thread | None = None
 
     def next_number(self, op: str, peer: int) -> int:
@@ -198,7 +198,6 @@ class _Mode:
             peer = dist.get_global_rank(channel.group, group_peer)
         if peer is None:
             raise ValueError(f"nccl_rules: {op} without a peer: NCCL has no receive from any source")
-        channel.carries_p2p = True
         number = channel.next_number(op, peer)
         nbytes = tensor.numel() * tensor.element_size()
         record = Issued(op, peer, nbytes, tag)
@@ -211,9 +210,9 @@ class _Mode:
     def collective(self, name: str, *args, **kwargs):
         bound = self.signatures[name].bind(*args, **kwargs)
         group = bound.arguments.get("group")
-        channel = self.communicators.get(id(group if group is not None else c10d._get_default_group()))
-        if channel is None or not channel.carries_p2p:
-            return self.original[name](*args, **kwargs)
+        if group is not None and group is not dist.GroupMember.WORLD and dist.get_rank(group) < 0:
+            return self.original[name](*args, **kwargs)  # not a member: torch's own answer
+        channel = self.communicator(group)
         async_op = bound.arguments.get("async_op", False)
         bound.arguments["async_op"] = True
         first = next(iter(bound.arguments.values()), None)

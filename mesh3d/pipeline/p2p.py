@@ -15,8 +15,10 @@ call receives everything sent to it, and what a later call consumes waits in the
 output (or input gradient) is handed over in memory when the consuming stage sits on this rank, and
 goes out with `isend` otherwise; a receive's `irecv` goes into a buffer shaped from the meta run
 and is waited on only when the compute that consumes it starts, which then holds the only
-reference: the buffer is freed with its last use, on CUDA by the caching allocator's stream
-bookkeeping (ProcessGroupNCCL records the buffer on its stream). Sends are waited on at the end of
+reference: the buffer is freed with its last use. On CUDA no buffer outlives the step to be
+reused by the next one, so none needs an event: ProcessGroupNCCL keeps the buffer alive for its own
+stream until the work is waited, and `take` waits on it (the current stream then waits for NCCL's)
+before the consumer reads. Sends are waited on at the end of
 the step; a completed send is dropped as soon as the next one is posted, so a step holds the
 messages in flight, not all it sent.
 """

@@ -123,3 +123,32 @@ def _swapped_tags():
     for work in works:
         work.wait()
     return [first.item(), second.item()]
+
+
+def _collective_behind_a_receive() -> str:
+    """Rank 0 posts a receive, then joins an all-reduce on the same communicator; rank 1 joins the
+    all-reduce, then sends. gloo alone finishes; on NCCL the all-reduce waits behind the receive."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    group = dist.new_group([0, 1], group_desc="channel and collective")
+    value, message = torch.ones(1), torch.zeros(1)
+    if dist.get_rank() == 0:
+        receive = dist.irecv(message, src=1, group=group)
+        dist.all_reduce(value, group=group)
+        receive.wait()
+    else:
+        dist.all_reduce(value, group=group)
+        dist.send(message, dst=0, group=group)
+    return "finished"
+
+
+def test_a_collective_on_a_channel_keeps_its_place_in_the_order():
+    """A collective on a communicator that carries messages queues behind them as on NCCL: plain
+    gloo finishes the lists, the rules stop them by name."""
+    assert run_on_ranks(_collective_behind_a_receive, 2, timeout=60, env={nccl_rules.ENV: "0"}) == ["finished"] * 2
+    with pytest.raises(RankFailure) as caught:
+        run_on_ranks(_collective_behind_a_receive, 2, timeout=60, env={nccl_rules.TIMEOUT_ENV: "5"})
+    text = str(caught.value)
+    assert "NCCLOrderDeadlock" in text and "'channel and collective'" in text, text
