@@ -6,8 +6,8 @@ each, and returns the list of the ranks' return values. If any rank raises, it f
 rank's traceback (and every other failing rank's); if ranks are still running when the timeout
 expires, or a few seconds after another rank failed (they are then usually stuck in a
 collective), it kills them and fails naming them. A deadlock therefore costs seconds, not CI's
-90 minutes. Every rank runs under NCCL's point-to-point rules (nccl_rules.py) unless its
-environment sets MESH3D_NCCL_RULES=0.
+90 minutes. Under pytest every rank runs under NCCL's point-to-point rules (nccl_rules.py) unless
+MESH3D_NCCL_RULES=0; a script (bench/) measures plain gloo unless MESH3D_NCCL_RULES=1.
 
 Processes come from a fork server that has imported torch once, so a launch costs a fork, not a
 fresh `import torch` per rank; `fn` must be importable (defined at module level).
@@ -20,6 +20,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -167,6 +168,8 @@ def run_on_ranks(
     results = ctx.Queue()
     port = free_port()
     procs = []
+    # the suite tests NCCL's program under NCCL's rules; a benchmark times the program itself
+    rules = os.environ.get(nccl_rules.ENV) or ("1" if "_pytest" in sys.modules else "0")
     for rank in range(world_size):
         rank_env = {
             "RANK": str(rank),
@@ -177,6 +180,7 @@ def run_on_ranks(
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
             "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+            nccl_rules.ENV: rules,
             **(env or {}),
         }
         proc = ctx.Process(target=_rank_main, args=(fn, args, rank, rank_env, results), daemon=True)

@@ -11,8 +11,9 @@ stream, so, unlike gloo:
    receive from A, whatever the tags say (NCCL has none).
 
 gloo forgives all three: it runs operations side by side and pairs messages by tag, so a list that
-deadlocks or mispairs on NCCL can pass on gloo. `install()` (done in every rank of
-`multiprocess.run_on_ranks` unless `MESH3D_NCCL_RULES=0`) wraps torch.distributed's
+deadlocks or mispairs on NCCL can pass on gloo. `install()` (done in every rank that
+`multiprocess.run_on_ranks` starts under pytest, unless `MESH3D_NCCL_RULES=0`; a bench script
+measures plain gloo unless `MESH3D_NCCL_RULES=1`) wraps torch.distributed's
 point-to-point calls and its collectives (a tie's all-reduce on a pipeline channel waits behind
 the channel's messages, say), so that each communicator of a rank has one worker thread running
 its operations one after another, each waited on before the next starts, and every message goes
@@ -235,7 +236,7 @@ _mode: _Mode | None = None
 
 
 def enabled() -> bool:
-    """Whether this process's environment asks for the rules (the default in run_on_ranks)."""
+    """Whether this rank's environment asks for the rules (run_on_ranks sets it: on under pytest)."""
     return os.environ.get(ENV, "1") != "0"
 
 
