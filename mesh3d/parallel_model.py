@@ -219,6 +219,12 @@ class ParallelModel:
         asks for it; the loss returned is their sum."""
         return dict(self._global_loss.terms)
 
+    @property
+    def loss_term_tensors(self) -> dict[str, torch.Tensor]:
+        """`loss_terms` as 0-dim float32 tensors on the compute device, unread: what a loop holds
+        until its next logging step, so that the steps between read nothing back."""
+        return self._global_loss.term_tensors
+
     def expert_load(self) -> dict[str, torch.Tensor]:
         """For a mixture of experts: {experts module name: how many tokens the router sent to each of
         its experts in the last training step}, summed over every rank (int64, on CPU, the same on

@@ -241,7 +241,14 @@ class GlobalLoss:
         """The last step's or evaluation's loss by part (reading them is a host sync)."""
         if self._terms is None:
             return {}
-        main, router = self._terms.tolist()
+        return dict(zip(self.term_tensors, self._terms.tolist()))
+
+    @property
+    def term_tensors(self) -> dict[str, torch.Tensor]:
+        """`terms` as 0-dim tensors on the compute device, unread."""
+        if self._terms is None:
+            return {}
+        main, router = self._terms.unbind()
         return {"loss_fn": main, "router_aux": router} if self.router_aux is not None else {"loss_fn": main}
 
 
