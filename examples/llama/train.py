@@ -122,6 +122,9 @@ def set_up(args):
     optimizer = pm.optimizer if pm.never_drains else build_optimizer(pm.parameters(), args, fused=True)
     say = (lambda line: print(line, flush=True)) if layout.rank == 0 else (lambda line: None)
     start_step, origin, resumed = restore(args, pm, optimizer, loader, say)
+    if not pm.never_drains:  # how the update is computed, not what: an unfused AdamW's checkpoint resumes fused
+        for group in optimizer.param_groups:
+            group["fused"] = True
     say(run_summary(args, layout, pm, described, n_params, origin, tokenizer, dataset, heldout, loader))
     progress = Progress(
         args.steps,
