@@ -51,7 +51,7 @@ def local_check(vocab: int = 32000) -> None:
 
 def step_with_and_without(args) -> None:
     layout = mesh3d.build_mesh(pp=args.pp, dp=args.dp, tp=args.tp)
-    flag_s = _median_s(lambda: agree_on_batch(None, layout.device, "bench"), 200)
+    flag_s = _median_s(lambda: agree_on_batch(None, "bench"), 200)
     config = get_config("debug", max_seq_len=args.seq_len)
     with torch.device("meta"):
         model = Transformer(config)

@@ -140,9 +140,12 @@ class ParallelModel:
         """Finish every backward and update still in flight (never-drain schedules; nothing to do
         for the others). Call it before reading or saving the weights and at the end of training;
         `evaluate`, `full_state_dict` and the checkpoint functions flush by themselves. A flush changes no update
-        rule: the next calls see the weight versions they would have seen without it."""
+        rule: the next calls see the weight versions they would have seen without it. It also judges
+        the last call's checks that are device values (step/late_verdicts.py), raising on every rank
+        where they failed: call it on every rank."""
         with self._peer_failures("pm.flush"), torch.enable_grad():  # backwards, even if called under no_grad
             self._runtime.flush()
+        self._pipelined.judge_late_verdicts()  # the last call's device checks: nothing later would judge them
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, **per_sample: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every microbatch; gradients accumulate into `.grad`.
@@ -164,7 +167,11 @@ class ParallelModel:
         microbatch, the dp ranks' shares together) and calling backward(): the global token mean,
         exact with masked targets. With a mean loss, the mean of the microbatch means. Data-parallel
         gradients are reduced once, on each stage's last backward. Returns that loss, a 0-dim
-        tensor with the same value on every rank (0 when nothing is counted).
+        float32 tensor on the compute device with the same value on every rank (0 when nothing is
+        counted), unread: the step waits for no device (its batch is checked on the host copy), and
+        reading the loss is the caller's one sync, so read it only when logging. Checks that only
+        the device can make (a count that depends on the output, cp's attention calls) raise on
+        every rank one call late: at the end of the next step or evaluate, or in `flush`.
         """
         with self._peer_failures("pm.step"):
             # fail before tied gradients are set aside
@@ -211,6 +218,12 @@ class ParallelModel:
         load-balancing loss, averaged over the microbatches) for a mixture of experts whose config
         asks for it; the loss returned is their sum."""
         return dict(self._global_loss.terms)
+
+    @property
+    def loss_term_tensors(self) -> dict[str, torch.Tensor]:
+        """`loss_terms` as 0-dim float32 tensors on the compute device, unread: what a loop holds
+        until its next logging step, so that the steps between read nothing back."""
+        return self._global_loss.term_tensors
 
     def expert_load(self) -> dict[str, torch.Tensor]:
         """For a mixture of experts: {experts module name: how many tokens the router sent to each of

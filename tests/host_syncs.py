@@ -1,8 +1,8 @@
 """Count the reads that stop the host until the device catches up (device-to-host synchronizations).
 
     with HostSyncCounter() as syncs:
-        loss = pm.step(inputs, targets)
-    assert syncs.count <= 2, syncs.ops
+        loss = pm.step(inputs, targets)  # unread
+    assert syncs.count == 0, syncs.ops
 
 On CUDA a value read into Python (`.item()`, `bool(t)`, `int(t)`, `.tolist()`) or a copy to the
 host (`.cpu()`, `.to("cpu")`, `.numpy()` after one) waits for every kernel queued before it. On
@@ -15,7 +15,17 @@ CUDA. Two layers see them:
 - a TorchFunctionMode sees `Tensor.tolist`, which on a CPU tensor reads memory directly and
   reaches no aten op (on CUDA it is a device-to-host copy, counted once here, not again below).
 
-What is not counted: a torch optimizer's step (its step counters live on the host unless it is
+Reads through numpy are not counted, and need not be: `.numpy()` refuses a CUDA tensor, so code
+that reads a tensor through numpy reads host memory on every device (the batch before its
+transfer, a flag exchanged over the host group, a pinned buffer a non-blocking copy filled), and
+a tensor that would live on the compute device read so fails on a GPU (tests/gpu runs the step
+there). Reads through torch (`.item()`, `bool()`, `.tolist()`) are counted whatever the tensor's
+device: on CPU a host tensor read that way counts as a device read would, so host-side checks
+read their tensors through numpy. A non-blocking copy into pinned memory (`copy_` with
+`non_blocking=True`) is not counted: it is queued on the stream like a kernel, and whoever reads
+its destination waits for its event, not for the device (step/late_verdicts.py).
+
+What is not counted either: a torch optimizer's step (its step counters live on the host unless it is
 capturable or fused, so their reads wait for no device), host data read on the host (numpy
 arrays, a batch still on the CPU before its transfer: code that reads it through numpy runs no
 aten op), and collectives, which queue on the device without stopping the host.
@@ -40,6 +50,8 @@ def _is_copy_to_host(func, args, kwargs) -> bool:
     if func not in _COPIES:
         return False
     if func is torch.ops.aten.copy_.default:
+        if (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)) and args[0].is_pinned():
+            return False  # queued on the stream into page-locked memory: the host does not wait
         destination, source = _device_of(args[0]), _device_of(args[1])
     else:
         source = _device_of(args[0])

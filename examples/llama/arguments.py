@@ -202,7 +202,13 @@ def build_parser(description: str | None = None) -> Parser:
     p.add_argument("--eval-batches", type=int, default=4, help="global batches held out (by --seed) and evaluated")
     p.add_argument("--token-file", default=None, help="a pre-tokenized .npy (or raw, with --token-dtype) file")
     p.add_argument("--token-dtype", default=None)
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument(
+        "--log-every",
+        type=int,
+        default=10,
+        help="read the loss, grad norm and memory and print a line every N steps (default: 10); the steps "
+        "between read nothing from the device",
+    )
     p.add_argument("--metrics", default="runs/train.jsonl", help="JSONL file, one line per step")
     p.add_argument(
         "--tensorboard", default=None, metavar="DIR", help="also log the metrics as TensorBoard scalars here"

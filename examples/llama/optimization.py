@@ -16,15 +16,17 @@ def lr_at(step: int, *, peak: float, warmup: int, total: int, min_ratio: float) 
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def build_optimizer(params: list[torch.nn.Parameter], args) -> torch.optim.AdamW:
+def build_optimizer(params: list[torch.nn.Parameter], args, fused: bool = False) -> torch.optim.AdamW:
     """AdamW over this rank's parameters; matrices decay, norm gains (1-D) do not. A never-drain
-    schedule gets it as parallelize's `optimizer=` factory (it steps inside the pipeline)."""
+    schedule gets it as parallelize's `optimizer=` factory (it steps inside the pipeline). `fused`:
+    torch's fused kernel, whose step takes `found_inf`, so that a non-finite step is skipped on the
+    device (mesh3d.train.DeviceStepGuard)."""
     params = list(params)
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=fused or None)
 
 
 def schedule_length(args, saved_args: dict | None, start_step: int) -> tuple[int, str | None]:

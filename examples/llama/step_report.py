@@ -25,7 +25,8 @@ def run_summary(args, layout, pm, model: str, n_params: int, origin: str, tokeni
 
 def step_record(step, loss, lr, grad_norm, seconds, progress, args, restart, stepped, peak, prediction) -> dict:
     """A step's metrics row (the JSONL line, TensorBoard's and W&B's scalars): what it did, its
-    speed, its memory peak, and on the first step of a run the planner's prediction, where made."""
+    speed, its memory peak (logging steps only: `peak` None elsewhere), and on the first step of a
+    run the planner's prediction, where made."""
     return {
         "step": step,
         "loss": loss,
@@ -38,7 +39,7 @@ def step_record(step, loss, lr, grad_norm, seconds, progress, args, restart, ste
         "restart": restart,
         "skipped": not stepped,
         "tokens": step * progress.tokens_per_step,
-        **peak.as_record(),
+        **(peak.as_record() if peak is not None else {}),
         **(prediction.as_record() if prediction else {}),
     }
 

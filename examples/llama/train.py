@@ -11,12 +11,14 @@ docs/training.md has the rest: your data and tokenizer, long sequences (--cp), H
 A short composition of mesh3d's parts, to copy as the start of your own loop: the model is built
 on the meta device and handed to mesh3d.parallelize, which splits it into pipeline stages, shards
 each with the model's tensor-parallel plan and FSDP2 (or DDP) over the data-parallel ranks.
-mesh3d.train brings the resume, the skipping of non-finite steps, the held-out evaluation, the
-progress line and the memory figures. AdamW, linear warmup then cosine decay, gradient clipping
-over all of pp, dp, cp and tp. With a never-drain schedule (--schedule pipedream or pipedream_2bw)
-the optimizer lives inside the pipeline: parallelize builds it (`optimizer=`), pm.step updates each
-stage when the schedule's rule says, and the loop only sets the LR (no clipping: no whole gradient
-exists at any one moment; the non-finite guard counts bad losses instead of skipping updates).
+mesh3d.train brings the resume, the skipping of non-finite steps (on the device), the held-out
+evaluation, the progress line and the memory figures; the loop reads the device only on logging
+steps (--log-every), so the steps between never wait for it. AdamW (fused), linear warmup then
+cosine decay, gradient clipping over all of pp, dp, cp and tp. With a never-drain schedule
+(--schedule pipedream or pipedream_2bw) the optimizer lives inside the pipeline: parallelize builds
+it (`optimizer=`), pm.step updates each stage when the schedule's rule says, and the loop only sets
+the LR (no clipping: no whole gradient exists at any one moment; the non-finite guard counts bad
+losses instead of skipping updates).
 """
 
 from __future__ import annotations
@@ -57,11 +59,11 @@ from mesh3d.data import DistributedLoader  # noqa: E402
 from mesh3d.distributed.rendezvous import restart_count  # noqa: E402
 from mesh3d.planner import predict_memory, wants_prediction  # noqa: E402
 from mesh3d.train import (  # noqa: E402
-    BadLossGuard,
-    BadStepGuard,
+    DeviceStepGuard,
     HeldOutEvaluator,
     Progress,
     StepMemory,
+    UnreadSteps,
     due,
     update_expert_bias,
 )
@@ -117,9 +119,12 @@ def set_up(args):
     dataset, heldout = build_datasets(args, tokenizer)
     # By dp rank: the ranks of a cp group load the same rows, and pm.step cuts each sequence over them.
     loader = DistributedLoader.for_layout(dataset, args.global_batch, layout, seed=args.seed)
-    optimizer = pm.optimizer if pm.never_drains else build_optimizer(pm.parameters(), args)
+    optimizer = pm.optimizer if pm.never_drains else build_optimizer(pm.parameters(), args, fused=True)
     say = (lambda line: print(line, flush=True)) if layout.rank == 0 else (lambda line: None)
     start_step, origin, resumed = restore(args, pm, optimizer, loader, say)
+    if not pm.never_drains:  # how the update is computed, not what: an unfused AdamW's checkpoint resumes fused
+        for group in optimizer.param_groups:
+            group["fused"] = True
     say(run_summary(args, layout, pm, described, n_params, origin, tokenizer, dataset, heldout, loader))
     progress = Progress(
         args.steps,
@@ -147,57 +152,73 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(nothing_to_train(progress.start_step, args), flush=True)
     # rank 0's --metrics JSONL (--resume appends, a fresh run starts anew), TensorBoard, W&B
     logs = open_step_logs(args, bool(args.resume or args.resume_from), print) if is_main else []
-    # A never-drain step's updates have happened when its loss is known: count bad losses, skip nothing.
-    guard = BadLossGuard(args.max_bad_steps) if pm.never_drains else BadStepGuard(args.max_bad_steps)
+    # Skipped (and, never-drain, counted) on the device: a non-finite step reads nothing back.
+    guard = DeviceStepGuard(args.max_bad_steps)
     history, restart = [], restart_count()  # which torchrun attempt
     last_saved = progress.start_step if resumed else None
     pending = None  # --async-checkpoint: the save being written in the background
-    memory = StepMemory(layout)  # each step's peak over the ranks, and which rank
+    memory = StepMemory(layout)  # a logging step's peak over the ranks, and which rank
     profiler = StepProfiler(args.profile, args.profile_steps, layout.rank, layout.device)  # --profile DIR, or off
+    # Each step's loss, grad norm and skip, unread on the device until a logging step reads them all
+    # at once: a step between logging steps waits for no device (torchtitan's rule).
+    unread, window_start = UnreadSteps(), time.perf_counter()
     for step in range(progress.start_step, args.steps):
+        evaluating = evaluator is not None and due(step + 1, args.eval_every, args.steps)
+        saving = bool(args.checkpoint_every) and (step + 1) % args.checkpoint_every == 0
+        printing = step % args.log_every == 0 or step + 1 == args.steps or evaluating
+        # a checkpoint's step writes the rows before it; the run's first step holds its memory beside the plan
+        logging = printing or saving or step == progress.start_step
         profiler.before(step + 1)
-        step_start = time.perf_counter()
-        memory.begin()
+        if logging:
+            memory.begin()
         if fault:
             fault.at_step(step + 1)
         lr = lr_at(step, peak=args.lr, warmup=args.warmup, total=args.lr_schedule_steps, min_ratio=args.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
         inputs, targets = next(loader)
-        # pm.step's loss comes back on the host (reading it waits for nothing): a step stops the host
-        # for its batch check's flag and its loss, and this loop once more for the gradient norm,
-        # the non-finite guard's verdict (the same on every rank).
         if pm.never_drains:  # the updates run inside pm.step, each with the lr set above for this batch
-            loss, grad_norm, stepped = pm.step(inputs, targets, **per_sample(inputs)).item(), None, True
-            guard.observe(loss)
+            loss, grad_norm, skipped = pm.step(inputs, targets, **per_sample(inputs)), None, False
+            guard.observe(loss)  # counted, never skipped: its updates have happened
         else:
             optimizer.zero_grad(set_to_none=True)
-            loss = pm.step(inputs, targets, **per_sample(inputs)).item()  # the global token-mean loss, on every rank
-            grad_norm = pm.clip_grad_norm_(args.grad_clip if args.grad_clip > 0 else math.inf).item()  # NaN/Inf alike
-            stepped = guard.allows(grad_norm)
-            if stepped:
-                optimizer.step()
-        if args.expert_bias_rate and stepped:  # the loads summed over every rank: the same update on each
+            loss = pm.step(inputs, targets, **per_sample(inputs))  # the global token-mean loss, unread
+            grad_norm = pm.clip_grad_norm_(args.grad_clip if args.grad_clip > 0 else math.inf)  # NaN/Inf alike
+            skipped = guard.step(optimizer, grad_norm)  # the update skipped on the device where it is non-finite
+        if args.expert_bias_rate and not bool(skipped):  # reads the loads (a collective) and the skip: a sync
             update_expert_bias(pm, pm.expert_load(), args.expert_bias_rate)
-        seconds = time.perf_counter() - step_start
-        peak = memory.gather()  # a collective, every step: the same figure on every rank
-        first = prediction if step == progress.start_step else None  # the planner's figure, rank 0
-        record = step_record(step + 1, loss, lr, grad_norm, seconds, progress, args, restart, stepped, peak, first)
-        record.update(router_terms(pm.loss_terms))
-        if first:
-            print(first.beside(peak), flush=True)
-        if evaluator and due(step + 1, args.eval_every, args.steps):
-            record.update(evaluator(pm))
-        history.append(record)
-        for log in logs:
-            log.write(record)
-        if is_main and (step % args.log_every == 0 or step + 1 == args.steps or "eval_loss" in record):
-            print(step_line(progress, record, seconds, peak), flush=True)
+        terms = router_terms(pm.loss_term_tensors)  # a mixture's cross-entropy and router loss, unread
+        elapsed = progress.elapsed()
+        unread.add(step + 1, loss=loss, grad_norm=grad_norm, skipped=skipped, lr=lr, elapsed=elapsed, **terms)
+        if logging:
+            rows = unread.read()  # the one read of every step's values since the last logging step
+            # the steps' time from the host's side, this read's wait for the device included: their mean
+            seconds = (time.perf_counter() - window_start) / len(rows)
+            peak = memory.gather()  # a collective, on logging steps: the same figure on every rank
+            first = prediction if step == progress.start_step else None  # the planner's figure, rank 0
+            if first:
+                print(first.beside(peak), flush=True)
+            for row in rows:
+                here = row["step"] == step + 1
+                values = (row["step"], row["loss"], row["lr"], row["grad_norm"], seconds, progress, args, restart)
+                record = step_record(*values, not row["skipped"], peak if here else None, first if here else None)
+                record.update({name: row[name] for name in ("cross_entropy", "router_aux") if name in row})
+                record["elapsed_s"] = row["elapsed"]  # when the host was done with that step
+                if here and evaluating:
+                    record.update(evaluator(pm))
+                history.append(record)
+                for log in logs:
+                    log.write(record)
+            if is_main and printing:
+                print(step_line(progress, record, seconds, peak), flush=True)
         profiler.after(step + 1)
-        guard.raise_if_too_many(step + 1, loss if pm.never_drains else grad_norm)
-        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+        if logging:
+            guard.raise_if_too_many(step + 1)  # after the step is logged, on every rank alike
+        if saving:
             pending = save_checkpoint(pm, optimizer, loader, step + 1, args, is_main, fault, pending)
             last_saved = step + 1
+        if logging:
+            window_start = time.perf_counter()
     pm.flush()  # a never-drain schedule's last updates (save and export would flush too); nothing otherwise
     if args.checkpoint_dir and last_saved != max(args.steps, progress.start_step):
         pending = save_checkpoint(

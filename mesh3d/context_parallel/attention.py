@@ -27,9 +27,9 @@ to them all.
 Every rank of the group must call `attend` the same number of times in the same order (each
 block's attention, microbatch by microbatch, as the schedule runs them): the collectives pair up
 by order. Each call also carries the rank's verdict on the mask (sdpa_calls.py) inside the same
-all-gather; the gathered verdicts stay on the device, summed over the step and read with its loss
-(call_verdicts.py), so a mask one rank cannot extend, or ranks calling differently, is refused by
-every rank together at the step's end, never a hang and never a host sync a call.
+all-gather; the gathered verdicts stay on the device, summed over the step and judged by the next
+call (call_verdicts.py), so a mask one rank cannot extend, or ranks calling differently, is refused
+by every rank together, never a hang and never a host sync a call.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -56,9 +57,10 @@ class CausalQueries:
     def of(query_positions: torch.Tensor, key_positions: torch.Tensor) -> CausalQueries:
         """From this rank's tokens' positions (host, in the order it holds them) and every gathered
         key's (on the device the keys will be on)."""
-        breaks = [0, *((query_positions[1:] != query_positions[:-1] + 1).nonzero().flatten() + 1).tolist()]
-        stops = [*breaks[1:], len(query_positions)]
-        runs = tuple((a, b, int(query_positions[a])) for a, b in zip(breaks, stops, strict=True))
+        positions = query_positions.cpu().numpy()  # host memory, read through numpy: no device waits
+        breaks = [0, *(np.flatnonzero(positions[1:] != positions[:-1] + 1) + 1).tolist()]
+        stops = [*breaks[1:], len(positions)]
+        runs = tuple((a, b, int(positions[a])) for a, b in zip(breaks, stops, strict=True))
         return CausalQueries(runs, torch.argsort(key_positions))
 
 
@@ -73,7 +75,7 @@ class GatheredAttention:
     scale: float | None
     enable_gqa: bool
     # this rank's verdict on the call (sdpa_calls.py), shared in the gather; `note` takes every rank's,
-    # a (cp,) tensor on the device, unread (call_verdicts.py judges them at the step's end)
+    # a (cp,) tensor on the device, unread (call_verdicts.py: judged by the next call)
     verdict: int
     note: Callable[[torch.Tensor], None]
     causal: CausalQueries | None = None  # a causal call: `mask` is not built, its runs are attended

@@ -1,4 +1,4 @@
-"""Each context-parallel attention call's verdict, and their judgement at the step's end.
+"""Each context-parallel attention call's verdict, and their judgement one call late.
 
 A rank judges its own call (sdpa_calls.py): which whole-sequence mask its `attn_mask` is on its own
 tokens, or causal (`is_causal=True`), or none it can extend. The verdict travels in the call's K/V
@@ -9,10 +9,11 @@ with a document mask): computed on, the group would train another model than one
 Reading the verdicts at each call would sync the host with the device once a call, and a rank that
 raised there while a peer (its check skipped: a mask it had judged before) went on would leave the
 peer waiting in its next collective. So the gathered verdicts stay on the device, summed over the
-step (`StepVerdicts`), and are read with the loss in the step's one read (step/global_loss.py):
-every rank of the world judges the same sums at the same point and raises alike, before the
-optimizer steps (a never-drain schedule has updated inside the call by then: it refuses the next
-call until a checkpoint is loaded).
+step (`StepVerdicts`), travel in the loss's all-reduce (step/global_loss.py) and are judged one
+call late (step/late_verdicts.py: at the end of the next step or evaluate, or by pm.flush), so the
+step never waits for them: every rank of the world judges the same sums at the same point and
+raises alike, after the faulty call's update and before the raising call's (a never-drain
+schedule refuses the next call until a checkpoint is loaded).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class StepVerdicts:
 
     def judge(self, sums: list[float]) -> None:
         """Raise, on every rank alike, where any rank's step made a refused call (`sums`: `sums()`
-        summed over every rank, read on the host)."""
+        summed over every rank, read from host memory one call late)."""
         if not sums[0]:
             return
         flags = [sums[1 + r * len(KINDS) : 1 + (r + 1) * len(KINDS)] for r in range(self.cp)]

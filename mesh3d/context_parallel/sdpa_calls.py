@@ -8,8 +8,8 @@ first becomes causal attention over every gathered key by global position. A mas
 where it is one mesh3d can extend to the whole sequence: the call's mask must equal, on this
 rank's own tokens, one of the masks the whole rows define -- block-causal over the step's
 `document_ids`, causal, or none -- and that mask's rows over every key are used. Anything else is
-refused by name on every rank together at the step's end (the verdicts travel in the K/V gather:
-call_verdicts.py), never trained on as a silently different model.
+refused by name on every rank together one call late (the verdicts travel in the K/V gather:
+call_verdicts.py), never trained on silently.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from mesh3d.distributed.host_group import host_group
@@ -64,6 +65,17 @@ def gather_or_raise(value: Any = None, error: str | None = None, group: dist.Pro
 def raise_if_any(error: str | None, group: dist.ProcessGroup | None = None) -> None:
     """Raise the first failing rank's error on every rank; return on every rank if none failed."""
     gather_or_raise(None, error, group)
+
+
+def any_rank(found: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether `found` is True on any rank, the same answer on every rank: one all-reduce of one
+    int32 in host memory over `group` (else host_group(): gloo under NCCL too), read back through
+    numpy, so no device is waited for. With one process it sends nothing."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return found
+    flag = torch.tensor([int(found)], dtype=torch.int32)  # host memory on every backend: the host group is gloo
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group if group is not None else host_group())
+    return bool(flag.numpy()[0])
 
 
 def check_same_everywhere(value: Any, describe: Callable[[list[Any]], str]) -> None:

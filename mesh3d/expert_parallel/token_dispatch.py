@@ -3,8 +3,9 @@
 Each of the ep ranks of a group holds E/ep experts whole (rank e the experts e*E/ep ...). A rank
 sorts its (token, chosen expert) pairs by expert, which groups them by owner; one small all-to-all
 of the per-expert counts tells every rank how many rows it will receive for each of its experts
-(the counts are read to the host, the layer's one host stop: the splits are uneven, nothing is
-dropped, no capacity factor);
+(the counts are read to the host, the layer's one host stop per microbatch, counted by
+tests/distributed/test_expert_parallel.py: the splits are uneven, nothing is dropped, no capacity
+factor; the backward reuses them);
 the rows go out in one all-to-all, the owners run their experts on them (each row with its one
 expert, weight 1), and the results come back in a second all-to-all, in the order they left. The
 sender weights each result by its routing weight and sums a token's k results, as transformers'

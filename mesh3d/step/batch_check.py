@@ -10,10 +10,11 @@ attribute, see docs/model_protocol.md):
 - integer targets must lie in [0, vocab_size) or equal the loss's ignore index (-100 by default);
 - inputs and targets must agree in batch size, and in sequence length when both have one.
 Data-parallel ranks hold different samples, so one rank may find a problem the others do not:
-one all-reduce of a single flag settles whether any did (cheap: a few bytes, see
-docs/performance.md), and only then are the messages gathered and the first raised on all ranks.
-A batch still on the host (as a loader gives it) is checked there, through numpy, before its
-transfer: the flag's read is the check's one device-to-host synchronization.
+one all-reduce of a single flag over the host group settles whether any did (cheap: a few bytes,
+see docs/performance.md), and only then are the messages gathered and the first raised on all
+ranks. A batch still on the host (as a loader gives it) is checked there, through numpy, before
+its transfer, and its flag travels in host memory (gloo, under NCCL too): the check waits for no
+device. Ids given already on a device cost one read of their flag.
 """
 
 from __future__ import annotations
@@ -22,10 +23,8 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from mesh3d.distributed.agree import raise_if_any
-from mesh3d.distributed.host_to_device import to_device
+from mesh3d.distributed.agree import any_rank, raise_if_any
 from mesh3d.model.loss import IGNORE_INDEX
 
 
@@ -127,21 +126,19 @@ def _explain_on_device(
 
 def agree_on_batch(
     verdict: str | torch.Tensor | None,
-    device: torch.device,
     during: str,
     explain: Callable[[], str | None] = lambda: None,
 ) -> None:
     """Raise ValueError(f"{during}: ...") on every rank if any rank found a problem, else return.
 
     `verdict` is `batch_verdict`'s; `explain()` gives the message of a device flag that is set.
-    One all-reduce of one flag over the world and one read of it (the batch's one host sync); the
-    messages travel only when there is one."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        local = verdict if isinstance(verdict, torch.Tensor) else torch.tensor(verdict is not None)
-        flag = to_device(local.to(torch.int32), device).reshape(1)  # queued: its read below is the one sync
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag.item():
-            return
+    The ranks agree over the host group (`any_rank`: one int in host memory, gloo under NCCL too),
+    so a batch given on the host, as a loader gives it, is checked and agreed on with no device
+    waited for; ids given on a device are read once here (their flag: one host sync). The messages
+    travel only when there is one."""
+    found = bool(verdict) if isinstance(verdict, torch.Tensor) else verdict is not None
+    if not any_rank(found):
+        return
     if isinstance(verdict, torch.Tensor):
-        verdict = explain() if bool(verdict) else None
+        verdict = explain() if found else None
     raise_if_any(f"{during}: bad batch: {verdict}" if verdict else None)

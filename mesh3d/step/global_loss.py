@@ -14,9 +14,9 @@ one step at a time, wrapped with that step's scale (`ScaledLoss`). Per step:
    counts over dp (and cp: each cp rank counts its tokens' targets) with one small all-reduce
    among themselves;
 3. after the schedule, one world all-reduce of (sum of loss values, sum of counts, router
-   terms) gives every rank the global loss, read once: with the batch check's flag, the step's only
-   device-to-host synchronizations (the count of step 2 stays on the device, and so do the divisors
-   made of it).
+   terms, the step's device checks) gives every rank the global loss, returned unread on the
+   compute device: the step stops the host nowhere (the count of step 2 stays on the device, and
+   so do the divisors made of it); the checks are judged by the next call (late_verdicts.py).
 
 A mixture of experts whose config asks for the router's load-balancing loss (model/router_aux.py)
 hands the last stage its microbatch's routing sums beside the output; the loss adds
@@ -27,6 +27,7 @@ whose every microbatch is an update of its own).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ from mesh3d.model.loss import (
 )
 from mesh3d.model.router_aux import RouterAux
 from mesh3d.pipeline.boundary import Boundaries
+from mesh3d.step.late_verdicts import LateVerdicts
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,8 @@ class GlobalLoss:
         self.microbatches = microbatches
         self.has_last_stage = has_last_stage
         self._kinds: dict[tuple, str] = {}  # by microbatch input and target shapes and dtypes
-        self.terms: dict[str, float] = {}  # the last step's or evaluation's loss, by part (`total`)
+        self._terms: torch.Tensor | None = None  # the last call's [loss_fn, router_aux], unread (`total`)
+        self.late = LateVerdicts()  # the last call's device checks, judged by the next (late_verdicts.py)
 
     @property
     def ignore_index(self) -> int:
@@ -203,18 +206,21 @@ class GlobalLoss:
         self, totals: torch.Tensor, loss: ScaledLoss | None = None, verdicts: StepVerdicts | None = None
     ) -> torch.Tensor:
         """Every rank's [loss values, counts, router terms] summed over the world: the global loss,
-        on every rank (a 0-dim float32 tensor on the host); `terms` keeps its parts.
+        on every rank, a 0-dim float32 tensor on the compute device, unread (reading it is the
+        caller's one host sync); `terms` reads its parts when asked.
 
         Only last-stage ranks at tp rank 0 contribute (the other tp ranks hold the same values).
-        Given the step's `loss`, a pair loss whose counts during the step differ from those found
-        before it (a count that depends on the output) is an error on every rank: the gradients
-        were scaled wrongly. Given the step's context-parallel attention `verdicts`, a refused call
-        on any rank is an error on every rank (call_verdicts.py), read in the same read.
+        The step's checks that are device values travel in the same all-reduce and are judged one
+        call late (late_verdicts.py): given the step's `loss`, a pair loss whose counts during the
+        step differ from those found before it (a count that depends on the output) is an error on
+        every rank, the gradients were scaled wrongly; given the step's context-parallel attention
+        `verdicts`, a refused call on any rank is an error on every rank (call_verdicts.py). Here
+        the previous call's are judged, and raise.
         """
         mine = totals.detach() if self.layout.tp_rank == 0 else torch.zeros_like(totals)
         scale = loss.scale if loss is not None else None
         if scale is not None and scale.kind == PAIR:
-            recount = (totals[1] != scale.expected_count).to(mine.dtype).reshape(1)  # read with the loss below
+            recount = (totals[1] != scale.expected_count).to(mine.dtype).reshape(1)
         else:
             recount = torch.zeros(1, dtype=mine.dtype, device=mine.device)
         checks = [recount]
@@ -223,15 +229,37 @@ class GlobalLoss:
         everything = torch.cat([mine, *checks])
         if self.layout.world_size > 1:
             dist.all_reduce(everything)
-        value, count, router, mismatches, *refused = everything.tolist()  # the step's one read of the loss
-        if verdicts is not None:
-            verdicts.judge(refused)
-        if mismatches:
-            raise ValueError(
-                "loss_fn returned counts during the step that differ from those it gave before the step on the "
-                "same targets; a (loss_sum, count) loss's count must depend on the target only"
-            )
-        main = value / count if count else 0.0
-        self.terms = {"loss_fn": main, "router_aux": router} if self.router_aux is not None else {"loss_fn": main}
-        # On the host: its value is here already, so reading it (`.item()`) waits for nothing.
-        return torch.tensor(main + router, dtype=torch.float32)
+        value, count, router = everything[0], everything[1], everything[2]
+        counted = count != 0
+        main = torch.where(counted, value / torch.where(counted, count, 1), 0)  # 0 when nothing counts, never NaN
+        self._terms = torch.stack([main, router]).float()
+        self.late.hold_and_judge_previous(everything[3:], functools.partial(_judge, verdicts))
+        return (main + router).float()
+
+    @property
+    def terms(self) -> dict[str, float]:
+        """The last step's or evaluation's loss by part (reading them is a host sync)."""
+        if self._terms is None:
+            return {}
+        return dict(zip(self.term_tensors, self._terms.tolist()))
+
+    @property
+    def term_tensors(self) -> dict[str, torch.Tensor]:
+        """`terms` as 0-dim tensors on the compute device, unread."""
+        if self._terms is None:
+            return {}
+        main, router = self._terms.unbind()
+        return {"loss_fn": main, "router_aux": router} if self.router_aux is not None else {"loss_fn": main}
+
+
+def _judge(verdicts: StepVerdicts | None, flags: list[float]) -> None:
+    """Raise, on every rank alike, where a call's late flags (summed over the world) say it was faulty."""
+    mismatches, *refused = flags
+    if verdicts is not None:
+        verdicts.judge(refused)
+    if mismatches:
+        raise ValueError(
+            "loss_fn returned counts during the step that differ from those it gave before the step on the "
+            "same targets; a (loss_sum, count) loss's count must depend on the target only (found at the end "
+            "of the call after that step: the step's update has happened)"
+        )

@@ -5,7 +5,7 @@ any message.
 Each must be a tensor whose first dimension is the batch (it is split into microbatches with the
 tokens). One the model declares an index (`input_index_bounds`, model/stage_inputs.py: position
 ids index the rotary table) must also be an integer tensor of the tokens' (batch, sequence) shape
-with values in [0, n). The verdict has batch_check.py's form, so both travel in the step's one
+with values in [0, n). The verdict has batch_check.py's form, so both travel in the batch's one
 all-reduce: a message found from shapes, dtypes or host values, or a flag on the device.
 """
 
@@ -26,7 +26,6 @@ def check_batch(
     vocab_size: int | None,
     ignore_index: int,
     bounds: dict[str, int],
-    device: torch.device,
     during: str,
 ) -> None:
     """The tokens, targets and per-sample inputs checked together: one verdict per rank, agreed in
@@ -36,7 +35,6 @@ def check_batch(
     )
     agree_on_batch(
         verdict,
-        device,
         during,
         lambda: (
             batch_problem(inputs, targets, vocab_size, ignore_index) or per_sample_problem(inputs, per_sample, bounds)

@@ -78,7 +78,7 @@ class PipelinedStep:
         layout = self._layout
         self._runtime.check_names(per_sample)  # the same on every rank: no message needed
         vocab, ignore = self._vocab_size, self._global_loss.ignore_index
-        check_batch(inputs, targets, per_sample, vocab, ignore, self._index_bounds, layout.device, during)
+        check_batch(inputs, targets, per_sample, vocab, ignore, self._index_bounds, during)
         batch = self._shards.cut(inputs, targets, per_sample)
         tp, sequence_parallel = layout.tp, self._tensor_parallel.sequence_parallel
         check_split(batch.inputs, self._runtime.schedule.microbatches, tp, sequence_parallel, layout.cp)
@@ -155,6 +155,14 @@ class PipelinedStep:
             per_sample=batch.per_sample,
             around=batch.around,
         )
+
+    def judge_late_verdicts(self) -> None:
+        """The last call's device checks judged now (late_verdicts.py); a never-drain schedule's
+        call that failed them is marked failed, as a call raising inside would be."""
+        never_drain = self._runtime.never_drain
+        marked = never_drain.failure_marked(self.drop_partial_state) if never_drain is not None else None
+        with marked if marked is not None else contextlib.nullcontext():
+            self._global_loss.late.judge_now()
 
     def drop_partial_state(self) -> None:
         """What a call that stopped half-way leaves in data parallelism (unreduced gradients,

@@ -104,9 +104,13 @@ class SequenceShards:
 
 def _packed_microbatches(documents: torch.Tensor | None, microbatches: int) -> list[torch.Tensor | None] | None:
     """Each microbatch's document ids, None for one whose rows are each one document: its mask is
-    the causal one, which attention.py attends without mask rows (one host sync a step)."""
+    the causal one, which attention.py attends without mask rows. Document ids on the host (as a
+    loader gives them) are read there, through numpy; on a device, once (one host sync a step)."""
     if documents is None:
         return None
     parts = documents.chunk(microbatches)
-    packed = torch.stack([(part != part[:, :1]).any() for part in parts]).tolist()
+    if documents.device.type == "cpu":
+        packed = [bool((part.numpy() != part.numpy()[:, :1]).any()) for part in parts]
+    else:
+        packed = torch.stack([(part != part[:, :1]).any() for part in parts]).tolist()
     return [part if is_packed else None for part, is_packed in zip(parts, packed, strict=True)]

@@ -7,6 +7,10 @@
 - nonfinite_steps.py: skip an optimizer step whose gradient norm is NaN or Inf, stop after
   `max_bad_steps` in a row (`BadStepGuard`, `TooManyBadSteps`); for the never-drain schedules,
   which update inside `pm.step`, stop after `max_bad_steps` non-finite losses in a row (`BadLossGuard`);
+- device_step_guard.py: the same skip and count on the device, read only on logging steps
+  (`DeviceStepGuard`: a fused optimizer's `found_inf`);
+- unread_steps.py: each step's loss, grad norm and flags held unread, read at once on logging
+  steps (`UnreadSteps`);
 - heldout_eval.py: the held-out loss on the same fixed batches at every evaluation
   (`HeldOutEvaluator`, `due`);
 - flops.py: FLOPs per token counted over one forward and backward of the model
@@ -25,6 +29,7 @@ above the rest of mesh3d (they use checkpoint, data and a ParallelModel); no oth
 imports them (only the package face, `mesh3d.train`).
 """
 
+from mesh3d.train.device_step_guard import DeviceStepGuard
 from mesh3d.train.expert_bias import update_expert_bias
 from mesh3d.train.flops import flops_per_token, mfu, peak_flops
 from mesh3d.train.heldout_eval import HeldOutEvaluator, due
@@ -32,15 +37,18 @@ from mesh3d.train.nonfinite_steps import BadLossGuard, BadStepGuard, TooManyBadS
 from mesh3d.train.progress import Progress, human_count, human_duration
 from mesh3d.train.resume import checkpoints_newest_first, resume_from, resume_latest
 from mesh3d.train.step_memory import MemoryPeak, StepMemory
+from mesh3d.train.unread_steps import UnreadSteps
 
 __all__ = [
     "BadLossGuard",
     "BadStepGuard",
+    "DeviceStepGuard",
     "HeldOutEvaluator",
     "MemoryPeak",
     "Progress",
     "StepMemory",
     "TooManyBadSteps",
+    "UnreadSteps",
     "checkpoints_newest_first",
     "due",
     "flops_per_token",

@@ -210,3 +210,70 @@ def test_a_checkpoint_saved_at_one_ep_resumes_at_another_and_exports(tmp_path):
     with torch.no_grad():
         want, got = reference.eval()(tokens).logits, exported.eval()(tokens).logits
     assert ((got - want).norm() / want.norm()).item() <= hf_cases.TOLERANCE
+
+
+# (arch, (pp, dp, cp, tp), ep, parallelize's keywords): the dispatch's host reads counted
+SYNC_CASES = [
+    ("qwen3_moe", (2, 2, 1, 1), 2, dict(schedule="1f1b", microbatches=2)),
+    ("deepseek_v3", (1, 2, 1, 2), 4, dict(schedule="gpipe", microbatches=2)),  # a dense first block, tp
+]
+
+
+def _dispatch_syncs_on_rank() -> list:
+    """Per case: the syncs of a step with its loss unread, the syncs inside each dispatch, and the
+    dispatches one process would make (this rank's experts modules x microbatches)."""
+    from host_syncs import HostSyncCounter
+    from transformers import masking_utils
+
+    import mesh3d
+    from mesh3d.expert_parallel import experts_style
+    from mesh3d.expert_parallel.experts_style import is_split_experts
+
+    results = []
+    for arch, (pp, dp, cp, tp), ep, kwargs in SYNC_CASES:
+        layout = mesh3d.build_mesh(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep)
+        pm = mesh3d.parallelize(_model(arch), layout, **kwargs)
+        layers = sum(is_split_experts(module) for stage in pm.stages.values() for module in stage.modules())
+        optimizer = torch.optim.SGD(pm.parameters(), lr=hf_cases.LR)
+        first, second = hf_cases.masked_batches(BATCH)[:2]
+        hf_cases.optimizer_steps(pm, layout, optimizer, [first])
+        inputs, targets = second
+        share = slice(layout.dp_rank * len(inputs) // dp, (layout.dp_rank + 1) * len(inputs) // dp)
+        per_dispatch, in_masks = [], []
+        dispatch, find_packed = experts_style.dispatch_to_experts, masking_utils.find_packed_sequence_indices
+
+        def counted(into: list, fn):
+            def call(*args, **kw):
+                with HostSyncCounter() as inside:
+                    out = fn(*args, **kw)
+                into.append(inside.ops)
+                return out
+
+            return call
+
+        experts_style.dispatch_to_experts = counted(per_dispatch, dispatch)
+        # transformers' own read of the position ids (is a row packed?) making its mask: the model's, not mesh3d's
+        masking_utils.find_packed_sequence_indices = counted(in_masks, find_packed)
+        try:
+            with HostSyncCounter() as syncs:
+                pm.step(inputs[share], targets[share])  # the loss unread
+        finally:
+            experts_style.dispatch_to_experts = dispatch
+            masking_utils.find_packed_sequence_indices = find_packed
+        model_own = sum(len(ops) for ops in in_masks)
+        results.append((syncs.ops, per_dispatch, model_own, layers * kwargs["microbatches"]))
+    return results
+
+
+def test_expert_dispatch_reads_token_counts_once_per_layer_per_microbatch():
+    """docs/performance.md: the dispatch's one host read (the uneven splits of the all-to-all) per
+    experts module per microbatch, and nothing else of mesh3d's in the step; transformers' own
+    mask code reads the position ids besides (nested counters record a read in both)."""
+    for rank, results in enumerate(run_on_ranks(_dispatch_syncs_on_rank, 4, timeout=600)):
+        for (arch, sizes, ep, _), (step_ops, per_dispatch, model_own, expected) in zip(
+            SYNC_CASES, results, strict=True
+        ):
+            where = f"rank {rank} {arch} {sizes} ep={ep}"
+            assert len(per_dispatch) == expected, f"{where}: {len(per_dispatch)} dispatches, expected {expected}"
+            assert all(ops == ["Tensor.tolist"] for ops in per_dispatch), f"{where}: {per_dispatch}"
+            assert len(step_ops) == expected + model_own, f"{where}: {len(step_ops)} syncs, {model_own} the model's"

@@ -13,7 +13,7 @@ alternating over them, GPipe, 1F1B and interleaved, tied and untied; one block p
 loss at (2,4,1) is more than 5 % off. On 4 ranks at (2,1,2): a 3-tuple, a per-token loss, a float
 count (found on meta) and a float count from a loss that cannot run on meta (found on the last
 stage) each raise the same ValueError on every rank; a count that depends on the output is an error
-after the step; a batch with nothing counted gives loss 0 and zero gradients; evaluate gives the
+at the next step or flush; a batch with nothing counted gives loss 0 and zero gradients; evaluate gives the
 token mean.
 """
 
@@ -194,12 +194,16 @@ def _errors_and_edge_cases(batch, references):
         except ValueError as error:
             with_error = str(error)
         seen[bad.__name__] = (with_error is not None and expected in with_error, with_error)
-    pm = mesh3d.parallelize(meta_model(True, args=tp_args(True)), layout, loss_fn=_count_from_output_loss)
-    try:
-        pm.step(inputs, targets)
-        seen["count from output"] = (False, None)
-    except ValueError as error:
-        seen["count from output"] = ("must depend on the target only" in str(error), str(error))
+    # Judged one call late (step/late_verdicts.py): by the next step, or by the flush that ends a run.
+    for late in ("step", "flush"):
+        pm = mesh3d.parallelize(meta_model(True, args=tp_args(True)), layout, loss_fn=_count_from_output_loss)
+        pm.step(inputs, targets)  # its update is made, its check is on its way to the host
+        case = f"count from output, raised by the {late}"
+        try:
+            pm.step(inputs, targets) if late == "step" else pm.flush()
+            seen[case] = (False, None)
+        except ValueError as error:
+            seen[case] = ("must depend on the target only" in str(error), str(error))
 
     # Nothing counted anywhere: loss 0 and zero gradients, never NaN.
     pm = mesh3d.parallelize(meta_model(True, args=tp_args(True)), layout)
