@@ -43,7 +43,7 @@ from examples.llama.checkpoints import (  # noqa: E402
     restore,
     save_checkpoint,
 )
-from examples.llama.config_errors import flags_of, reported_once  # noqa: E402
+from examples.llama.config_errors import agreed_errors_said_once, flags_of, reported_once  # noqa: E402
 from examples.llama.fault_injection import FaultInjection  # noqa: E402
 from examples.llama.metrics_log import open_step_logs  # noqa: E402
 from examples.llama.model import count_parameters, llama_tp_plan  # noqa: E402
@@ -135,6 +135,7 @@ def set_up(args):
     return layout, pm, optimizer, loader, evaluator, progress, resumed, per_sample, prediction
 
 
+@agreed_errors_said_once  # a bad batch pm.step found on some rank: one `error:` line, status 2 everywhere
 def main(argv: list[str] | None = None) -> list[dict]:
     with reported_once(flags_of(arguments.build_parser())):  # said once, by rank 0, in flags
         args = parse_args(argv)
