@@ -161,7 +161,8 @@ def finish_checkpoint(pending: Pending | None, is_main: bool) -> None:
 def export_hf(pm, args, is_main: bool) -> None:
     """--export-hf: the model as Hugging Face safetensors and config.json (its eos_token_id the token
     that ended each training document), with the run's tokenizer.json beside them, so that
-    generate.py and transformers read the directory alone."""
+    generate.py and transformers read the directory alone. The byte tokenizer has no file: a
+    byte-level run's export holds none, and generate.py reads it with bytes."""
     out = Path(args.export_hf)
     mesh3d.checkpoint.export_safetensors(pm, out)
     tokenizer = None if args.token_file else tokenizer_file(args)
