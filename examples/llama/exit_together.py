@@ -91,7 +91,7 @@ def _store(world: int) -> dist.Store | None:
 
 def _all_arrived(store: dist.Store, world: int) -> bool:
     """Count this rank in; wait until every rank has counted itself (True) or the timeout (False)."""
-    key = f"{_KEY}/{restart_count()}"
+    key, began = f"{_KEY}/{restart_count()}", time.monotonic()
     try:
         if store.add(key, 1) >= world:
             store.set(f"{key}/all", "1")
@@ -99,5 +99,7 @@ def _all_arrived(store: dist.Store, world: int) -> bool:
         store.set_timeout(timedelta(seconds=ARRIVAL_TIMEOUT_S))
         store.wait([f"{key}/all"])
         return True
-    except (RuntimeError, OSError):  # the timeout, or a store whose host has gone: leave
-        return False
+    except (RuntimeError, OSError):
+        # The timeout: a rank never came. Sooner: the store's host (rank 0, outside torchrun) left,
+        # which it does only once every rank has come.
+        return time.monotonic() - began < ARRIVAL_TIMEOUT_S / 2
