@@ -168,6 +168,15 @@ def build_parser(description: str | None = None) -> Parser:
         help=f"--hf-model ARCH, a mixture of experts: routed experts per block (default {hf_model.EXPERTS}, "
         "or the architecture's own count where smaller)",
     )
+    p.add_argument(
+        "--router-aux-loss",
+        type=float,
+        default=None,
+        metavar="COEF",
+        help="--hf-model, a mixture of experts: train with the router's load-balancing loss, COEF times it "
+        "added to the cross-entropy (the config's output_router_logits and router_aux_loss_coef; default: "
+        "as the config says, off for an architecture's); the metrics carry router_aux",
+    )
     p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None, help="tie embedding and output")
     p.add_argument(
         "--steps", type=int, default=200, help="optimizer steps (a resumed run counts from its checkpoint's)"
