@@ -45,9 +45,21 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+class HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
+    """--help as written (the description's layout kept), each flag's line ending with its default
+    where the default is a value: not where it is None or a switch's False (the help says what
+    then happens), nor where the help already says its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in help or not action.option_strings:
+            return help
+        return f"{help} (default: %(default)s)"
+
+
 def build_parser(description: str | None = None) -> Parser:
     """Every flag of train.py."""
-    p = Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=description, formatter_class=HelpWithDefaults)
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     p.add_argument("--dp", type=int, default=-1, help="data-parallel degree (-1: the rest of the world)")
     p.add_argument(
@@ -72,7 +84,12 @@ def build_parser(description: str | None = None) -> Parser:
         help="expert-parallel degree: each block's experts split over N ranks of a stage (N divides dp*cp*tp "
         "and the expert count; a --hf-model mixture of experts with a base_model_ep_plan)",
     )
-    p.add_argument("--schedule", default=LIBRARY_DEFAULTS["schedule"], choices=sorted(mesh3d.pipeline.SCHEDULES))
+    p.add_argument(
+        "--schedule",
+        default=LIBRARY_DEFAULTS["schedule"],
+        choices=sorted(mesh3d.pipeline.SCHEDULES),
+        help="the pipeline schedule (docs/pipeline.md)",
+    )
     p.add_argument("--microbatches", type=int, default=None, help="per step and dp rank (default: pp)")
     p.add_argument(
         "--virtual-stages",
@@ -88,7 +105,9 @@ def build_parser(description: str | None = None) -> Parser:
         help="blocks per stage, pp x virtual stages of them (e.g. 0 2 2 0); the first and last may be 0: "
         "the embedding, the head and loss alone (default: balanced)",
     )
-    p.add_argument("--dp-mode", default=LIBRARY_DEFAULTS["dp_mode"], choices=list(DP_MODES))
+    p.add_argument(
+        "--dp-mode", default=LIBRARY_DEFAULTS["dp_mode"], choices=list(DP_MODES), help="how dp ranks hold the model"
+    )
     p.add_argument(
         "--dp-shard",
         type=int,
@@ -99,6 +118,7 @@ def build_parser(description: str | None = None) -> Parser:
         "--activation-checkpoint",
         default=LIBRARY_DEFAULTS["activation_checkpoint"],
         choices=list(ACTIVATION_CHECKPOINT_MODES),
+        help="which blocks' activations are recomputed in the backward",
     )
     p.add_argument("--loss-parallel", action="store_true", help="keep logits vocab-sharded over tp for the loss")
     p.add_argument(
@@ -136,7 +156,7 @@ def build_parser(description: str | None = None) -> Parser:
     p.add_argument(
         "--placement-report", default=None, help="rank 0 writes each rank's node and mesh coordinate here (JSON)"
     )
-    p.add_argument("--config", default="debug", choices=sorted(CONFIGS))
+    p.add_argument("--config", default="debug", choices=sorted(CONFIGS), help="the model's sizes")
     p.add_argument("--n-layers", type=int, default=None, help="override the config's number of layers")
     p.add_argument("--dim", type=int, default=None, help="override the config's model width")
     p.add_argument("--n-heads", type=int, default=None, help="override the config's attention heads")
@@ -148,10 +168,21 @@ def build_parser(description: str | None = None) -> Parser:
         help=f"--hf-model ARCH, a mixture of experts: routed experts per block (default {hf_model.EXPERTS}, "
         "or the architecture's own count where smaller)",
     )
+    p.add_argument(
+        "--router-aux-loss",
+        type=float,
+        default=None,
+        metavar="COEF",
+        help="--hf-model, a mixture of experts: train with the router's load-balancing loss, COEF times it "
+        "added to the cross-entropy (the config's output_router_logits and router_aux_loss_coef; default: "
+        "as the config says, off for an architecture's); the metrics carry router_aux",
+    )
     p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None, help="tie embedding and output")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument(
+        "--steps", type=int, default=200, help="optimizer steps (a resumed run counts from its checkpoint's)"
+    )
     p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step, all ranks together")
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of the peak")
     p.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
@@ -163,7 +194,7 @@ def build_parser(description: str | None = None) -> Parser:
         help="the step at which the cosine decay ends (default: --steps; on --resume, the checkpoint's, so "
         "raising --steps extends a run at the final lr unless this is given)",
     )
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, on matrices (none on norm gains)")
     p.add_argument(
         "--grad-clip",
         type=float,
@@ -201,13 +232,13 @@ def build_parser(description: str | None = None) -> Parser:
     p.add_argument("--eval-every", type=int, default=0, help="evaluate on held-out data every N steps (0: never)")
     p.add_argument("--eval-batches", type=int, default=4, help="global batches held out (by --seed) and evaluated")
     p.add_argument("--token-file", default=None, help="a pre-tokenized .npy (or raw, with --token-dtype) file")
-    p.add_argument("--token-dtype", default=None)
+    p.add_argument("--token-dtype", default=None, help="a raw --token-file's dtype (e.g. uint16; a .npy says its own)")
     p.add_argument(
         "--log-every",
         type=int,
         default=10,
-        help="read the loss, grad norm and memory and print a line every N steps (default: 10); the steps "
-        "between read nothing from the device",
+        help="read the loss, grad norm and memory and print a line every N steps; the steps between read "
+        "nothing from the device",
     )
     p.add_argument("--metrics", default="runs/train.jsonl", help="JSONL file, one line per step")
     p.add_argument(

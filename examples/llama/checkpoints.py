@@ -12,7 +12,7 @@ from pathlib import Path
 import mesh3d
 from examples.llama import hf_model
 from examples.llama.fault_injection import FaultInjection
-from examples.llama.optimization import schedule_length
+from examples.llama.optimization import schedule_length, schedule_warning
 from examples.llama.run_config import args_as_record
 from examples.llama.text_data import tokenizer_file
 from mesh3d.checkpoint.train_state import read_train_state
@@ -67,6 +67,9 @@ def restore(args, pm, optimizer, loader: DistributedLoader, say: Callable[[str],
     args.lr_schedule_steps, note = schedule_length(args, _saved_args(state), start_step)
     if note:
         say(note)
+    warning = schedule_warning(args)  # --steps within --warmup: the lr never decays
+    if warning:
+        say(warning)
     if state is None and (args.init_from_hf or hf_model.weights_dir(args)):
         weights = args.init_from_hf or hf_model.weights_dir(args)
         try:
@@ -158,7 +161,8 @@ def finish_checkpoint(pending: Pending | None, is_main: bool) -> None:
 def export_hf(pm, args, is_main: bool) -> None:
     """--export-hf: the model as Hugging Face safetensors and config.json (its eos_token_id the token
     that ended each training document), with the run's tokenizer.json beside them, so that
-    generate.py and transformers read the directory alone."""
+    generate.py and transformers read the directory alone. The byte tokenizer has no file: a
+    byte-level run's export holds none, and generate.py reads it with bytes."""
     out = Path(args.export_hf)
     mesh3d.checkpoint.export_safetensors(pm, out)
     tokenizer = None if args.token_file else tokenizer_file(args)

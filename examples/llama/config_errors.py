@@ -5,29 +5,31 @@ microbatches, sizes that do not divide, a checkpoint that is not there) on every
 any collective, naming its parameters (`schedule='gpipe'`, `microbatches=1`). Under torchrun that
 is one traceback per process. `reported_once` prints it on rank 0 alone, with each parameter
 that is also a flag written as the flag the user typed (`--schedule gpipe`, `--microbatches 1`),
-then exits with status 2 on every rank, without a traceback. Messages train.py raises itself
-(SystemExit with a text) already speak in flags and are printed as they are, on rank 0.
+then exits with status 2 on every rank, without a traceback, the ranks leaving together
+(exit_together.py: under torchrun no rank is stopped by SIGTERM on its way out). Messages train.py
+raises itself (SystemExit with a text) already speak in flags and are printed as they are, on rank
+0; argparse's (printed by rank 0, parser.error) leave together too. `agreed_errors_said_once` does
+the same, for the whole run, with a ValueError or TypeError mesh3d raised on every rank alike (a bad
+token id pm.step found): a user's error, not a crash, so no traceback either.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import re
-import sys
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
-import torch.distributed as dist
-
-from examples.llama.arguments import is_rank_zero
+from examples.llama.arguments import build_parser
+from examples.llama.exit_together import exit_together
+from mesh3d.distributed.printed_once import AGREED
 
 # Library parameters whose flag has another name than the parameter.
 ALIASES = {"global_batch_size": "--global-batch", "dp_size": "--dp", "dtype": "--token-dtype"}
 
-# Ranks other than 0 wait this long before exiting: torchrun stops every worker as soon as one
-# fails, and must not stop rank 0 before it has printed the message.
-GRACE_S = 2.0
+Main = TypeVar("Main", bound=Callable)
 
 _VALUE = r"'[^']*'|\"[^\"]*\"|[^\s,;)\]]+"
 
@@ -63,19 +65,31 @@ def reported_once(flags: dict[str, str]) -> Iterator[None]:
     try:
         yield
     except (ValueError, TypeError, FileNotFoundError) as error:  # FileNotFoundError: a --data path that is not there
-        notes = "".join(f"\n{note}" for note in getattr(error, "__notes__", ()))  # e.g. which flag sets a parameter
-        _exit(f"error: {in_user_terms(str(error), flags)}{notes}")
+        exit_together(_error_line(error, flags))
     except SystemExit as done:
-        if not isinstance(done.code, str):
-            raise  # argparse's exit (its message printed by rank 0 already), or a plain status
-        _exit(done.code)
+        if isinstance(done.code, str):
+            exit_together(done.code)
+        if done.code == 2:  # argparse's error, its message printed by rank 0 already
+            exit_together(None)
+        raise  # --help's exit, or another plain status
 
 
-def _exit(message: str) -> None:
-    if is_rank_zero():
-        print(message, file=sys.stderr, flush=True)
-    else:
-        time.sleep(GRACE_S)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    raise SystemExit(2)
+def agreed_errors_said_once(main: Main) -> Main:
+    """`main`, with a ValueError or TypeError that mesh3d raised on every rank alike (marked agreed:
+    a bad batch at a step) printed once in train.py's `error:` form, every rank exiting with status 2."""
+
+    @functools.wraps(main)
+    def said_once(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except (ValueError, TypeError) as error:
+            if not getattr(error, AGREED, False):
+                raise  # a bug's error: its traceback, on every rank
+            exit_together(_error_line(error, flags_of(build_parser())))
+
+    return said_once
+
+
+def _error_line(error: BaseException, flags: dict[str, str]) -> str:
+    notes = "".join(f"\n{note}" for note in getattr(error, "__notes__", ()))  # e.g. which flag sets a parameter
+    return f"error: {in_user_terms(str(error), flags)}{notes}"

@@ -32,6 +32,8 @@ def check_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--n-experts sets the experts of --hf-model ARCH (an architecture at --config's sizes); drop it")
     if args.n_experts is not None and args.n_experts < 1:
         p.error(f"--n-experts must be >= 1, got {args.n_experts}")
+    if args.router_aux_loss is not None and (not args.hf_model or args.router_aux_loss < 0):
+        p.error(f"--router-aux-loss {args.router_aux_loss} needs --hf-model (a mixture of experts) and COEF >= 0")
     if not args.init_from_hf and not (args.hf_model and hf_model.is_directory(args.hf_model)):
         problem = model_shape_problem(args)
         if problem:

@@ -92,7 +92,7 @@ def hf_config(args: argparse.Namespace, sizes: ModelArgs | None):
     import transformers
 
     if is_directory(args.hf_model):
-        return transformers.AutoConfig.from_pretrained(args.hf_model)
+        return with_router_aux_loss(transformers.AutoConfig.from_pretrained(args.hf_model), args)
     default = transformers.AutoConfig.for_model(args.hf_model)
     llama = sizes.to_hf_config()
     fields = {name: llama[name] for name in SIZE_FIELDS if hasattr(default, name)}
@@ -112,7 +112,23 @@ def hf_config(args: argparse.Namespace, sizes: ModelArgs | None):
         raise SystemExit(f"--n-experts: --hf-model {args.hf_model} is not a mixture of experts; drop --n-experts")
     fields.update(experts)
     fields.update(latent_attention_sizes(default, sizes))
-    return transformers.AutoConfig.for_model(args.hf_model, **fields)
+    return with_router_aux_loss(transformers.AutoConfig.for_model(args.hf_model, **fields), args)
+
+
+def with_router_aux_loss(config, args: argparse.Namespace):
+    """`config` with --router-aux-loss COEF applied (output_router_logits on, router_aux_loss_coef
+    COEF: mesh3d then adds the router's load-balancing loss exactly, under any layout); as it is
+    without the flag. Refused for a model without a router loss (no router_aux_loss_coef)."""
+    coef = getattr(args, "router_aux_loss", None)
+    if coef is None:
+        return config
+    if not hasattr(config, "router_aux_loss_coef"):
+        raise SystemExit(
+            f"--router-aux-loss: --hf-model {args.hf_model} ({type(config).__name__}) has no router "
+            "load-balancing loss (no router_aux_loss_coef); drop --router-aux-loss"
+        )
+    config.output_router_logits, config.router_aux_loss_coef = True, coef
+    return config
 
 
 def latent_attention_sizes(default, sizes: ModelArgs) -> dict[str, int]:

@@ -16,6 +16,28 @@ def lr_at(step: int, *, peak: float, warmup: int, total: int, min_ratio: float) 
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def schedule_warning(args) -> str | None:
+    """A warning when the run's learning rate never decays, or None: --steps at most --warmup ends
+    the run in warm-up (below --lr, the lr still rising) or at its peak. The schedule's other
+    phases are then never trained under, which a short trial run easily does unawares."""
+    steps, warmup, peak = args.steps, args.warmup, args.lr
+    if steps > warmup:
+        return None
+    shorter = f"pass --warmup {max(1, steps // 10)} (or --steps above {warmup}) for a run that decays"
+    if steps < warmup:
+        last = lr_at(
+            steps - 1, peak=peak, warmup=warmup, total=args.lr_schedule_steps or steps, min_ratio=args.min_lr_ratio
+        )
+        return (
+            f"warning: --steps {steps} ends inside the --warmup {warmup} steps: the lr only rises, to {last:.2e} at "
+            f"the last step, never reaching --lr {peak:g} nor decaying; {shorter}"
+        )
+    return (
+        f"warning: --steps {steps} ends as the --warmup {warmup} steps do: the run ends at the peak lr ({peak:g}) "
+        f"with no step of decay; {shorter}"
+    )
+
+
 def build_optimizer(params: list[torch.nn.Parameter], args, fused: bool = False) -> torch.optim.AdamW:
     """AdamW over this rank's parameters; matrices decay, norm gains (1-D) do not. A never-drain
     schedule gets it as parallelize's `optimizer=` factory (it steps inside the pipeline). `fused`:

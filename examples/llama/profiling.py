@@ -4,15 +4,24 @@
     --profile runs/profile --profile-steps 5:8
 
 Each rank writes DIR/rank<R>.json (open it in Perfetto, https://ui.perfetto.dev, or chrome://tracing):
-the ops of those steps on the host and, on CUDA, the kernels, with their input shapes; a pipeline's
-sends, receives and collectives show as gloo/NCCL ops on each rank's timeline. On CUDA it also
-writes DIR/rank<R>_memory.pickle, a snapshot of the allocator over the window (drop it on
+the ops of those steps on the host and, on CUDA, the kernels, with their input shapes; each step a
+`ProfilerStep#N` span (N the training step, prof.step() between steps), and inside it each pipeline
+action a span named by its kind, stage and microbatch (`F stage 0 mb 1`, `send F stage 0 mb 1 ->
+pp 1`: mesh3d/pipeline/action_spans.py), so the schedule reads as mesh3d's simulator draws it; the
+sends, receives and collectives show as gloo/NCCL ops within. On CUDA it also writes
+DIR/rank<R>_memory.pickle, a snapshot of the allocator over the window (drop it on
 https://pytorch.org/memory_viz). Nothing of the profiler runs outside the window.
+
+Kineto (the profiler's engine) logs a `USDT: ... profiler_start` and `profiler_stop` line to stderr
+at each start and stop, on every rank: markers for system tracers, no problem of the run. They
+are silenced (KINETO_LOG_LEVEL=6, unless the environment sets it: KINETO_LOG_LEVEL=0 shows all of
+kineto's log, its warnings included).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +41,8 @@ class StepWindow:
 
 
 DEFAULT_STEPS = StepWindow(2, 3)
+# Kineto's log levels run from 0 (verbose) to 5 (USDT, its start and stop markers): 6 says none.
+KINETO_QUIET = "6"
 
 
 def profile_window(text: str) -> StepWindow:
@@ -70,12 +81,20 @@ class StepProfiler:
         if self.on_cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.memory._record_memory_history(max_entries=100_000)
-        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+        os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)  # read when kineto first starts
+        # A schedule that always records: with one, the profiler opens a ProfilerStep#N span per step.
+        self._profiler = torch.profiler.profile(
+            activities=activities, record_shapes=True, schedule=lambda _: torch.profiler.ProfilerAction.RECORD
+        )
+        self._profiler.step_num = step  # so ProfilerStep#N names the training step
         self._profiler.__enter__()
 
     def after(self, step: int) -> str | None:
         """At the window's last step: stop, write the trace; its path (None at any other step)."""
-        if self._profiler is None or step != self.window.last:
+        if self._profiler is None:
+            return None
+        if step != self.window.last:
+            self._profiler.step()  # ProfilerStep#step ends, #step+1 begins
             return None
         self._profiler.__exit__(None, None, None)
         self._profiler.export_chrome_trace(str(self.trace_path))

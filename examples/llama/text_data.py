@@ -9,6 +9,8 @@
 - `--data` files, directories and globs of .txt/.jsonl/.parquet, tokenized once into the cache;
   `--token-file` a pre-tokenized array; neither: the standard library's sources.
 - `--eval-every N` holds out `--eval-batches` global batches of samples, drawn by `--seed`.
+- A `--token-file`'s ids are checked against the model's vocabulary when the file is opened,
+  before the model is parallelized (the step's batch check would find one only when its batch comes).
 """
 
 from __future__ import annotations
@@ -16,11 +18,24 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import numpy as np
+
 from examples.llama.batch_sizes import corpus_problem
 from examples.llama.config import ModelArgs, padded_vocab_size
 from examples.llama.hf_model import hf_model_dir
-from mesh3d.data import ByteTokenizer, HFTokenizer, SampleSubset, TokenDataset, split_heldout, stdlib_sources
+from mesh3d.data import (
+    ByteTokenizer,
+    HFTokenizer,
+    SampleSubset,
+    TokenDataset,
+    load_token_file,
+    split_heldout,
+    stdlib_sources,
+)
 from mesh3d.data.hf_tokenizer import NoEOSTokenError
+
+# Ids read at a time when a --token-file is checked: a bounded copy of a memory-mapped file.
+_CHUNK = 1 << 24
 
 # The library's parameters as this script's flags, for the library's errors.
 _FLAGS = "train.py sets the data's `paths` with --data and `text_field` with --text-field"
@@ -113,3 +128,23 @@ def build_datasets(args: argparse.Namespace, tokenizer) -> tuple[TokenDataset | 
     if not args.eval_every:
         return dataset, None
     return split_heldout(dataset, args.eval_batches * args.global_batch, args.seed)
+
+
+def refuse_bad_token_ids(args: argparse.Namespace, model) -> None:
+    """A --token-file's first id outside [0, the model's vocab_size), refused by every rank alike
+    (each reads the file) with its place in the file; nothing without a --token-file (a tokenizer's
+    ids fit the vocabulary by construction, fit_vocab) or a model that declares no vocabulary."""
+    vocab = getattr(model, "vocab_size", None) or getattr(getattr(model, "config", None), "vocab_size", None)
+    if not args.token_file or not isinstance(vocab, int):
+        return
+    tokens = load_token_file(args.token_file, args.token_dtype)
+    for start in range(0, len(tokens), _CHUNK):
+        chunk = np.asarray(tokens[start : start + _CHUNK]).astype(np.int64)
+        bad = np.flatnonzero((chunk < 0) | (chunk >= vocab))
+        if bad.size:
+            where = start + int(bad[0])
+            raise SystemExit(
+                f"--token-file {args.token_file}: token id {int(chunk[bad[0]])} at index {where} (of {len(tokens)}) "
+                f"is outside [0, {vocab}): the model's vocab_size is {vocab}; pass the --config (or --vocab-size) "
+                "the file was tokenized for, or re-tokenize it"
+            )

@@ -45,7 +45,7 @@ from examples.llama.checkpoints import (  # noqa: E402
     restore,
     save_checkpoint,
 )
-from examples.llama.config_errors import flags_of, reported_once  # noqa: E402
+from examples.llama.config_errors import agreed_errors_said_once, flags_of, reported_once  # noqa: E402
 from examples.llama.fault_injection import FaultInjection  # noqa: E402
 from examples.llama.metrics_log import open_step_logs  # noqa: E402
 from examples.llama.model import count_parameters, llama_tp_plan  # noqa: E402
@@ -54,7 +54,7 @@ from examples.llama.optimization import build_optimizer, lr_at  # noqa: E402
 from examples.llama.placement import placement_report  # noqa: E402
 from examples.llama.profiling import StepProfiler  # noqa: E402
 from examples.llama.step_report import per_sample_inputs, router_terms, run_summary, step_line, step_record  # noqa: E402
-from examples.llama.text_data import build_datasets, build_tokenizer  # noqa: E402
+from examples.llama.text_data import build_datasets, build_tokenizer, refuse_bad_token_ids  # noqa: E402
 from mesh3d.data import DistributedLoader  # noqa: E402
 from mesh3d.distributed.rendezvous import restart_count  # noqa: E402
 from mesh3d.planner import predict_memory, wants_prediction  # noqa: E402
@@ -87,6 +87,7 @@ def set_up(args):
     refuse_other_data(args)  # a resume's data settings, before the start-up they would waste
     tokenizer = build_tokenizer(args)
     model, described = build_model(args, tokenizer)
+    refuse_bad_token_ids(args, model)  # on meta still: before parallelize's start-up
     n_params, per_token = count_parameters(model), flops_per_token(model, args.seq_len)
     # A never-drain schedule updates inside pm.step, so parallelize builds the optimizer (pm.optimizer).
     inside = functools.partial(build_optimizer, args=args) if arguments.never_drains(args.schedule) else None
@@ -140,6 +141,7 @@ def set_up(args):
     return layout, pm, optimizer, loader, evaluator, progress, resumed, per_sample, prediction
 
 
+@agreed_errors_said_once  # a bad batch pm.step found on some rank: one `error:` line, status 2 everywhere
 def main(argv: list[str] | None = None) -> list[dict]:
     with reported_once(flags_of(arguments.build_parser())):  # said once, by rank 0, in flags
         args = parse_args(argv)

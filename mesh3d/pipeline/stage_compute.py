@@ -6,7 +6,8 @@ stage (the last stage adds the loss the step hands it, already scaled: by 1/m, o
 count) and keeps what its backward needs (under activation checkpointing,
 activation_checkpoint.py); B runs the stage's backward with the received output gradient; I and
 W split it (backward_halves.py); RECV and SEND go to the mailbox (p2p.py); U and TIE to the
-weight versions of a never-drain schedule (weight_versions.py). torch keeps the like in
+weight versions of a never-drain schedule (weight_versions.py). Under a profiler each action is a
+span named by its kind, stage and microbatch (action_spans.py). torch keeps the like in
 pipelining's stage.py.
 
 A stage may take messages from several producers and send to several consumers (routes.py:
@@ -25,8 +26,10 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.autograd import profiler
 
 from mesh3d.model.fused_head_loss import head_targets
+from mesh3d.pipeline.action_spans import action_span
 from mesh3d.pipeline.activation_checkpoint import ActivationCheckpointing, restored_rng, rng_state
 from mesh3d.pipeline.backward_halves import PendingWeightGrad, backward_input, backward_weight
 from mesh3d.pipeline.p2p import Mailbox, Traffic
@@ -122,7 +125,15 @@ class StageCompute:
         self.router_terms: list[torch.Tensor] = []
 
     def execute(self, action: Action, is_last_backward: bool) -> None:
-        """Run one action (a never-drain step asks its update rule whether a backward is the last)."""
+        """Run one action (a never-drain step asks its update rule whether a backward is the last);
+        while a profiler records, in a span named by the action (action_spans.py)."""
+        if not profiler._is_profiler_enabled:  # one flag read: no span, no cost, when nothing records
+            self._run(action, is_last_backward)
+            return
+        with action_span(action):
+            self._run(action, is_last_backward)
+
+    def _run(self, action: Action, is_last_backward: bool) -> None:
         kind = action.kind
         versions = self.versions
         if versions is not None and kind in (Kind.F, Kind.B):

@@ -53,9 +53,41 @@ def time_unit(s: float) -> tuple[str, float]:
 NEAR_FULL = 0.9
 
 
+# The settings beyond the layout's columns that a plan hands parallelize, by column: reshard (FSDP's
+# reshard_after_forward, which the search varies wherever FSDP runs) always, the others where the
+# shown plans differ in them. Two rows that read alike then run alike.
+SETTING_COLUMNS = {
+    "reshard": "reshard_after_forward",
+    "dp_shard": "dp_shard",
+    "dtype": "param_dtype",
+    "compile": "compile",
+    "fused_loss": "fused_loss",
+}
+ALWAYS_SHOWN = ("reshard",)
+
+
+def _setting(value: object) -> str:
+    if value is None:
+        return "-"  # not applicable: DDP or a single dp x cp rank (reshard), no HSDP (dp_shard), fp32 (dtype)
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value).removeprefix("torch.")
+
+
+def setting_columns(plans: list[Plan]) -> list[str]:
+    """The SETTING_COLUMNS the table shows for these plans: ALWAYS_SHOWN, and any the plans differ in."""
+    return [
+        column
+        for column, field_name in SETTING_COLUMNS.items()
+        if column in ALWAYS_SHOWN or len({getattr(p, field_name) for p in plans}) > 1
+    ]
+
+
 def table(plans: list[Plan], device_bytes: int | None = None) -> str:
     """The ranked plans as an aligned text table; with `device_bytes`, each plan's headroom on the
-    device ("free GiB"), marked "!" above NEAR_FULL of it."""
+    device ("free GiB"), marked "!" above NEAR_FULL of it. Every setting the plans differ in has a
+    column (`setting_columns`)."""
+    settings = setting_columns(plans)
     header = [
         "rank",
         "pp",
@@ -68,6 +100,7 @@ def table(plans: list[Plan], device_bytes: int | None = None) -> str:
         "m",
         "ac",
         "dp_mode",
+        *settings,
         "tokens/s/GPU",
         "MFU",
         "step s",
@@ -93,6 +126,7 @@ def table(plans: list[Plan], device_bytes: int | None = None) -> str:
                 str(p.microbatches),
                 p.activation_checkpoint,
                 p.dp_mode,
+                *(_setting(getattr(p, SETTING_COLUMNS[column])) for column in settings),
                 f"{p.tokens_per_second_per_gpu:,.0f}{band_text(p)}",
                 f"{p.mfu:.1%}",
                 f"{p.step_seconds:.3g}",
@@ -137,7 +171,8 @@ def near_full_note(plans: list[Plan], device_bytes: int) -> str | None:
 
 
 def _layout_differences(best: Plan, other: Plan) -> str:
-    diffs = [f"{n} {getattr(best, n)} vs {getattr(other, n)}" for n in LAYOUT if getattr(best, n) != getattr(other, n)]
+    names = (*LAYOUT, *SETTING_COLUMNS.values())
+    diffs = [f"{n} {getattr(best, n)} vs {getattr(other, n)}" for n in names if getattr(best, n) != getattr(other, n)]
     return ", ".join(diffs) if diffs else "the same layout"
 
 

@@ -39,23 +39,33 @@ def declared_vocab_size(vocab_size: object) -> int | None:
 
 
 def batch_problem(
-    inputs: torch.Tensor, targets: torch.Tensor | None, vocab_size: int | None, ignore_index: int = IGNORE_INDEX
+    inputs: torch.Tensor,
+    targets: torch.Tensor | None,
+    vocab_size: int | None,
+    ignore_index: int = IGNORE_INDEX,
+    first_row: int = 0,
 ) -> str | None:
     """What is wrong with this rank's batch, or None. Local: no communication (ids on a device are
-    read back to the host: use `batch_verdict` on the hot path)."""
-    verdict = batch_verdict(inputs, targets, vocab_size, ignore_index)
+    read back to the host: use `batch_verdict` on the hot path). A position is named in the global
+    batch: this rank's rows are its rows `first_row` on."""
+    verdict = batch_verdict(inputs, targets, vocab_size, ignore_index, first_row)
     if isinstance(verdict, torch.Tensor):
-        return _explain_on_device(inputs, targets, vocab_size, ignore_index) if bool(verdict) else None
+        return _explain_on_device(inputs, targets, vocab_size, ignore_index, first_row) if bool(verdict) else None
     return verdict
 
 
 def batch_verdict(
-    inputs: torch.Tensor, targets: torch.Tensor | None, vocab_size: int | None, ignore_index: int = IGNORE_INDEX
+    inputs: torch.Tensor,
+    targets: torch.Tensor | None,
+    vocab_size: int | None,
+    ignore_index: int = IGNORE_INDEX,
+    first_row: int = 0,
 ) -> str | torch.Tensor | None:
     """This rank's verdict on its batch, with no device-to-host read: None (fine), what is wrong
     (found from shapes and dtypes, or from ids on the host), or, for ids already on a device, a
     0-dim bool tensor there saying whether one is out of range (`agree_on_batch` reads it with
-    its peers' flags)."""
+    its peers' flags). A position is named in the global batch, this rank's rows being its rows
+    `first_row` on (the dp rank times the rows per rank, as DistributedLoader deals them)."""
     if targets is not None and inputs.dim() >= 1 and targets.dim() >= 1:
         sizes = min(inputs.dim(), targets.dim(), 2)  # batch, and sequence when both have one
         if tuple(inputs.shape[:sizes]) != tuple(targets.shape[:sizes]):
@@ -80,7 +90,7 @@ def batch_verdict(
     on_device = [(ids, ignore) for ids, _, ignore in checks if ids.device.type != "cpu" and ids.numel()]
     for ids, what, ignore in checks:
         if ids.device.type == "cpu":  # the host copy, before its transfer: read through numpy, no device waits
-            problem = _outside_on_host(ids.numpy(), vocab_size, what, ignore)
+            problem = _outside_on_host(ids.numpy(), vocab_size, what, ignore, first_row)
             if problem is not None:
                 return problem
     if not on_device:
@@ -95,24 +105,29 @@ def _out_of_range(ids, vocab_size: int, ignore_index: int | None):
     return bad
 
 
-def _message(what: str, value: int, where: tuple[int, ...], vocab_size: int, ignore_index: int | None) -> str:
+def _message(
+    what: str, value: int, where: tuple[int, ...], vocab_size: int, ignore_index: int | None, first_row: int
+) -> str:
     allowed = f"[0, {vocab_size})" + (f" or {ignore_index} (ignored)" if ignore_index is not None else "")
+    position = (where[0] + first_row, *where[1:]) if where else where  # (row, ...) in the global batch
     return (
-        f"{what} {value} at position {where} is outside {allowed}: the model's vocab_size is "
+        f"{what} {value} at position {position} is outside {allowed}: the model's vocab_size is "
         f"{vocab_size}; check the tokenizer and the model config agree"
     )
 
 
-def _outside_on_host(ids: np.ndarray, vocab_size: int, what: str, ignore_index: int | None) -> str | None:
+def _outside_on_host(
+    ids: np.ndarray, vocab_size: int, what: str, ignore_index: int | None, first_row: int
+) -> str | None:
     bad = _out_of_range(ids, vocab_size, ignore_index)
     if not bad.any():
         return None
     where = tuple(int(i) for i in np.argwhere(bad)[0])
-    return _message(what, int(ids[where]), where, vocab_size, ignore_index)
+    return _message(what, int(ids[where]), where, vocab_size, ignore_index, first_row)
 
 
 def _explain_on_device(
-    inputs: torch.Tensor, targets: torch.Tensor | None, vocab_size: int, ignore_index: int
+    inputs: torch.Tensor, targets: torch.Tensor | None, vocab_size: int, ignore_index: int, first_row: int
 ) -> str | None:
     """The message for ids on a device found out of range (reads them back: only on the way to an error)."""
     checks = [(inputs, "input token id", None)] + ([(targets, "target", ignore_index)] if targets is not None else [])
@@ -120,7 +135,7 @@ def _explain_on_device(
         bad = _out_of_range(ids, vocab_size, ignore)
         if ids.numel() and bool(bad.any()):
             where = tuple(int(i) for i in bad.nonzero()[0])
-            return _message(what, int(ids[where]), where, vocab_size, ignore)
+            return _message(what, int(ids[where]), where, vocab_size, ignore, first_row)
     return None
 
 

@@ -27,17 +27,21 @@ def check_batch(
     ignore_index: int,
     bounds: dict[str, int],
     during: str,
+    first_row: int = 0,
 ) -> None:
     """The tokens, targets and per-sample inputs checked together: one verdict per rank, agreed in
-    the step's one all-reduce (batch_check.py), raised on every rank if any rank found a problem."""
+    the step's one all-reduce (batch_check.py), raised on every rank if any rank found a problem.
+    A bad token's position is named in the global batch, whose rows `first_row` on are this rank's."""
     verdict = _either(  # on the host copies, before any transfer
-        batch_verdict(inputs, targets, vocab_size, ignore_index), per_sample_verdict(inputs, per_sample, bounds)
+        batch_verdict(inputs, targets, vocab_size, ignore_index, first_row),
+        per_sample_verdict(inputs, per_sample, bounds),
     )
     agree_on_batch(
         verdict,
         during,
         lambda: (
-            batch_problem(inputs, targets, vocab_size, ignore_index) or per_sample_problem(inputs, per_sample, bounds)
+            batch_problem(inputs, targets, vocab_size, ignore_index, first_row)
+            or per_sample_problem(inputs, per_sample, bounds)
         ),
     )
 

@@ -78,7 +78,8 @@ class PipelinedStep:
         layout = self._layout
         self._runtime.check_names(per_sample)  # the same on every rank: no message needed
         vocab, ignore = self._vocab_size, self._global_loss.ignore_index
-        check_batch(inputs, targets, per_sample, vocab, ignore, self._index_bounds, during)
+        first_row = layout.dp_rank * inputs.shape[0] if inputs.dim() else 0  # this rank's rows in the global batch
+        check_batch(inputs, targets, per_sample, vocab, ignore, self._index_bounds, during, first_row)
         batch = self._shards.cut(inputs, targets, per_sample)
         tp, sequence_parallel = layout.tp, self._tensor_parallel.sequence_parallel
         check_split(batch.inputs, self._runtime.schedule.microbatches, tp, sequence_parallel, layout.cp)

@@ -95,3 +95,25 @@ def test_library_parameters_become_flags():
         == "--loss-parallel with no --virtual-stages; pp*tp=4"
     )
     assert in_user_terms("global_batch_size=10 must divide", flags) == "--global-batch 10 must divide"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--pp", "3"], "error: build_mesh: --dp -1 takes the rest of the world, but pp*tp=3 does not divide"),
+        (["--pp", "2", "--data", "no-such-corpus.txt"], "error: data files not found: ['no-such-corpus.txt']"),
+    ],
+)
+def test_under_torchrun_every_rank_exits_2_with_the_one_line(flags, message):
+    """The error is raised on every rank (before the process group, or after it); the ranks leave
+    together (exit_together.py), so torchrun's summary lists each with exit code 2, none stopped
+    by SIGTERM, and the one line is all the ranks print, above torchrun's own report."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    cmd += ["examples/llama/train.py", "--n-layers", "2", "--seq-len", "16", "--steps", "1", *flags]
+    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    said = done.stdout + done.stderr
+    assert done.returncode == 1, said[-3000:]  # torchrun's own status when a worker failed
+    assert said.count(message) == 1 and done.stderr.startswith(message), said[-6000:]
+    # torchrun may still send SIGTERM to ranks it saw running; they leave with 2 all the same.
+    assert said.count("exitcode  : 2 ") == 4 and "exitcode  : -" not in said, said[-6000:]
+    assert 'train.py", line' not in said and done.stdout == "", said[-6000:]

@@ -89,6 +89,7 @@ def _layout(p) -> list[str]:
         str(p.microbatches),
         p.activation_checkpoint,
         p.dp_mode,
+        report._setting(p.reshard_after_forward),
     ]
 
 
@@ -110,18 +111,18 @@ def test_table_is_plans_top_ten_in_order_with_its_numbers(top_ten, reference):
     assert f"{len(reference)} layouts fit; the top 10" in top_ten
     for i, (row, p) in enumerate(zip(rows, reference), 1):
         assert row[0] == str(i)
-        assert row[1:11] == _layout(p)
-        assert row[11] == f"{p.tokens_per_second_per_gpu:,.0f}±0%"
-        assert row[12] == f"{p.mfu:.1%}" and row[14] == f"{p.bubble_fraction:.1%}"
-        assert math.isclose(float(row[13]), p.step_seconds, rel_tol=1e-2)
-        assert math.isclose(float(row[15]), p.memory_per_rank.total / 2**30, rel_tol=1e-2)
+        assert row[1:12] == _layout(p)
+        assert row[12] == f"{p.tokens_per_second_per_gpu:,.0f}±0%"
+        assert row[13] == f"{p.mfu:.1%}" and row[15] == f"{p.bubble_fraction:.1%}"
+        assert math.isclose(float(row[14]), p.step_seconds, rel_tol=1e-2)
+        assert math.isclose(float(row[16]), p.memory_per_rank.total / 2**30, rel_tol=1e-2)
         free = (HARDWARE["h100"].memory_bytes - p.memory_per_rank.total) / 2**30  # the default --hardware
-        assert math.isclose(float(row[16]), free, rel_tol=1e-2) and not row[16].endswith("!")  # a tiny model
+        assert math.isclose(float(row[17]), free, rel_tol=1e-2) and not row[17].endswith("!")  # a tiny model
         largest = max(
             ("parameters", "gradients", "optimizer", "activations", "recompute", "communication", "context_parallel"),
             key=lambda term: getattr(p.memory_per_rank, term),
         )
-        assert row[17] == largest
+        assert row[18] == largest
 
 
 def test_why_names_the_term_that_differs_most(top_ten, reference):
@@ -155,7 +156,7 @@ def test_the_band_is_said_and_ranks_by_headroom(config_dir, reference):
     band = HARDWARE["h100"].band
     assert f"among those within ±{band:.0%} of each other, the ones within 10% of the memory limit last" in output
     assert HARDWARE["h100"].fitted_on in output
-    assert all(row[11].endswith(f"±{band:.0%}") for row in _rows(output))
+    assert all(row[12].endswith(f"±{band:.0%}") for row in _rows(output))
     faster, roomier = reference[0], reference[1]
     less = dataclasses.replace(faster.memory_per_rank, activations=faster.memory_per_rank.activations - 2**30)
     roomier = dataclasses.replace(roomier, error_band=band, memory_per_rank=less)
@@ -166,7 +167,7 @@ def test_the_band_is_said_and_ranks_by_headroom(config_dir, reference):
 def test_all_lists_every_plan(config_dir, reference):
     rows = _rows(_run(_argv(config_dir, "--fix", "tp=1", "--all", "--tie-band", "0")))
     assert [row[0] for row in rows] == [str(i) for i in range(1, len(reference) + 1)]
-    assert [row[1:11] for row in rows] == [_layout(p) for p in reference]
+    assert [row[1:12] for row in rows] == [_layout(p) for p in reference]
 
 
 def test_fix_pins_typed_values(config_dir):
@@ -208,7 +209,7 @@ def test_fix_pins_typed_values(config_dir):
         fix=dict(tp=1, pp=2, schedule="1f1b", activation_checkpoint="always", param_dtype=torch.float32),
     )
     rows = _rows(out)
-    assert [row[1:11] for row in rows] == [_layout(p) for p in expected]
+    assert [row[1:12] for row in rows] == [_layout(p) for p in expected]
     assert all(row[1] == "2" and row[6] == "1f1b" and row[9] == "always" for row in rows)
     assert "param_dtype float32" in out
 
@@ -223,7 +224,7 @@ def test_the_split_flags_reach_plan(config_dir, capsys):
         out = _run(_argv(config_dir, *pins, flag, *map(str, value)))
         keyword = flag.removeprefix("--").replace("-", "_")
         expected = plan(config, **SIZES, fix=fix, **{keyword: value})
-        assert [row[1:11] for row in _rows(out)] == [_layout(p) for p in expected[:10]]
+        assert [row[1:12] for row in _rows(out)] == [_layout(p) for p in expected[:10]]
         assert expected[0].parallelize_kwargs()[keyword] == value
         assert f"{keyword}={value!r}" in out  # the parallelize call that runs #1
     with pytest.raises(SystemExit):
@@ -296,6 +297,23 @@ def test_a_plan_near_the_device_memory_is_flagged(reference):
     tight = int(best.memory_per_rank.total / 0.95)
     assert "!" not in report.table([best], roomy) and report.near_full_note([best], roomy) is None
     row = report.table([best], tight).splitlines()[2].split()
-    assert row[16].endswith("!")
+    assert row[17].endswith("!")
     assert report.near_full_note([best], tight).startswith("! #1 above 90% of the device's")
     assert "free GiB" not in report.table([best])  # no device: no headroom column
+
+
+def test_rows_that_read_alike_run_alike(reference):
+    """No two rows of the table are the same text but different plans: every setting a plan hands
+    parallelize that the shown plans differ in has a column (reshard_after_forward always)."""
+    twin = dataclasses.replace(reference[0], reshard_after_forward=not reference[0].reshard_after_forward)
+    compiled = dataclasses.replace(reference[0], compile=True)
+    shown = [reference[0], twin, compiled, *reference[1:6]]
+    lines = report.table(shown).splitlines()
+    header, rows = lines[0].split(), [line.split()[1:] for line in lines[2:]]  # without the rank
+    assert "reshard" in header and "compile" in header and "dtype" not in header  # all fp32 here
+    for i, a in enumerate(shown):
+        for j, b in enumerate(shown[:i]):
+            if rows[i] == rows[j]:
+                assert a.parallelize_kwargs() == b.parallelize_kwargs(), (i + 1, j + 1)
+    assert rows[0] != rows[1]  # only reshard_after_forward tells them apart
+    assert "reshard_after_forward" in report._layout_differences(reference[0], twin)
