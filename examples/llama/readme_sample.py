@@ -30,7 +30,7 @@ EVERY = 50  # train.py prints every 10th step (--log-every); the sample keeps ev
 # README.md's sample block: the fenced block after this sentence's start.
 README_BLOCK = re.compile(r"(What the first command printed[^\n]*\n(?:[^\n]+\n)*?\n```\n)(.*?)(```)", re.S)
 # docs/training.md's example progress line: the fenced block after this sentence.
-TRAINING_LINE = re.compile(r"(Every `--log-every` steps rank 0 prints\n\n```\n)(step[^\n]*\n)(```)")
+TRAINING_LINE = re.compile(r"(Every `--log-every` steps[^\n]*rank 0 prints\n\n```\n)(step[^\n]*\n)(```)")
 STEP = re.compile(r"^step +(\d+) ")
 
 
