@@ -28,17 +28,21 @@ def sampled_ranks(world: int) -> list[int]:
     return [0, world // 2 + 3, world - 1]
 
 
-def model(experts: bool):
-    """A 16-block model on meta, tiny in width: the example LLaMA, or with experts a Qwen3-MoE of
+def model(experts: bool, n_layers: int = 16):
+    """A model of `n_layers` blocks on meta, tiny in width: the example LLaMA, or with experts a Qwen3-MoE of
     8 experts (expert parallelism needs a model with experts)."""
     if experts:
         import hf_cases
 
-        return hf_cases.meta_hf_model("qwen3_moe", num_experts=8, num_hidden_layers=16, max_position_embeddings=SEQ_LEN)
+        return hf_cases.meta_hf_model(
+            "qwen3_moe", num_experts=8, num_hidden_layers=n_layers, max_position_embeddings=SEQ_LEN
+        )
     from examples.llama.config import ModelArgs
     from examples.llama.model import Transformer
 
-    args = ModelArgs(dim=64, n_layers=16, n_heads=16, n_kv_heads=8, vocab_size=64, multiple_of=16, max_seq_len=SEQ_LEN)
+    args = ModelArgs(
+        dim=64, n_layers=n_layers, n_heads=16, n_kv_heads=8, vocab_size=64, multiple_of=16, max_seq_len=SEQ_LEN
+    )
     with torch.device("meta"):
         return Transformer(args)
 
