@@ -10,6 +10,7 @@ sits between dp and tp: r = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from datetime import timedelta
 
 import torch
@@ -19,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from mesh3d.axes import ALL_AXES, AXES, DATA_DIM, EXPERT_AXIS, EXPERT_DIMS, data_dims, describe, mesh_dims, stage_size
 from mesh3d.axes import resolve_sizes as resolve_axis_sizes
 from mesh3d.distributed.agree import check_same_everywhere
+from mesh3d.distributed.group_kinds import axis_lists, can_split, groups_by_kind
 from mesh3d.distributed.printed_once import print_agreed_errors_once
 from mesh3d.distributed.process_group import (
     BACKEND_FOR_DEVICE,
@@ -89,7 +91,7 @@ class Layout:
             for ranks in self.axis_groups(dim):
                 mine = mesh.get_group(dim) if self.rank in ranks else None
                 self._subgroups.setdefault(tuple(sorted(ranks)), mine)
-        self._own_groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup | None] = {}
+        self._own_groups: dict[tuple[str, Hashable], dist.ProcessGroup | None] = {}
         # dp and cp flattened into one dim (a collective: made here, by every rank, in one order)
         data = data_dims(sizes)
         self._data_mesh = (
@@ -184,19 +186,23 @@ class Layout:
             self._subgroups[key] = dist.new_group(list(key), timeout=self.timeout)
         return self._subgroups[key] if self.rank in key else None  # new_group gives non-members a marker
 
-    def own_group(self, purpose: str, members: list[int]) -> dist.ProcessGroup | None:
-        """A process group over `members` (global ranks) that no other traffic shares, created once
-        per (purpose, members) and then reused: on NCCL its own communicator and stream, so its
-        operations never wait behind another group's in issue order (docs/design.md,
-        "Communicators"). A collective over the whole world, like `subgroup`: every rank asks for
-        the same purposes and member lists in the same order. Returns None on ranks outside `members`.
+    def own_groups(
+        self, purpose: str, kinds: dict[Hashable, list[list[int]]]
+    ) -> dict[Hashable, dist.ProcessGroup | None]:
+        """This rank's group of each kind of `kinds` (key -> member lists that never overlap, global
+        ranks), groups no other traffic shares, created once per (purpose, key) and then reused: on
+        NCCL each its own communicator and stream, so its operations never wait behind another
+        group's in issue order (docs/design.md, "Communicators"). One call per kind (fewer: kinds
+        whose ranks do not overlap share one), not one per group (group_kinds.py): every rank asks
+        for the same purposes and kinds in the same order. None where this rank is in none of a
+        kind's lists.
         """
-        key = (purpose, tuple(sorted(members)))
-        if key not in self._own_groups:
-            # The description names the group in NCCL's watchdog lines and flight-recorder dumps.
-            desc = f"mesh3d {purpose} ranks {','.join(map(str, key[1]))}"
-            self._own_groups[key] = dist.new_group(list(key[1]), timeout=self.timeout, group_desc=desc)
-        return self._own_groups[key] if self.rank in key[1] else None
+        new = {key: lists for key, lists in kinds.items() if (purpose, key) not in self._own_groups}
+        if new:
+            # The description names the groups in NCCL's watchdog lines and flight-recorder dumps.
+            made = groups_by_kind(new, self.timeout, f"mesh3d {purpose}", *group_options(self.device, self.timeout))
+            self._own_groups.update({(purpose, key): group for key, group in made.items()})
+        return {key: self._own_groups[(purpose, key)] for key in kinds}
 
     def __repr__(self) -> str:
         where = ", ".join(f"{dim} {getattr(self, f'{dim}_rank')}" for dim in self.dims)
@@ -291,20 +297,37 @@ def build_mesh(
     # Ranks that asked for different layouts would build misaligned groups and hang later.
     check_same_everywhere(tuple(sizes[axis] for axis in ALL_AXES), _describe_layouts)
     shape = tuple(sizes[dim] for dim in dims)
-    mesh = init_device_mesh(
-        device.type, shape, mesh_dim_names=dims, backend_override=mesh_group_options(device, timeout, dims)
-    )
+    mesh = _device_mesh(device, shape, dims, timeout, backend)
     expert_mesh = None
     if sizes[EXPERT_AXIS] > 1:
         # A stage's ranks are consecutive global ranks, so (pp, edp, ep) is the world in rank order.
         expert_shape = (sizes["pp"], stage_size(sizes) // sizes[EXPERT_AXIS], sizes[EXPERT_AXIS])
-        expert_mesh = init_device_mesh(
-            device.type,
-            expert_shape,
-            mesh_dim_names=EXPERT_DIMS,
-            backend_override=mesh_group_options(device, timeout, EXPERT_DIMS),
-        )
+        expert_mesh = _device_mesh(device, expert_shape, EXPERT_DIMS, timeout, backend)
     return Layout(mesh, device, backend, default_timeout(backend, timeout), expert_mesh)
+
+
+def _device_mesh(
+    device: torch.device, shape: tuple[int, ...], dims: tuple[str, ...], timeout: timedelta | None, backend: str
+) -> DeviceMesh:
+    """The DeviceMesh of `shape` over the world in rank order, its groups made one call per dim.
+
+    Where the default group can be split (NCCL on a bound device), torch's init_device_mesh already
+    makes each dim's groups with one split. Elsewhere it would call new_group once per group of the
+    world (3,200 calls at 16,384 ranks), so each rank makes its own group per dim instead
+    (group_kinds.py) and the mesh is built from them."""
+    if can_split():
+        return init_device_mesh(
+            device.type, shape, mesh_dim_names=dims, backend_override=mesh_group_options(device, timeout, dims)
+        )
+    name, options = group_options(device, default_timeout(backend, timeout))
+    groups = [
+        groups_by_kind({dim: axis_lists(shape, axis)}, default_timeout(backend, timeout), f"mesh_{dim}", name, options)[
+            dim
+        ]
+        for axis, dim in enumerate(dims)
+    ]
+    ranks = torch.arange(dist.get_world_size()).reshape(shape)
+    return DeviceMesh.from_group(groups, device.type, mesh=ranks, mesh_dim_names=dims)
 
 
 def layout_or_mesh(layout: Layout | None, **sizes: int | None) -> Layout:

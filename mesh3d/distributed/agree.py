@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mesh3d.distributed.dry_world import answers_alone
 from mesh3d.distributed.host_group import host_group
 from mesh3d.distributed.printed_once import agreed
 
@@ -46,7 +47,9 @@ def gather_or_raise(value: Any = None, error: str | None = None, group: dist.Pro
     the world) when given, else over host_group()."""
     mine = (value, error)
     everyone = [mine]
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if answers_alone():  # a dry run: every rank said what this one says (dry_world.py)
+        everyone = [mine] * dist.get_world_size()
+    elif dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine, group=group if group is not None else host_group())
     here = dist.get_rank() if dist.is_initialized() else 0
@@ -93,8 +96,8 @@ def from_first_rank(compute: Callable[[], Any], meanwhile: Callable[[], object] 
     one; a type that cannot be rebuilt so, a RuntimeError), marked agreed. compute's error reads
     the same on every rank, as when each rank computed it; one of `meanwhile` names its rank. With
     one process it sends nothing."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return compute()
+    if not dist.is_initialized() or dist.get_world_size() == 1 or answers_alone():
+        return compute()  # alone, or a dry run: this rank is its own first rank (dry_world.py)
     here = dist.get_rank()
     outcome, failure = None, None
     try:

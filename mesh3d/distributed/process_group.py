@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_nccl_timeout
 
+from mesh3d.distributed.dry_world import FAKE_BACKEND, is_dry_run
 from mesh3d.distributed.host_group import use_host_group
 from mesh3d.distributed.nccl_watchdog import set_watchdog_defaults
 from mesh3d.distributed.rendezvous import attempt_store, uses_agent_store
@@ -135,7 +136,10 @@ def mesh_group_options(device: torch.device, timeout: timedelta | None, dims: tu
 
 
 def group_options(device: torch.device, timeout: timedelta) -> tuple[str, object]:
-    """A group's (backend, options) carrying `timeout`."""
+    """A group's (backend, options) carrying `timeout`; in a dry run, the fake backend's (which
+    takes no options: gloo's would fail there, dry_world.py)."""
+    if is_dry_run():
+        return FAKE_BACKEND, None
     name = BACKEND_FOR_DEVICE[device.type]
     options = dist.ProcessGroupNCCL.Options() if name == "nccl" else dist.ProcessGroupGloo._Options()
     options._timeout = timeout

@@ -3,10 +3,11 @@
 On NCCL the operations on one communicator run in issue order on one stream
 (schedule/communicators.py), so what shares a communicator waits on each other: the lowering
 proves its lists finish with exactly these groups (`RUNTIME`), and activations and gradients,
-or the messages to two neighbours, overlap instead of queueing behind each other. Every rank
-creates every group of every pp group of the mesh, in one order (`new_group` is collective over
-the world), then exchanges one tiny message on each of its own (p2p.py's `warm_up`), so NCCL makes
-its connections at setup rather than inside a step. A tie's collective has groups of its own too
+or the messages to two neighbours, overlap instead of queueing behind each other. Each channel is
+one kind of group (its two pp positions in every pp group of the mesh), made with one call for the
+whole world (Layout.own_groups, distributed/group_kinds.py); then each rank exchanges one tiny
+message on each of its own (p2p.py's `warm_up`), so NCCL makes its connections at setup rather than
+inside a step. A tie's collective has groups of its own too
 (tied.py).
 """
 
@@ -28,13 +29,10 @@ def pipeline_peers(layout: Layout, *lowered: Lists) -> PipelinePeers:
     ranks = layout.group_ranks("pp")
     if layout.pp == 1:
         return PipelinePeers(layout.pp_rank, ranks, None, layout.device)
-    channels = {}
-    for key in message_channels(*lowered):
-        direction, low, high = key
-        for members in layout.axis_groups("pp"):
-            group = layout.own_group(f"pipeline {direction}", [members[low], members[high]])
-            if group is not None:
-                channels[key] = group
+    pp_groups = layout.axis_groups("pp")
+    # one kind per channel: its two pp positions in every pp group of the mesh
+    kinds = {key: [[members[key[1]], members[key[2]]] for members in pp_groups] for key in message_channels(*lowered)}
+    channels = {key: group for key, group in layout.own_groups("pipeline", kinds).items() if group is not None}
     peers = PipelinePeers(layout.pp_rank, ranks, layout.group("pp"), layout.device, channels)
     warm_up(peers)
     return peers

@@ -99,10 +99,10 @@ class TiedWeights:
         """
         ties: groups of tied names; meta_stages: every stage (on meta); stage_rank: stage -> pp
         rank; stages: this rank's stage modules. Each tie's groups are groups of their own
-        (layout.own_group), never the pp group the pipeline's messages use: a never-drain
+        (layout.own_groups), never the pp group the pipeline's messages use: a never-drain
         schedule's TIE runs between those messages, and on NCCL a collective on a communicator
-        waits for every operation issued there before it. Created once, by every rank for every pp
-        group of the mesh in the same order, and reused by later calls.
+        waits for every operation issued there before it. Created once, one kind per tie (its pp ranks in
+        every pp group of the mesh), by every rank in the same order, and reused by later calls.
         """
         self.pp_rank = layout.pp_rank
         self.ties: list[TiedWeight] = []
@@ -113,11 +113,12 @@ class TiedWeights:
             ranks = sorted({stage_rank(s) for s in holders})
             tie = TiedWeight(names, ranks, stages)
             if len(ranks) > 1:
-                for pp_group in layout.axis_groups("pp"):
-                    members = [pp_group[r] for r in ranks]
-                    group = layout.own_group("tie", members)
-                    if group is not None:
-                        tie.group, tie.group_ranks = group, members
+                # one kind of group: the tie's pp ranks in every pp group of the mesh
+                lists = [[pp_group[r] for r in ranks] for pp_group in layout.axis_groups("pp")]
+                key = tuple(ranks)
+                tie.group = layout.own_groups("tie", {key: lists})[key]
+                if tie.group is not None:
+                    tie.group_ranks = next(members for members in lists if layout.rank in members)
             self.ties.append(tie)
         self._earlier_grads: list[list[torch.Tensor | None]] = []  # per tie, per local copy
 

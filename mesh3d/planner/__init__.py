@@ -7,10 +7,12 @@
 `Plan` is one ranked row (its MemoryBreakdown included); `Hardware` (HARDWARE: the named ones,
 with their CollectiveTimes) describes the machine. `predict_memory` is the prediction for the layout
 a run is on, said beside its first measured peak (`MemoryPrediction`; `wants_prediction`: on CUDA by
-default). See docs/plan.md for the model's terms and its
-validation against published runs.
+default). `dry_run` plays sampled ranks of a job of any size on this CPU, the real setup and step
+under torch's fake process group, each rank's `RankReport` beside the planner's bytes ("Before you
+rent"). See docs/plan.md for the model's terms and its validation against published runs.
 """
 
+from mesh3d.planner.fake_cluster import RankReport, dry_run
 from mesh3d.planner.hardware import HARDWARE, CollectiveTimes, Hardware
 from mesh3d.planner.planned_layout import Plan
 from mesh3d.planner.predict.memory import MemoryBreakdown
@@ -24,6 +26,8 @@ __all__ = [
     "MemoryBreakdown",
     "MemoryPrediction",
     "Plan",
+    "RankReport",
+    "dry_run",
     "plan",
     "predict_memory",
     "wants_prediction",

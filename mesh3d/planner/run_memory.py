@@ -25,6 +25,7 @@ from mesh3d.mesh import Layout
 from mesh3d.parallelize import parallelize
 from mesh3d.pipeline.schedule.catalog import default_microbatches, default_virtual_stages
 from mesh3d.planner.measure.measured_stages import planner_anatomy
+from mesh3d.planner.planned_layout import Plan
 from mesh3d.planner.ranking import plan
 from mesh3d.train.step_memory import GIB, MemoryPeak, resident_peak_bytes
 
@@ -61,6 +62,24 @@ def predict_memory(
     these `parallelize` keywords. It measures the model (seconds; on one rank is enough, every
     rank gets the same figure)."""
     baseline = resident_peak_bytes() if layout.device.type == "cpu" else None
+    try:
+        planned = plan_for_layout(model, layout, seq_len=seq_len, global_batch=global_batch, **parallelize_kwargs)
+    except Exception as error:  # noqa: BLE001 - a prediction that cannot be made is said, never raised
+        return MemoryPrediction(None, f"{type(error).__name__}: {str(error).splitlines()[0]}", baseline)
+    return MemoryPrediction(planned.memory_per_rank.total, "", baseline)
+
+
+def plan_for_layout(
+    model: nn.Module,
+    layout: Layout,
+    *,
+    seq_len: int,
+    global_batch: int,
+    gpus_per_node: int | None = None,
+    **parallelize_kwargs,
+) -> Plan:
+    """`mesh3d.plan`'s Plan for exactly this layout and these `parallelize` keywords (every choice
+    pinned). gpus_per_node: default torchrun's LOCAL_WORLD_SIZE, else the world."""
     defaults = {name: p.default for name, p in inspect.signature(parallelize).parameters.items()}
     given = {**{k: defaults[k] for k in _PINNED}, **parallelize_kwargs}  # what parallelize will run
     fix = {k: given[k] for k in _PINNED if given[k] is not None}  # None: parallelize's catalog decides
@@ -68,23 +87,22 @@ def predict_memory(
     fix["param_dtype"] = given.get("param_dtype", defaults["param_dtype"])
     if given.get("reshard_after_forward") is not None:
         fix["reshard_after_forward"] = given["reshard_after_forward"]
-    try:
-        _pin_defaults(fix, model, seq_len)
-        plans = plan(
-            model,
-            gpus=layout.world_size,
-            gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size)),
-            seq_len=seq_len,
-            global_batch=global_batch,
-            memory_limit=2**60,  # say what it needs, whatever the device holds
-            fix=fix,
-            tie_band=0,
-            split_points=given.get("split_points"),
-            layers_per_stage=given.get("layers_per_stage"),
-        )
-    except Exception as error:  # noqa: BLE001 - a prediction that cannot be made is said, never raised
-        return MemoryPrediction(None, f"{type(error).__name__}: {str(error).splitlines()[0]}", baseline)
-    return MemoryPrediction(plans[0].memory_per_rank.total, "", baseline)
+    if gpus_per_node is None:
+        gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
+    _pin_defaults(fix, model, seq_len)
+    plans = plan(
+        model,
+        gpus=layout.world_size,
+        gpus_per_node=gpus_per_node,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        memory_limit=2**60,  # say what it needs, whatever the device holds
+        fix=fix,
+        tie_band=0,
+        split_points=given.get("split_points"),
+        layers_per_stage=given.get("layers_per_stage"),
+    )
+    return plans[0]
 
 
 def _pin_defaults(fix: dict, model: nn.Module, seq_len: int) -> None:

@@ -1,0 +1,95 @@
+"""Process groups made by kind: one world-wide call per kind of group, not one per group.
+
+A kind is a set of member lists that never overlap: every pp group of the mesh, or one pipeline
+channel (pp positions i and j) in every pp group. `dist.new_group` is a call every rank of the
+world makes for every group, members or not, so a mesh's groups cost each rank a call per group of
+the whole world (33,920 at 16,384 ranks, issue 66) and, with NCCL's eager init, a communicator split
+each. Here a kind costs one call:
+
+- where the default group can be split (NCCL bound to a device, as build_mesh starts it on GPUs),
+  `dist.split_group` over the kind's lists: one collective per kind, as DeviceMesh does per dim;
+- elsewhere (gloo, torch's fake group of a dry run) each rank creates only its own list's group,
+  synchronized among its members alone (`use_local_synchronization`): no world-wide call at all.
+
+Kinds whose ranks do not overlap share one round (one call). torch names a member-synchronized
+group by its ranks and by how many groups this process has made before, so members must have made
+equally many: in each round a rank outside every list makes a group of itself alone (a few, never
+used, no connection), and every rank goes through the same rounds in the same order, which also
+keeps the members of each group arriving together (no rank waits on a group a member has yet to
+reach).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def can_split() -> bool:
+    """Whether the default group can be split into subgroups (torch's condition for split_group:
+    a communicator bound to a device, eagerly made)."""
+    default = dist.distributed_c10d._get_default_group()
+    return getattr(default, "bound_device_id", None) is not None and torch.accelerator.is_available()
+
+
+def rounds(kinds: dict[Hashable, Sequence[Sequence[int]]]) -> list[list[Hashable]]:
+    """The kinds in rounds whose ranks never overlap, in the order given (first fit)."""
+    placed: list[tuple[set[int], list[Hashable]]] = []
+    for key, lists in kinds.items():
+        ranks = {r for members in lists for r in members}
+        if sum(len(members) for members in lists) != len(ranks):
+            raise ValueError(f"group kind {key!r}: its member lists overlap ({list(lists)[:4]}...)")
+        for used, keys in placed:
+            if not used & ranks:
+                used |= ranks
+                keys.append(key)
+                break
+        else:
+            placed.append((ranks, [key]))
+    return [keys for _, keys in placed]
+
+
+def groups_by_kind(
+    kinds: dict[Hashable, Sequence[Sequence[int]]],
+    timeout: timedelta,
+    describe: str,
+    backend: str | None = None,
+    options: object | None = None,
+) -> dict[Hashable, dist.ProcessGroup | None]:
+    """This rank's group of each kind (None where it is in none of the kind's lists).
+
+    Every rank of the world must call this with the same kinds in the same order. `describe`
+    names the groups (NCCL's watchdog lines, flight-recorder dumps); `backend`/`options` as for
+    `dist.new_group`.
+    """
+    rank = dist.get_rank()
+    mine: dict[Hashable, dist.ProcessGroup | None] = dict.fromkeys(kinds)
+    for keys in rounds(kinds):
+        lists = [sorted(members) for key in keys for members in kinds[key]]
+        if can_split():
+            group = dist.split_group(split_ranks=lists, timeout=timeout, pg_options=options, group_desc=describe)
+        else:
+            own = next((members for members in lists if rank in members), None)
+            # outside every list: a group of this rank alone keeps its count of groups in step (above)
+            group = dist.new_group(
+                own or [rank],
+                timeout=timeout,
+                backend=backend,
+                pg_options=options,
+                use_local_synchronization=True,
+                group_desc=describe,
+            )
+            group = group if own is not None else None
+        for key in keys:
+            if any(rank in members for members in kinds[key]):
+                mine[key] = group
+    return mine
+
+
+def axis_lists(shape: Sequence[int], axis: int) -> list[list[int]]:
+    """The member lists of a mesh dim: global ranks in row-major order, one list per other coordinate."""
+    ranks = torch.arange(int(torch.tensor(shape).prod())).reshape(tuple(shape)).movedim(axis, -1)
+    return ranks.reshape(-1, shape[axis]).tolist()

@@ -1,0 +1,39 @@
+"""The planner held to the real code at 1,024 ranks (issue 66): for one layout per axis mix, the
+planner's parameter, gradient and optimizer bytes for a rank's pp rank equal what that rank holds
+in a dry run (mesh3d.dry_run: build_mesh, parallelize and two AdamW steps under torch's fake
+process group). One sampled rank per layout: the first of a middle stage (dp, cp and tp rank 0),
+the fullest of its stage, which is the rank the planner's figure for a pp rank describes (FSDP's
+padded shards leave later dp ranks less, with a tiny model none at all).
+"""
+
+import functools
+
+import pytest
+from dry_run_cases import SEQ_LEN, model
+
+import mesh3d
+
+# (pp, dp, cp, tp) at 1,024 ranks, one per axis mix: pp x dp x tp, more pp, dp x tp alone, with cp
+LAYOUTS = [(8, 16, 1, 8), (16, 8, 1, 8), (1, 128, 1, 8), (4, 16, 2, 8)]
+
+
+@pytest.mark.parametrize("pp, dp, cp, tp", LAYOUTS)
+def test_planner_bytes_equal_the_dry_run_at_1024_ranks(pp, dp, cp, tp):
+    stage = 1024 // pp
+    rank = (pp // 2) * stage
+    (report,) = mesh3d.dry_run(
+        functools.partial(model, False),
+        1024,
+        [rank],
+        pp=pp,
+        dp=dp,
+        cp=cp,
+        tp=tp,
+        seq_len=SEQ_LEN,
+        global_batch=2 * dp * max(pp, 2),
+        timeout=900,
+    )
+    assert not report.predicted_why_not, report.text()
+    held = {"parameters": report.parameter_bytes, "gradients": report.gradient_bytes}
+    held["optimizer"] = report.optimizer_bytes
+    assert report.predicted == held, report.text()
