@@ -93,7 +93,7 @@ def test_a_list_that_breaks_nccls_order_is_caught_by_name():
         run_on_ranks(_hoisted_step, 2, timeout=120, env={nccl_rules.TIMEOUT_ENV: "8"})
     text = str(caught.value)
     assert "NCCLOrderDeadlock" in text, text
-    assert "on communicator 'mesh3d pipeline forward ranks 0,1'" in text, text
+    assert "on communicator 'mesh3d pipeline' (global ranks [0, 1])" in text, text
     assert "the operation at the head is #" in text and "recv of" in text, text
 
 
