@@ -319,12 +319,14 @@ class ParallelModel:
             self._runtime.never_drain.restart_rule()
 
     def discard_in_flight(self) -> None:
-        """Before weights are replaced under a never-drain schedule: drop what the calls left in
-        flight (backwards not run, gradients not applied: the weights coming in replace them) and
-        forget an earlier failure. Local to each rank: no message is pending between calls. After a
-        failed call with pp > 1 it raises instead: that call's posted receives and sends between the
-        pipeline ranks stay in the process group (neither gloo nor NCCL withdraws them) and would
-        take the next run's messages."""
+        """Before weights are replaced: forget the last call's device checks not yet judged
+        (late_verdicts.py: the weights coming in replace what that call did) and, under a
+        never-drain schedule, drop what the calls left in flight (backwards not run, gradients not
+        applied) and forget an earlier failure. Local to each rank: no message is pending between
+        calls. After a failed never-drain call with pp > 1 it raises instead: that call's posted
+        receives and sends between the pipeline ranks stay in the process group (neither gloo nor
+        NCCL withdraws them) and would take the next run's messages."""
+        self._pipelined.discard_late_verdicts()
         if not self.never_drains:
             return
         if self._runtime.never_drain.failed is not None and self.layout.pp > 1:

@@ -139,7 +139,7 @@ def load(
     finish_previous()  # an async_save in flight is published (or raised) before anything is read
     path = Path(path)
     layout = pm.layout
-    pm.discard_in_flight()  # a never-drain schedule: what is in flight is replaced by what is loaded
+    pm.discard_in_flight()  # what the last calls left (late checks, a never-drain flight) is replaced
     train_state, metadata = read_whole(path)  # DamagedCheckpoint on every rank before any tensor is read
     created, state, error = [], None, None
     try:

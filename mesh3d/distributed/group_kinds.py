@@ -7,7 +7,8 @@ the whole world (33,920 at 16,384 ranks, issue 66) and, with NCCL's eager init, 
 each. Here a kind costs one call:
 
 - where the default group can be split (NCCL bound to a device, as build_mesh starts it on GPUs),
-  `dist.split_group` over the kind's lists: one collective per kind, as DeviceMesh does per dim;
+  `dist.split_group` over the kind's lists: one collective per kind, as DeviceMesh does per dim,
+  a rank outside every list given a list of its own (below);
 - elsewhere (gloo, torch's fake group of a dry run) each rank creates only its own list's group,
   synchronized among its members alone (`use_local_synchronization`): no world-wide call at all.
 
@@ -70,7 +71,13 @@ def groups_by_kind(
     for keys in rounds(kinds):
         lists = [sorted(members) for key in keys for members in kinds[key]]
         if can_split():
-            group = dist.split_group(split_ranks=lists, timeout=timeout, pg_options=options, group_desc=describe)
+            # every rank in some list, as on the other path: torch names a split group by how many
+            # groups this process made before, so a rank left out would name its later groups
+            # apart from their other members, whose NCCL rendezvous would then never meet
+            covered = {r for members in lists for r in members}
+            padded = lists + [[r] for r in range(dist.get_world_size()) if r not in covered]
+            group = dist.split_group(split_ranks=padded, timeout=timeout, pg_options=options, group_desc=describe)
+            group = group if rank in covered else None
         else:
             own = next((members for members in lists if rank in members), None)
             # outside every list: a group of this rank alone keeps its count of groups in step (above)

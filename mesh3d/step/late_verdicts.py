@@ -72,6 +72,10 @@ class LateVerdicts:
         if previous is not None:
             previous.read()
 
+    def discard(self) -> None:
+        """Forget the held verdict unjudged: the weights it was about are being replaced (a load)."""
+        self._held = None
+
     def judge_now(self) -> None:
         """Judge the held verdict at once (the host waits for the call that made it), on every rank."""
         held, self._held = self._held, None

@@ -165,6 +165,10 @@ class PipelinedStep:
         with marked if marked is not None else contextlib.nullcontext():
             self._global_loss.late.judge_now()
 
+    def discard_late_verdicts(self) -> None:
+        """Forget the last call's device checks unjudged (its weights are being replaced)."""
+        self._global_loss.late.discard()
+
     def drop_partial_state(self) -> None:
         """What a call that stopped half-way leaves in data parallelism (unreduced gradients,
         gathered parameters) and in `.grad` (the never-drain state drops its own part)."""

@@ -32,3 +32,13 @@ def test_judge_now_reads_the_last_call_at_once():
     with pytest.raises(ValueError, match="faulty call"):
         late.judge_now()
     late.judge_now()  # judged once: a second flush raises nothing
+
+
+def test_a_verdict_discarded_before_a_load_is_never_raised():
+    """`pm.discard_in_flight` (checkpoint loads call it) forgets the held verdict: the weights it
+    was about are replaced, and the first call after the load judges only itself."""
+    late = LateVerdicts()
+    late.hold_and_judge_previous(torch.ones(1), _refuse)
+    late.discard()
+    late.hold_and_judge_previous(torch.zeros(1), _refuse)  # the previous (faulty) call is gone
+    late.judge_now()
