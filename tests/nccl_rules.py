@@ -105,10 +105,10 @@ class _Communicator:
         return number
 
     def submit(self, record: Issued, what: str, start: Callable[[], object]) -> _RulesWork:
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._serve, name=f"nccl-rules {self.name}", daemon=True)
-            self._worker.start()
-        with self.ready:
+        with self.ready:  # one worker, even if two threads (a background save's) share the group
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._serve, name=f"nccl-rules {self.name}", daemon=True)
+                self._worker.start()
             operation = _Operation(len(self.issued), what, start)
             self.issued.append(record)
             self.queue.append(operation)
@@ -181,14 +181,16 @@ class _Mode:
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self.communicators: dict[int, _Communicator] = {}
+        self.lock = threading.Lock()
         self.original = {name: getattr(c10d, name) for name in (*_POINT_TO_POINT, *_COLLECTIVES)}
         self.signatures = {name: inspect.signature(self.original[name]) for name in _COLLECTIVES}
 
     def communicator(self, group: dist.ProcessGroup | None) -> _Communicator:
         group = group if group is not None else c10d._get_default_group()
-        found = self.communicators.get(id(group))
-        if found is None:
-            found = self.communicators[id(group)] = _Communicator(group, self.timeout_s)
+        with self.lock:
+            found = self.communicators.get(id(group))
+            if found is None:
+                found = self.communicators[id(group)] = _Communicator(group, self.timeout_s)
         return found
 
     def point_to_point(self, op: str, tensor: torch.Tensor, peer, group, tag, group_peer) -> _RulesWork | None:
