@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 # Run as a script, the repository root is not on sys.path; the example imports itself as a package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -120,10 +121,13 @@ def set_up(args):
     dataset, heldout = build_datasets(args, tokenizer)
     # By dp rank: the ranks of a cp group load the same rows, and pm.step cuts each sequence over them.
     loader = DistributedLoader.for_layout(dataset, args.global_batch, layout, seed=args.seed)
-    optimizer = pm.optimizer if pm.never_drains else build_optimizer(pm.parameters(), args, fused=True)
+    # fused (its step takes found_inf: a non-finite step skipped on the device) unless the parameters mix
+    # plain tensors and DTensors, which torch's fused kernel refuses (a Hugging Face TP plan's replicated norms)
+    fused = not pm.never_drains and len({isinstance(p, DTensor) for p in pm.parameters()}) <= 1
+    optimizer = pm.optimizer if pm.never_drains else build_optimizer(pm.parameters(), args, fused=fused)
     say = (lambda line: print(line, flush=True)) if layout.rank == 0 else (lambda line: None)
     start_step, origin, resumed = restore(args, pm, optimizer, loader, say)
-    if not pm.never_drains:  # how the update is computed, not what: an unfused AdamW's checkpoint resumes fused
+    if fused:  # how the update is computed, not what: an unfused AdamW's checkpoint resumes fused
         for group in optimizer.param_groups:
             group["fused"] = True
     say(run_summary(args, layout, pm, described, n_params, origin, tokenizer, dataset, heldout, loader))
@@ -186,7 +190,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             optimizer.zero_grad(set_to_none=True)
             loss = pm.step(inputs, targets, **per_sample(inputs))  # the global token-mean loss, unread
             grad_norm = pm.clip_grad_norm_(args.grad_clip if args.grad_clip > 0 else math.inf)  # NaN/Inf alike
-            skipped = guard.step(optimizer, grad_norm)  # the update skipped on the device where it is non-finite
+            if all(group.get("fused") for group in optimizer.param_groups):
+                skipped = guard.step(optimizer, grad_norm)  # the update skipped on the device where it is non-finite
+            else:
+                skipped = guard.step_on_host(optimizer, grad_norm)  # mixed tensor kinds: one read a step
         if args.expert_bias_rate and not bool(skipped):  # reads the loads (a collective) and the skip: a sync
             update_expert_bias(pm, pm.expert_load(), args.expert_bias_rate)
         terms = router_terms(pm.loss_term_tensors)  # a mixture's cross-entropy and router loss, unread

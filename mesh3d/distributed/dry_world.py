@@ -25,7 +25,8 @@ _told = False  # whether this process has said that it answers alone
 
 def is_dry_run() -> bool:
     """Whether the default process group is torch's fake one (no peer ever answers)."""
-    return dist.is_initialized() and FAKE_BACKEND in str(dist.get_backend())
+    world = dist.distributed_c10d.GroupMember.WORLD  # None before init_process_group
+    return world is not None and FAKE_BACKEND in str(dist.get_backend(world))
 
 
 def answers_alone() -> bool:

@@ -56,6 +56,15 @@ class DeviceStepGuard:
             optimizer.found_inf = None
         return bad
 
+    def step_on_host(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
+        """`step` for an optimizer that cannot take `found_inf`: the verdict read on the host, one
+        sync a step (torch's fused AdamW refuses a parameter list mixing plain tensors and DTensors,
+        as a Hugging Face TP plan leaves them); counted alike."""
+        bad = self.observe(grad_norm)
+        if not bool(bad):
+            optimizer.step()
+        return bad
+
     def observe(self, value: torch.Tensor) -> torch.Tensor:
         """Count `value` (a gradient norm, or a never-drain step's loss) as a bad step if NaN or Inf;
         the verdict (True: bad), unread."""
