@@ -204,6 +204,13 @@ class Layout:
             self._own_groups.update({(purpose, key): group for key, group in made.items()})
         return {key: self._own_groups[(purpose, key)] for key in kinds}
 
+    def own_group(self, purpose: str, members: list[int]) -> dist.ProcessGroup | None:
+        """A group over `members` (global ranks) that no other traffic shares: `own_groups` with one
+        kind of one list. Every rank asks for the same purposes and members in the same order;
+        None on ranks outside `members`."""
+        key = tuple(sorted(members))
+        return self.own_groups(purpose, {key: [list(key)]})[key]
+
     def __repr__(self) -> str:
         where = ", ".join(f"{dim} {getattr(self, f'{dim}_rank')}" for dim in self.dims)
         return (
