@@ -275,6 +275,22 @@ def build_parser(description: str | None = None) -> Parser:
         metavar="TOML",
         help="settings under the flags' long names with underscores; the command line overrides them",
     )
+    p.add_argument(
+        "--dry-run",
+        type=int,
+        default=None,
+        metavar="N",
+        help="play some ranks of an N-rank job of these flags on this CPU (mesh3d.dry_run, torch's fake process "
+        "group), print what each holds and sends beside the planner's figures, and exit (0: they agree)",
+    )
+    p.add_argument(
+        "--dry-run-ranks",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="RANK",
+        help="the ranks --dry-run plays (default: the first, a middle and the last of each pipeline stage)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here, as DIR/step<N>")
     p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (and after the last step)")

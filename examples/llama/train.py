@@ -23,7 +23,6 @@ losses instead of skipping updates).
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import sys
@@ -47,11 +46,13 @@ from examples.llama.checkpoints import (  # noqa: E402
     save_checkpoint,
 )
 from examples.llama.config_errors import agreed_errors_said_once, flags_of, reported_once  # noqa: E402
+from examples.llama.dry_run import dry_run_main  # noqa: E402
 from examples.llama.fault_injection import FaultInjection  # noqa: E402
 from examples.llama.metrics_log import open_step_logs  # noqa: E402
-from examples.llama.model import count_parameters, llama_tp_plan  # noqa: E402
+from examples.llama.model import count_parameters  # noqa: E402
 from examples.llama.model_choice import build_model  # noqa: E402
 from examples.llama.optimization import build_optimizer, lr_at  # noqa: E402
+from examples.llama.parallel_options import parallelize_options, planned_choices  # noqa: E402
 from examples.llama.placement import placement_report  # noqa: E402
 from examples.llama.profiling import StepProfiler  # noqa: E402
 from examples.llama.step_report import per_sample_inputs, router_terms, run_summary, step_line, step_record  # noqa: E402
@@ -90,34 +91,12 @@ def set_up(args):
     model, described = build_model(args, tokenizer)
     refuse_bad_token_ids(args, model)  # on meta still: before parallelize's start-up
     n_params, per_token = count_parameters(model), flops_per_token(model, args.seq_len)
-    # A never-drain schedule updates inside pm.step, so parallelize builds the optimizer (pm.optimizer).
-    inside = functools.partial(build_optimizer, args=args) if arguments.never_drains(args.schedule) else None
-    choices = dict(
-        schedule=args.schedule,
-        microbatches=args.microbatches,
-        virtual_stages=args.virtual_stages,
-        layers_per_stage=args.layers_per_stage,
-        activation_checkpoint=args.activation_checkpoint,
-        dp_mode=args.dp_mode,
-        param_dtype=arguments.PARAM_DTYPES[args.param_dtype],
-        compile=args.compile,
-        fused_loss=args.fused_loss,
-    )
+    choices = planned_choices(args)
     prediction = None  # the planner's memory for this layout, beside the first step's peak (rank 0)
     if wants_prediction(layout.device, args.predict_memory) and layout.rank == 0:
         prediction = predict_memory(model, layout, seq_len=args.seq_len, global_batch=args.global_batch, **choices)
-    pm = mesh3d.parallelize(
-        model,
-        layout,
-        **choices,
-        dp_shard=args.dp_shard,
-        # A Hugging Face model's plan is its own (its config's base_model_tp_plan)
-        tp_plan=None if args.hf_model else llama_tp_plan(loss_parallel=args.loss_parallel),
-        loss_parallel=args.loss_parallel,
-        float8=args.float8,
-        seed=args.seed,
-        optimizer=inside,
-    )  # the default loss: next-token cross-entropy over the global batch's counted tokens, any layout
+    # the default loss: next-token cross-entropy over the global batch's counted tokens, any layout
+    pm = mesh3d.parallelize(model, layout, **parallelize_options(args))
     dataset, heldout = build_datasets(args, tokenizer)
     # By dp rank: the ranks of a cp group load the same rows, and pm.step cuts each sequence over them.
     loader = DistributedLoader.for_layout(dataset, args.global_batch, layout, seed=args.seed)
@@ -149,6 +128,8 @@ def set_up(args):
 def main(argv: list[str] | None = None) -> list[dict]:
     with reported_once(flags_of(arguments.build_parser())):  # said once, by rank 0, in flags
         args = parse_args(argv)
+        if args.dry_run is not None:  # the job played on this CPU, no training (dry_run.py)
+            raise SystemExit(dry_run_main(args))
         layout, pm, optimizer, loader, evaluator, progress, resumed, per_sample, prediction = set_up(args)
     is_main = layout.rank == 0
     fault = FaultInjection.from_env(layout.rank)  # a test hook, off unless MESH3D_FAULT is set

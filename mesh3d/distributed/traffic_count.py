@@ -58,13 +58,31 @@ def _group_of(args: tuple) -> dist.ProcessGroup | None:
     return None
 
 
+def wire_bytes(op: str, given: int, ranks: int) -> float:
+    """The bytes a rank puts on the wire for one call of `op` whose input is `given` bytes, in a
+    group of `ranks`, by the ring algorithms NCCL runs (the planner's unit, planner/predict/): an
+    all-gather sends the others its part, a reduce-scatter (n-1)/n of its whole, an all-reduce
+    twice that, an all-to-all all but its own share; a send its message, a receive nothing."""
+    if op.startswith(("allgather", "_allgather", "all_gather")):
+        return (ranks - 1) * given
+    if op.startswith(("reduce_scatter", "_reduce_scatter", "all_to_all", "alltoall")):
+        return (ranks - 1) * given / ranks
+    if op.startswith(("allreduce", "all_reduce")):
+        return 2 * (ranks - 1) * given / ranks
+    if op.startswith("send"):
+        return given
+    return 0.0  # a receive, a broadcast's receivers...: nothing this rank sends of its own
+
+
 class TrafficCount(TorchDispatchMode):
     """While active, `counts[group kind][op] = [calls, bytes]`: the bytes of each call's input (what
-    this rank sends, or for a receive what it takes in)."""
+    this rank sends, or for a receive what it takes in); `sent[group kind]`: the bytes it put on
+    the wire (`wire_bytes`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+        self.sent: dict[str, float] = defaultdict(float)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name.split("::")[-1]
@@ -73,8 +91,10 @@ class TrafficCount(TorchDispatchMode):
             kind = group_kind(group) if group is not None else "unknown"
             sent = args[1] if name in _OUTPUT_FIRST else args[0]
             record = self.counts[kind][name]
+            given = sum(t.numel() * t.element_size() for t in tree_leaves(sent) if isinstance(t, torch.Tensor))
             record[0] += 1
-            record[1] += sum(t.numel() * t.element_size() for t in tree_leaves(sent) if isinstance(t, torch.Tensor))
+            record[1] += given
+            self.sent[kind] += wire_bytes(name, given, group.size() if group is not None else 1)
         return func(*args, **(kwargs or {}))
 
     def as_dict(self) -> dict[str, dict[str, tuple[int, int]]]:

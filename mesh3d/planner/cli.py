@@ -4,10 +4,12 @@ the best one wins.
     mesh3d-plan --model llama3-70b --gpus 256 --hardware h100 --seq-len 8192 --global-batch 512
     mesh3d-plan --model path/to/config.json --gpus 8 --fix pp=2 --fix schedule=1f1b --draw best.png
     mesh3d-plan --model llama3-8b --gpus 8 --layers-per-stage 0 16 16 0 --fix tp=1
+    mesh3d-plan --model config.json --gpus 1024 --verify --verify-ranks 0 515 1023
 
 Prints the ranked table (the top 10, or every plan with --all), then the terms of the step time
 and memory that separate the best plan from the runner-up. --draw writes the best plan's
-pipeline timeline, replayed with the costs the planner used.
+pipeline timeline, replayed with the costs the planner used. --verify dry-runs the best plan on this
+CPU (verify_plan.py) and exits 1 where the planner's bytes differ from what the code holds and sends.
 """
 
 from __future__ import annotations
@@ -96,6 +98,29 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="draw the best plan's pipeline timeline: an image (needs matplotlib: "
         "pip install 'mesh3d[draw]') or, for a .json path, a Chrome/Perfetto trace",
+    )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="dry-run the best plan on this CPU (mesh3d.dry_run: each played rank set up and stepped under torch's "
+        "fake process group) and check the planner's bytes of parameters, gradients, optimizer state and "
+        "traffic against it; exit 1 where they differ",
+    )
+    p.add_argument(
+        "--verify-ranks",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="RANK",
+        help="the ranks --verify plays (default: the first, a middle and the last of each pipeline stage)",
+    )
+    p.add_argument(
+        "--verify-seq-len",
+        type=int,
+        default=128,
+        metavar="TOKENS",
+        help="the sequence length --verify plays: each played rank's step runs for real on this CPU "
+        "(the planner is asked again at this length; held bytes do not depend on it)",
     )
     return p
 
@@ -242,7 +267,25 @@ def main(argv: list[str] | None = None) -> int:
         except (ImportError, OSError) as error:
             _fail(f"--draw {args.draw}: {error}")
         print(f"Drew #1's timeline to {args.draw}")
+    if args.verify:
+        return _verify(model, best, args)
     return 0
+
+
+def _verify(model, best: Plan, args: argparse.Namespace) -> int:
+    """--verify: the best plan dry-run and held to the planner; 0 when they agree, else 1."""
+    from mesh3d.planner.verify_plan import verdict, verify_plan
+
+    print(f"\nVerifying #1 on this CPU at seq_len {args.verify_seq_len} (mesh3d.dry_run) ...", flush=True)
+    try:
+        reports = verify_plan(model, best, args.gpus, args.global_batch, args.verify_seq_len, ranks=args.verify_ranks)
+    except (ValueError, RuntimeError) as error:
+        _fail(f"--verify: {error}")
+    for report in reports:
+        print(report.text())
+    agreed, line = verdict(reports)
+    print(line)
+    return 0 if agreed else 1
 
 
 if __name__ == "__main__":

@@ -37,9 +37,11 @@ class RankReport:
             split_group), torch's for a DeviceMesh included; member_creations: those made among
             their members alone; communicators: the process groups this rank is a member of.
         parameter_bytes, gradient_bytes, optimizer_bytes: this rank's local shards (exact).
-        traffic: the steps' collectives and messages: group kind -> op -> (calls, bytes sent).
+        traffic: the steps' collectives and messages: group kind -> op -> (calls, bytes given).
+        sent_per_step: the last step's bytes on the wire (ring algorithms), by group kind.
         predicted: the planner's bytes for this rank's pp rank (its fullest dp/tp rank):
-            "parameters", "gradients", "optimizer"; empty with `predicted_why_not` when it has none.
+            "parameters", "gradients", "optimizer", and "sent on <kind>" per step (unless
+            `traffic_why_not`); empty with `predicted_why_not` when it has none.
     """
 
     rank: int
@@ -53,8 +55,27 @@ class RankReport:
     gradient_bytes: int
     optimizer_bytes: int
     traffic: dict[str, dict[str, tuple[int, int]]]
+    sent_per_step: dict[str, int] = field(default_factory=dict)
     predicted: dict[str, int] = field(default_factory=dict)
     predicted_why_not: str = ""
+    traffic_why_not: str = ""
+
+    def mismatches(self) -> list[str]:
+        """Where the planner's figures and this rank's differ: a byte count this rank holds above
+        the planner's (a later dp rank may hold less: FSDP pads the first ranks' shards), or a
+        group kind whose bytes per step differ (every rank of a stage sends padded shards alike)."""
+        found = []
+        for what in ("parameters", "gradients", "optimizer"):
+            held, predicted = getattr(self, f"{what.removesuffix('s')}_bytes"), self.predicted.get(what)
+            fullest = all(at == 0 for dim, at in self.coordinate.items() if dim != "pp")
+            if predicted is not None and (held > predicted or (fullest and held != predicted)):
+                found.append(f"rank {self.rank} {what}: holds {held:,} bytes, the planner says {predicted:,}")
+        for key, predicted in self.predicted.items():
+            kind = key.removeprefix("sent on ")
+            if key.startswith("sent on ") and abs(self.sent_per_step.get(kind, 0) - predicted) > 1:
+                sent = self.sent_per_step.get(kind, 0)
+                found.append(f"rank {self.rank} sent on {kind}: {sent:,} bytes a step, the planner says {predicted:,}")
+        return found
 
     def text(self) -> str:
         """The report as lines a person reads."""
@@ -73,6 +94,12 @@ class RankReport:
         for kind, ops in sorted(self.traffic.items()):
             listed = ", ".join(f"{op} x{calls} {sent:,} B" for op, (calls, sent) in sorted(ops.items()))
             lines.append(f"  on {kind}: {listed}")
+        for kind, sent in sorted(self.sent_per_step.items()):
+            predicted = self.predicted.get(f"sent on {kind}")
+            beside = f"planner {predicted:,}" if predicted is not None else "planner: -"
+            lines.append(f"  sent on {kind} per step: {sent:,} bytes ({beside})")
+        if self.traffic_why_not:
+            lines.append(f"  planner: no traffic predicted ({self.traffic_why_not})")
         return "\n".join(lines)
 
 
@@ -118,7 +145,8 @@ def dry_run(
 
     Raises:
         ValueError: sizes that do not make `world_size`, a rank outside it.
-        RuntimeError: a rank that raised (its traceback) or did not finish in time.
+        ValueError: the same ValueError on every rank that failed (a setting parallelize refuses).
+        RuntimeError: a rank that raised otherwise (its traceback) or did not finish in time.
     """
     sizes = resolve_sizes(world_size, pp=pp, dp=dp, tp=tp, cp=cp, ep=ep)
     ranks = list(default_ranks(world_size, sizes["pp"]) if ranks is None else ranks)
@@ -170,6 +198,11 @@ def _run_processes(job: Job, ranks: list[int], at_once: int, timeout: float) -> 
     for rank, process in running.items():
         process.kill()
         failures[rank] = f"did not finish within {timeout:.0f} s (killed)"
+    user_errors = {why.rstrip().splitlines()[-1] for why in failures.values()}
+    if failures and len(user_errors) == 1 and next(iter(user_errors)).startswith("ValueError: "):
+        # the same bad setting on every failed rank (a tp that does not divide the heads...): the
+        # user's error as parallelize words it, once, not a traceback per rank
+        raise ValueError(next(iter(user_errors)).removeprefix("ValueError: "))
     if failures:
         told = "\n".join(f"--- rank {rank}:\n{why}" for rank, why in sorted(failures.items()))
         raise RuntimeError(f"dry_run: {len(failures)} of {len(ranks)} ranks failed\n{told}")
@@ -215,13 +248,16 @@ def measure_rank(job: Job, creations, start: float, **mesh_options) -> RankRepor
     traffic = TrafficCount()
     gradient_bytes = 0
     with traffic:
-        for _ in range(job.steps):
+        for step in range(job.steps):
+            if step == job.steps - 1:
+                before = dict(traffic.sent)
             pm.step(inputs, inputs)
             gradient_bytes = _bytes(p.grad for p in pm.parameters() if p.grad is not None)
             optimizer.step()
             optimizer.zero_grad()
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim()]
-    predicted, why_not = _predicted(job, layout) if job.predict else ({}, "")
+    predicted, why_not, traffic_why_not = _predicted(job, layout) if job.predict else ({}, "", "")
+    last_step = {kind: round(sent - before.get(kind, 0.0)) for kind, sent in traffic.sent.items()}
     return RankReport(
         rank=layout.rank,
         world_size=job.world_size,
@@ -234,8 +270,10 @@ def measure_rank(job: Job, creations, start: float, **mesh_options) -> RankRepor
         gradient_bytes=gradient_bytes,
         optimizer_bytes=_bytes(state),
         traffic=traffic.as_dict(),
+        sent_per_step={kind: sent for kind, sent in last_step.items() if sent},
         predicted=predicted,
         predicted_why_not=why_not,
+        traffic_why_not=traffic_why_not,
     )
 
 
@@ -245,14 +283,17 @@ def _bytes(tensors) -> int:
     return sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in tensors)
 
 
-def _predicted(job: Job, layout) -> tuple[dict[str, int], str]:
-    """The planner's parameter, gradient and optimizer bytes for this rank's pp rank."""
+def _predicted(job: Job, layout) -> tuple[dict[str, int], str, str]:
+    """The planner's parameter, gradient and optimizer bytes and the step's bytes sent for this
+    rank's pp rank; why it has none, and why no traffic."""
     from mesh3d.planner.run_memory import plan_for_layout
 
     try:
         kwargs = dict(seq_len=job.seq_len, global_batch=job.global_batch, gpus_per_node=min(8, job.world_size))
         plan = plan_for_layout(job.build_model(), layout, **kwargs, **job.parallelize_kwargs)
     except Exception as error:  # noqa: BLE001 - a prediction that cannot be made is said, never raised
-        return {}, f"{type(error).__name__}: {str(error).splitlines()[0]}"
+        return {}, f"{type(error).__name__}: {str(error).splitlines()[0]}", ""
     memory = plan.memory_by_pp_rank[layout.pp_rank] if plan.memory_by_pp_rank else plan.memory_per_rank
-    return {"parameters": memory.parameters, "gradients": memory.gradients, "optimizer": memory.optimizer}, ""
+    held = {"parameters": memory.parameters, "gradients": memory.gradients, "optimizer": memory.optimizer}
+    sent = plan.traffic_by_pp_rank[layout.pp_rank] if plan.traffic_by_pp_rank else {}
+    return {**held, **{f"sent on {kind}": round(b) for kind, b in sent.items()}}, "", plan.traffic_why_not

@@ -31,6 +31,7 @@ from mesh3d.planner.planned_layout import Plan
 from mesh3d.planner.predict.links import Links
 from mesh3d.planner.predict.memory import StagePlacement, rank_activations, rank_memory
 from mesh3d.planner.predict.step_time import step_time
+from mesh3d.planner.predict.traffic import rank_traffic, traffic_unpredicted
 from mesh3d.planner.search_space import (
     candidate_layouts,
     check_fix,
@@ -264,6 +265,8 @@ def plan(
         tokens = global_batch * seq_len / time.seconds / gpus
         model_flops = _model_flops_per_token(costs, n_blocks)
         mfu = model_flops * tokens / hw.peak_for(fp32)
+        traffic_why_not = traffic_unpredicted(place, cand["ep"])
+        traffic = () if traffic_why_not else tuple(rank_traffic(costs, r, place) for r in range(cand["pp"]))
         plans.append(
             Plan(
                 cand["pp"],
@@ -293,6 +296,8 @@ def plan(
                 cand["dp_shard"],
                 fused_loss=fused_loss,
                 layers_per_stage=None if layers_per_stage is None else tuple(layers_per_stage),
+                traffic_by_pp_rank=traffic,
+                traffic_why_not=traffic_why_not,
             )
         )
     if not plans:

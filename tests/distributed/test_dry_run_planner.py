@@ -1,5 +1,6 @@
 """The planner held to the real code at 1,024 ranks (issue 66): for one layout per axis mix, the
-planner's parameter, gradient and optimizer bytes for a rank's pp rank equal what that rank holds
+planner's parameter, gradient and optimizer bytes for a rank's pp rank equal what that rank holds,
+and its bytes a step on each kind of group (planner/predict/traffic.py) what that rank sends,
 in a dry run (mesh3d.dry_run: build_mesh, parallelize and two AdamW steps under torch's fake
 process group). One sampled rank per layout: the first of a middle stage (dp, cp and tp rank 0),
 the fullest of its stage, which is the rank the planner's figure for a pp rank describes (FSDP's
@@ -36,4 +37,9 @@ def test_planner_bytes_equal_the_dry_run_at_1024_ranks(pp, dp, cp, tp):
     assert not report.predicted_why_not, report.text()
     held = {"parameters": report.parameter_bytes, "gradients": report.gradient_bytes}
     held["optimizer"] = report.optimizer_bytes
-    assert report.predicted == held, report.text()
+    assert {k: report.predicted[k] for k in held} == held, report.text()
+    kinds = {"tp", "pipeline" if pp > 1 else "tp", "dp_cp" if cp > 1 else "dp"} | ({"cp"} if cp > 1 else set())
+    assert kinds <= set(report.sent_per_step), report.text()
+    for kind in kinds:
+        assert report.predicted[f"sent on {kind}"] == report.sent_per_step[kind], report.text()
+    assert not report.mismatches(), report.text()

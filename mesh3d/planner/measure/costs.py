@@ -82,6 +82,9 @@ class PartCosts:
     # backward and forward alone: memory-bound time beside the FLOPs; 0 under a fused kernel.
     score_bytes: float = 0.0
     forward_score_bytes: float = 0.0
+    # elements of its parameters a tp plan leaves replicated (a norm under sequence parallel): their
+    # gradients arrive as partial sums, all-reduced over tp once per step (tensor/gradients.py)
+    tp_replicated_elements: int = 0
 
     def minus(self, other: PartCosts, names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> PartCosts:
         return PartCosts(
@@ -96,6 +99,7 @@ class PartCosts:
             cp=self.cp.minus(other.cp),
             score_bytes=self.score_bytes - other.score_bytes,
             forward_score_bytes=self.forward_score_bytes - other.forward_score_bytes,
+            tp_replicated_elements=self.tp_replicated_elements - other.tp_replicated_elements,
         )
 
 

@@ -209,10 +209,17 @@ def _run_chain(
             cp=exchange,
             score_bytes=scores.total if scores else 0,
             forward_score_bytes=scores.forward if scores else 0,
+            tp_replicated_elements=sum(local_shard(p).numel() for p in own.parameters() if _tp_replicated(p)),
         )
         if not is_last:
             flow.hand_on(kind, out)
     return results, flow.sent_bytes("middle"), checkpointed
+
+
+def _tp_replicated(param: torch.Tensor) -> bool:
+    """A trainable parameter the tp plan made a DTensor without sharding it."""
+    placements = getattr(param, "placements", None)
+    return param.requires_grad and placements is not None and all(p.is_replicate() for p in placements)
 
 
 def _computed(stage: nn.Module, param_dtype: torch.dtype | None) -> nn.Module:

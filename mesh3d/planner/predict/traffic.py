@@ -1,0 +1,95 @@
+"""The bytes one rank puts on the wire in a step, by the kind of group they go over.
+
+The same unit as the dry run's count of what the code issues (distributed/traffic_count.py
+`wire_bytes`: ring algorithms), so a dry run holds these figures to the real code
+(tests/distributed/test_dry_run_planner.py):
+
+- "pipeline": a boundary message (a stage's output forward, its input's gradient back) for every
+  F and backward whose neighbour stage lives on another pp rank, from the schedule's own lists;
+- "tp": what the probe counted a part's tensor-parallel collectives sending (measure/meters.py
+  CollectiveBytes), per microbatch and part of this rank's stages, and once per step the
+  all-reduce of the partial gradients of the parameters the plan left replicated;
+- "cp": each attention call's K/V all-gathers (forward, and again in backward; each with the
+  call's verdict) and its fp32 dK/dV reduce-scatter (measure/context_parallel.py);
+- "dp", or "dp_cp" under cp (FSDP/DDP over dp x cp, torch's flattened dim): FSDP gathers each
+  module's padded shard and reduce-scatters its fp32 gradient once per step while the parameters
+  stay gathered (reshard_after_forward False, the default at pp > 1), or at each microbatch's
+  forward and backward when resharding; DDP all-reduces the fp32 gradients once per step; the
+  last stage's ranks sum the loss's token counts per microbatch over the same group.
+
+What it leaves out, said where it is returned: HSDP's replica all-reduce and expert parallelism's
+all-to-alls and expert groups (ep > 1), the agreements' few bytes over the world.
+"""
+
+from __future__ import annotations
+
+import math
+
+from mesh3d.pipeline.schedule.ir import BACKWARD_INPUT, Kind
+from mesh3d.planner.measure.costs import ModelCosts
+from mesh3d.planner.predict.memory import StagePlacement, _shard_rows, _stage_parts
+
+GRADIENT_BYTES = 4  # FSDP's and DDP's reduce dtype: fp32
+COUNT_BYTES = 8  # a pair loss's token count per microbatch (step/global_loss.py), int64
+
+
+def traffic_unpredicted(place: StagePlacement, ep: int) -> str:
+    """Why `rank_traffic` gives no figures for this layout ("" where it does)."""
+    if ep > 1:
+        return "expert parallelism's all-to-alls are not predicted per rank"
+    if place.replicas > 1:
+        return "HSDP's replica all-reduce is not predicted per rank"
+    return ""
+
+
+def rank_traffic(costs: ModelCosts, rank: int, place: StagePlacement) -> dict[str, float]:
+    """Bytes pp rank `rank` (its dp, cp and tp rank 0) sends in one step, by group kind."""
+    microbatches = place.schedule.microbatches
+    stages = place.schedule.local_stages(rank)
+    parts = [pc for s in stages for pc in _stage_parts(costs, s, place)]
+    sent = {"pipeline": _messages(place, rank) * costs.message_bytes * place.microbatch_size}
+    if costs.tp > 1:
+        replicated = sum(c * p.tp_replicated_elements for p, c in parts) * place.param_bytes
+        per_step = 2 * (costs.tp - 1) / costs.tp * replicated  # their partial gradients summed
+        sent["tp"] = microbatches * place.microbatch_size * sum(c * p.tp_bytes for p, c in parts) + per_step
+    if costs.cp > 1:
+        per_sequence = sum(c * (2 * p.cp.gathered_bytes + p.cp.reduced_bytes) for p, c in parts)
+        # each gather carries the call's verdict too: one element of the compute dtype, per microbatch
+        verdicts = sum(c * 2 * p.cp.calls * (costs.cp - 1) * p.cp.element_size for p, c in parts)
+        sent["cp"] = microbatches * (place.microbatch_size * per_sequence + verdicts)
+    if place.dp > 1:
+        counts = 0.0
+        if place.schedule.n_stages - 1 in stages:  # the loss's token counts per microbatch (int64), summed
+            counts = 2 * (place.dp - 1) / place.dp * microbatches * COUNT_BYTES
+        sent["dp_cp" if costs.cp > 1 else "dp"] = _data_parallel(costs, stages, place) + counts
+    return sent
+
+
+def _messages(place: StagePlacement, rank: int) -> int:
+    """Boundary messages this rank sends in a step: one per F whose next stage, and per backward
+    whose previous stage, is another rank's (stages on one rank hand over in memory)."""
+    schedule, last = place.schedule, place.schedule.n_stages - 1
+    count = 0
+    for action in schedule.actions[rank]:
+        if action.kind == Kind.F and action.stage < last:
+            count += schedule.stage_rank(action.stage + 1) != rank
+        elif action.kind in BACKWARD_INPUT and action.stage > 0:
+            count += schedule.stage_rank(action.stage - 1) != rank
+    return count
+
+
+def _data_parallel(costs: ModelCosts, stages: list[int], place: StagePlacement) -> float:
+    """FSDP's gathers and reduce-scatters, or DDP's all-reduces, of this rank's modules in a step."""
+    n = place.dp
+    held = sum(c * _shards(p, n, place) for s in stages for p, c in _stage_parts(costs, s, place))
+    if place.dp_mode == "ddp":
+        return 2 * (n - 1) / n * held * GRADIENT_BYTES
+    gathers = 2 * place.schedule.microbatches if place.reshards else 1  # resharding: each forward and backward
+    return (n - 1) * held * (gathers * place.compute_bytes + GRADIENT_BYTES)
+
+
+def _shards(part, n: int, place: StagePlacement) -> int:
+    """Elements of a part's parameters one rank holds (DDP: all of them, FSDP: its padded shard)."""
+    if place.dp_mode == "ddp":
+        return sum(math.prod(s) for s in part.param_shapes)
+    return sum(_shard_rows(s, n, "fsdp") for s in part.param_shapes)
