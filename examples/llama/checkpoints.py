@@ -16,7 +16,7 @@ from examples.llama.optimization import schedule_length, schedule_warning
 from examples.llama.run_config import args_as_record
 from examples.llama.text_data import tokenizer_file
 from mesh3d.checkpoint.train_state import read_train_state
-from mesh3d.data import DistributedLoader
+from mesh3d.data import DistributedLoader, write_byte_tokenizer
 from mesh3d.train import resume_from, resume_latest
 from mesh3d.train.resume import checkpoints_newest_first
 
@@ -161,12 +161,15 @@ def finish_checkpoint(pending: Pending | None, is_main: bool) -> None:
 def export_hf(pm, args, is_main: bool) -> None:
     """--export-hf: the model as Hugging Face safetensors and config.json (its eos_token_id the token
     that ended each training document), with the run's tokenizer.json beside them, so that
-    generate.py and transformers read the directory alone. The byte tokenizer has no file: a
-    byte-level run's export holds none, and generate.py reads it with bytes."""
+    generate.py and transformers read the directory alone. A byte-level run's is the byte
+    tokenizer's file (mesh3d.data.write_byte_tokenizer: the same ids); a --token-file run has none."""
     out = Path(args.export_hf)
     mesh3d.checkpoint.export_safetensors(pm, out)
+    if not is_main:
+        return
     tokenizer = None if args.token_file else tokenizer_file(args)
-    if is_main:
-        if tokenizer is not None and not (out / "tokenizer.json").resolve() == tokenizer.resolve():
-            shutil.copyfile(tokenizer, out / "tokenizer.json")
-        print(f"exported Hugging Face safetensors to {out}", flush=True)
+    if tokenizer is not None and (out / "tokenizer.json").resolve() != tokenizer.resolve():
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
+    elif tokenizer is None and not args.token_file:
+        write_byte_tokenizer(out)
+    print(f"exported Hugging Face safetensors to {out}", flush=True)

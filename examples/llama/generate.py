@@ -36,7 +36,7 @@ from examples.llama.kv_cache import KVCache  # noqa: E402
 from examples.llama.model import Transformer  # noqa: E402
 from examples.llama.sampling import Sampling, sample  # noqa: E402
 from examples.llama.trained_model import TrainedSource  # noqa: E402
-from mesh3d.data import ByteTokenizer, HFTokenizer  # noqa: E402
+from mesh3d.data import ByteTokenizer, open_tokenizer  # noqa: E402
 
 
 @torch.inference_mode()
@@ -116,14 +116,14 @@ def pick_tokenizer(path: str | None, source: TrainedSource, eos_token: str | Non
     end-of-document token from --eos-token, else the one training was given, else its own."""
     eos_token = eos_token or source.eos_token
     if path:
-        return HFTokenizer(path, eos_token=eos_token)
+        return open_tokenizer(path, eos_token=eos_token)
     if source.tokenizer_path is not None:
         if not source.tokenizer_path.exists():
             raise SystemExit(
                 f"{source.description} was trained with the tokenizer {source.tokenizer_path}, which is not there; "
                 "pass --tokenizer PATH"
             )
-        return HFTokenizer(source.tokenizer_path, eos_token=eos_token)
+        return open_tokenizer(source.tokenizer_path, eos_token=eos_token)  # a byte-level run's: ByteTokenizer
     return ByteTokenizer()
 
 

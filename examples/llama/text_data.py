@@ -25,10 +25,10 @@ from examples.llama.config import ModelArgs, padded_vocab_size
 from examples.llama.hf_model import hf_model_dir
 from mesh3d.data import (
     ByteTokenizer,
-    HFTokenizer,
     SampleSubset,
     TokenDataset,
     load_token_file,
+    open_tokenizer,
     split_heldout,
     stdlib_sources,
 )
@@ -63,7 +63,7 @@ def build_tokenizer(args: argparse.Namespace):
             )
         return ByteTokenizer()
     try:
-        return HFTokenizer(path, eos_token=args.eos_token)
+        return open_tokenizer(path, eos_token=args.eos_token)  # a byte-level run's export: the ByteTokenizer
     except NoEOSTokenError as e:
         raise SystemExit(e.explain("--eos-token TOKEN")) from None
 

@@ -6,8 +6,9 @@ another layout), --export-hf and --init-from-hf.
   losses as the uninterrupted run, and appends them to its metrics file, each row and progress
   line with the step's memory peak over the ranks and the rank it was on; `--profile` writes each
   rank's torch profiler trace of step 4.
-- `--steps 0 --export-hf` exports the initial weights; `--init-from-hf` of that export trains
-  with the same losses as the run initialized by seed.
+- `--steps 0 --export-hf` exports the initial weights and the byte tokenizer's tokenizer.json;
+  `--init-from-hf` of that export trains with the byte tokenizer and the same losses as the run
+  initialized by seed.
 - `--schedule pipedream_2bw` at pp=2 on 2 ranks (the optimizer inside the pipeline): evaluating,
   saving every 2 steps and exporting on the way; its step-2 checkpoint resumed by `--resume` (in
   one process: PipeDream-2BW's rule does not depend on the layout, and one launch is cheaper) gives
@@ -25,6 +26,7 @@ from test_torchrun import TIMEOUT_S, _assert_close, _losses
 from train_launch import run_train
 
 from examples.llama.optimization import lr_at
+from mesh3d.data import ByteTokenizer, HFTokenizer
 
 TRAIN = ["--seq-len", "32", "--global-batch", "8", "--log-every", "1", "--warmup", "10"]
 
@@ -94,13 +96,15 @@ def test_checkpoint_resume_export_and_init_from_hf(tmp_path):
     from_hf = tmp_path / "from_hf.jsonl"
     done = _run("--steps", "2", "--init-from-hf", str(initial), "--dp", "2", "--metrics", str(from_hf), torchrun=2)
     assert f"weights from {initial}" in done.stdout
+    assert f"tokenizer: {ByteTokenizer()!r}" in done.stdout  # the export's tokenizer.json, read as bytes
     _assert_close(_losses(from_hf), straight[:2])
 
 
 def test_resume_says_what_it_does_and_extends_a_run_on_its_schedule(tmp_path):
     """--resume with no checkpoint says it trains from scratch; raising --steps keeps the saved LR schedule
     (the lr goes on at its final value, no jump) and says so, appending to the metrics; resuming a finished run
-    says there is nothing to train, and still exports, its config.json naming the tokenizer's end token."""
+    says there is nothing to train, and still exports, its config.json naming the tokenizer's end token and
+    the byte tokenizer's tokenizer.json beside it."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     common = ["--n-layers", "2", "--warmup", "1", "--checkpoint-dir", str(ckpt), "--resume", "--metrics", str(metrics)]
     done = _run("--steps", "2", *common)
@@ -116,6 +120,9 @@ def test_resume_says_what_it_does_and_extends_a_run_on_its_schedule(tmp_path):
     assert "  loss " not in done.stdout and "saved checkpoint" not in done.stdout  # no step trained, none saved
     assert len(metrics.read_text().splitlines()) == 3
     assert json.loads((export / "config.json").read_text())["eos_token_id"] == 0  # the byte tokenizer's
+    # Its tokenizer beside it, read by the tokenizers library (HFTokenizer) as the byte tokenizer encodes.
+    sample = "def héllo():\n\treturn 'wörld 🤖'\x00Ā"
+    assert HFTokenizer(export).encode(sample).tolist() == ByteTokenizer().encode(sample).tolist()
 
 
 def test_resume_from_a_chosen_checkpoint(tmp_path):

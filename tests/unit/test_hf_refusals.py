@@ -12,6 +12,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from mesh3d.model.hugging_face.tp_plan import declared_tp_plan, translate_tp_plan
 from mesh3d.model.intake import anatomy_of
+from mesh3d.model.traced.anatomy import traced_anatomy
 from mesh3d.tensor.local_styles import ExpertsParallel, LatentKvProjection
 from mesh3d.tensor.plan import TensorParallelConfig
 
@@ -28,9 +29,18 @@ def test_granite_without_a_multiplier_is_taken():
     assert anatomy_of(hf_cases.meta_hf_model("granite", embedding_multiplier=1.0)).layers == "model.layers"
 
 
-def test_gpt2_without_a_pipeline_plan_is_refused_by_name():
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*base_model_pp_plan"):
-        anatomy_of(hf_cases.meta_hf_model("gpt2"))
+def test_gpt2_without_a_pipeline_plan_is_refused_with_why_it_cannot_be_traced():
+    """GPT-2 declares no base_model_pp_plan; the refusal says why the traced path cannot take it
+    either, and that reason is held against the traced path itself: its split falls inside
+    `transformer` (were mesh3d ever to trace it, this test says to open the path)."""
+    model = hf_cases.meta_hf_model("gpt2", use_cache=False)
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*base_model_pp_plan") as error:
+        anatomy_of(model, example_inputs=(tokens,))
+    assert "its blocks (transformer.h) run inside 'transformer', which the causal LM's forward calls" in str(error.value)
+    traced = traced_anatomy(model, (tokens,), ["transformer.h.1"])  # torch.export captures it whole
+    with pytest.raises(ValueError, match="a split point falls inside module 'transformer'"):
+        traced.traced.split(["transformer.h.1"])
 
 
 def test_an_untranslatable_tp_style_is_refused_only_under_tensor_parallelism():

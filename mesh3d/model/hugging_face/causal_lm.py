@@ -57,11 +57,7 @@ def hugging_face_anatomy(model: nn.Module) -> Anatomy:
         )
     pp_plan = getattr(config, "base_model_pp_plan", None)
     if not pp_plan:
-        raise ValueError(
-            f"{arch} ({config.model_type}): its config declares no base_model_pp_plan, so mesh3d cannot tell which "
-            "modules take and give what between stages; use an architecture that declares one, or write the model "
-            "to the mesh3d protocol (docs/model_protocol.md)"
-        )
+        raise ValueError(_no_plan_refusal(arch, config.model_type, prefix, base))
     names = list(pp_plan)
     blocks = [n for n in names if isinstance(getattr(base, n, None), nn.ModuleList)]
     if len(blocks) != 1:
@@ -98,6 +94,21 @@ def hugging_face_anatomy(model: nn.Module) -> Anatomy:
         router_aux=router_aux,
         expert_plan=expert_plan,
         expert_plan_refusal=expert_plan_refusal or "",
+    )
+
+
+def _no_plan_refusal(arch: str, model_type: str, prefix: str, base: nn.Module) -> str:
+    """Why an architecture without a `base_model_pp_plan` (GPT-2's) is refused, by either of the
+    two paths that could take it: stage by stage on its own forward, or traced."""
+    lists = [(name, len(m)) for name, m in base.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    blocks = f"{prefix}.{max(lists, key=lambda entry: entry[1])[0]}" if lists else f"a module inside {prefix!r}"
+    return (
+        f"{arch} ({model_type}): its config declares no base_model_pp_plan, so mesh3d cannot tell which modules "
+        "take and give what between stages of its own forward. Nor can it trace the model instead "
+        f"(example_inputs=): its blocks ({blocks}) run inside {prefix!r}, which the causal LM's forward calls as one "
+        "module, and a traced stage runs whole modules, so every split point would fall inside it. Use an "
+        "architecture that declares a base_model_pp_plan (docs/model_protocol.md lists them), or write the model "
+        "to the mesh3d protocol (docs/model_protocol.md has a complete example)"
     )
 
 
