@@ -106,6 +106,9 @@ def set_up(args):
     prediction = None  # the planner's memory for this layout, beside the first step's peak (rank 0)
     if wants_prediction(layout.device, args.predict_memory) and layout.rank == 0:
         prediction = predict_memory(model, layout, seq_len=args.seq_len, global_batch=args.global_batch, **choices)
+    # each rank's baseline: what it holds before parallelize builds the model (the interpreter, torch,
+    # the planner's measuring), so that a step's figure is the rise the planner predicts
+    memory = StepMemory(layout)
     pm = mesh3d.parallelize(
         model,
         layout,
@@ -142,14 +145,14 @@ def set_up(args):
     )
     per_sample = per_sample_inputs(args, tokenizer)
     evaluator = HeldOutEvaluator(heldout, args.global_batch, layout, args.eval_batches, per_sample) if heldout else None
-    return layout, pm, optimizer, loader, evaluator, progress, resumed, per_sample, prediction
+    return layout, pm, optimizer, loader, evaluator, progress, resumed, per_sample, prediction, memory
 
 
 @agreed_errors_said_once  # a bad batch pm.step found on some rank: one `error:` line, status 2 everywhere
 def main(argv: list[str] | None = None) -> list[dict]:
     with reported_once(flags_of(arguments.build_parser())):  # said once, by rank 0, in flags
         args = parse_args(argv)
-        layout, pm, optimizer, loader, evaluator, progress, resumed, per_sample, prediction = set_up(args)
+        layout, pm, optimizer, loader, evaluator, progress, resumed, per_sample, prediction, memory = set_up(args)
     is_main = layout.rank == 0
     fault = FaultInjection.from_env(layout.rank)  # a test hook, off unless MESH3D_FAULT is set
     if fault:
@@ -163,7 +166,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     history, restart = [], restart_count()  # which torchrun attempt
     last_saved = progress.start_step if resumed else None
     pending = None  # --async-checkpoint: the save being written in the background
-    memory = StepMemory(layout)  # a logging step's peak over the ranks, and which rank
     profiler = StepProfiler(args.profile, args.profile_steps, layout.rank, layout.device)  # --profile DIR, or off
     # Each step's loss, grad norm and skip, unread on the device until a logging step reads them all
     # at once: a step between logging steps waits for no device (torchtitan's rule).
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for log in logs:
                     log.write(record)
             if is_main and printing:
-                print(step_line(progress, record, seconds, peak), flush=True)
+                print(step_line(progress, record, seconds, peak, prediction), flush=True)
         profiler.after(step + 1)
         if logging:
             guard.raise_if_too_many(step + 1)  # after the step is logged, on every rank alike

@@ -20,9 +20,10 @@
   the experts' mean load after a step (`update_expert_bias`, from `pm.expert_load()`);
 - progress.py: the progress line (step, loss, lr, elapsed time, ETA, tokens/s, MFU) in human
   units (`Progress`, `human_count`, `human_duration`);
-- step_memory.py: each step's memory peak over every rank and the rank that holds it, CUDA's
-  allocated and reserved or the CPU's resident peak (`StepMemory`, `MemoryPeak`; the planner's
-  prediction to say beside it: `mesh3d.planner.predict_memory`).
+- step_memory.py: each step's memory over every rank, each rank's rise over what it held before the
+  model was built and the rank that rose most, CUDA's allocated and reserved or the CPU's resident
+  peak (`StepMemory`, `MemoryPeak`; the planner's prediction to say beside it:
+  `mesh3d.planner.predict_memory`).
 
 examples/llama/train.py composes them; a loop of your own can take any of them alone. They sit
 above the rest of mesh3d (they use checkpoint, data and a ParallelModel); no other room of mesh3d
