@@ -7,7 +7,7 @@ from examples.llama import arguments
 from examples.llama.run_config import effective_config_toml
 from mesh3d.data.documents import document_ids
 from mesh3d.planner import MemoryPrediction
-from mesh3d.train import MemoryPeak, Progress, human_count
+from mesh3d.train import MemoryPeak, Progress, human_count, imbalance_column
 
 
 def run_summary(args, layout, pm, model: str, n_params: int, origin: str, tokenizer, dataset, heldout, loader) -> str:
@@ -57,7 +57,7 @@ def step_line(
 ) -> str:
     """The progress line of a step's metrics `record`: loss, lr, time, memory (the largest rise over the
     ranks, beside the planner's figure for that rank where `prediction` was made), and where there are
-    they, the router loss's share, the held-out loss and a skipped update."""
+    they, the router loss's share, the experts' imbalance, the held-out loss and a skipped update."""
     evaluated = (
         f"  eval_loss {record['eval_loss']:.4f}  eval_ppl {record['eval_perplexity']:.2f}"
         if "eval_loss" in record
@@ -70,6 +70,7 @@ def step_line(
         progress.line(record["step"], record["loss"], record["lr"], record["grad_norm"], seconds)
         + f"  {peak.describe(prediction.planned_for(peak) if prediction else None)}"
         + router
+        + imbalance_column(record)
         + evaluated
         + ("  SKIPPED (non-finite gradient norm)" if record["skipped"] else "")
     )

@@ -18,6 +18,7 @@ SCALARS = {
     "memory_reserved_gib": "memory/reserved_gib",
     "cross_entropy": "train/cross_entropy",  # with a router loss: the loss's two parts
     "router_aux": "train/router_aux",
+    "expert_imbalance": "train/expert_imbalance",  # a mixture's worst block's max/mean load (logging steps)
     "eval_loss": "eval/loss",
     "eval_perplexity": "eval/perplexity",
 }

@@ -66,6 +66,7 @@ from mesh3d.train import (  # noqa: E402
     StepMemory,
     UnreadSteps,
     due,
+    expert_load_record,
     update_expert_bias,
 )
 from mesh3d.train.flops import device_name, flops_per_token, peak_flops  # noqa: E402
@@ -196,8 +197,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 skipped = guard.step(optimizer, grad_norm)  # the update skipped on the device where it is non-finite
             else:
                 skipped = guard.step_on_host(optimizer, grad_norm)  # mixed tensor kinds: one read a step
-        if args.expert_bias_rate and not bool(skipped):  # reads the loads (a collective) and the skip: a sync
-            update_expert_bias(pm, pm.expert_load(), args.expert_bias_rate)
+        loads = None  # a mixture's routed-token counts, read (a collective and a sync) where needed only
+        if args.expert_bias_rate and not bool(skipped):  # reads the loads and the skip: a sync each step
+            loads = pm.expert_load()
+            update_expert_bias(pm, loads, args.expert_bias_rate)
         terms = router_terms(pm.loss_term_tensors)  # a mixture's cross-entropy and router loss, unread
         elapsed = progress.elapsed()
         unread.add(step + 1, loss=loss, grad_norm=grad_norm, skipped=skipped, lr=lr, elapsed=elapsed, **terms)
@@ -206,6 +209,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             # the steps' time from the host's side, this read's wait for the device included: their mean
             seconds = (time.perf_counter() - window_start) / len(rows)
             peak = memory.gather()  # a collective, on logging steps: the same figure on every rank
+            # this step's expert loads ({} without experts, and no collective then): logging steps only
+            experts = expert_load_record(pm.expert_load() if loads is None else loads)
             first = prediction if step == progress.start_step else None  # the planner's figure, rank 0
             if first:
                 print(first.beside(peak), flush=True)
@@ -215,6 +220,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 record = step_record(*values, not row["skipped"], peak if here else None, first if here else None)
                 record.update({name: row[name] for name in ("cross_entropy", "router_aux") if name in row})
                 record["elapsed_s"] = row["elapsed"]  # when the host was done with that step
+                if here:
+                    record.update(experts)
                 if here and evaluating:
                     record.update(evaluator(pm))
                 history.append(record)
