@@ -6,7 +6,8 @@ from __future__ import annotations
 from examples.llama import arguments
 from examples.llama.run_config import effective_config_toml
 from mesh3d.data.documents import document_ids
-from mesh3d.train import MemoryPeak, Progress, human_count
+from mesh3d.planner import MemoryPrediction
+from mesh3d.train import MemoryPeak, Progress, human_count, imbalance_column
 
 
 def run_summary(args, layout, pm, model: str, n_params: int, origin: str, tokenizer, dataset, heldout, loader) -> str:
@@ -25,8 +26,8 @@ def run_summary(args, layout, pm, model: str, n_params: int, origin: str, tokeni
 
 def step_record(step, loss, lr, grad_norm, seconds, progress, args, restart, stepped, peak, prediction) -> dict:
     """A step's metrics row (the JSONL line, TensorBoard's and W&B's scalars): what it did, its
-    speed, its memory peak (logging steps only: `peak` None elsewhere), and on the first step of a
-    run the planner's prediction, where made."""
+    speed, its memory (logging steps only: `peak` None elsewhere; every rank's rise), and on the
+    first step of a run the planner's prediction, where made (the fullest rank's and every rank's)."""
     return {
         "step": step,
         "loss": loss,
@@ -40,7 +41,7 @@ def step_record(step, loss, lr, grad_norm, seconds, progress, args, restart, ste
         "skipped": not stepped,
         "tokens": step * progress.tokens_per_step,
         **(peak.as_record() if peak is not None else {}),
-        **(prediction.as_record() if prediction else {}),
+        **(prediction.as_record(peak) if prediction else {}),
     }
 
 
@@ -51,9 +52,12 @@ def router_terms(terms: dict) -> dict:
     return {"cross_entropy": terms["loss_fn"], "router_aux": terms["router_aux"]}
 
 
-def step_line(progress: Progress, record: dict, seconds: float, peak: MemoryPeak) -> str:
-    """The progress line of a step's metrics `record`: loss, lr, time, memory, and where there are
-    they, the router loss's share, the held-out loss and a skipped update."""
+def step_line(
+    progress: Progress, record: dict, seconds: float, peak: MemoryPeak, prediction: MemoryPrediction | None
+) -> str:
+    """The progress line of a step's metrics `record`: loss, lr, time, memory (the largest rise over the
+    ranks, beside the planner's figure for that rank where `prediction` was made), and where there are
+    they, the router loss's share, the experts' imbalance, the held-out loss and a skipped update."""
     evaluated = (
         f"  eval_loss {record['eval_loss']:.4f}  eval_ppl {record['eval_perplexity']:.2f}"
         if "eval_loss" in record
@@ -64,8 +68,9 @@ def step_line(progress: Progress, record: dict, seconds: float, peak: MemoryPeak
     )
     return (
         progress.line(record["step"], record["loss"], record["lr"], record["grad_norm"], seconds)
-        + f"  {peak.describe()}"
+        + f"  {peak.describe(prediction.planned_for(peak) if prediction else None)}"
         + router
+        + imbalance_column(record)
         + evaluated
         + ("  SKIPPED (non-finite gradient norm)" if record["skipped"] else "")
     )

@@ -13,10 +13,12 @@ SCALARS = {
     "lr": "train/lr",
     "grad_norm": "train/grad_norm",
     "tokens_per_s": "train/tokens_per_s",
-    "memory_peak_gib": "memory/peak_gib",  # the largest over the ranks (step_memory.py)
+    "memory_rise_gib": "memory/rise_gib",  # the largest rise over the ranks (step_memory.py)
+    "memory_peak_gib": "memory/peak_gib",  # that rank's peak
     "memory_reserved_gib": "memory/reserved_gib",
     "cross_entropy": "train/cross_entropy",  # with a router loss: the loss's two parts
     "router_aux": "train/router_aux",
+    "expert_imbalance": "train/expert_imbalance",  # a mixture's worst block's max/mean load (logging steps)
     "eval_loss": "eval/loss",
     "eval_perplexity": "eval/perplexity",
 }

@@ -67,6 +67,7 @@ from mesh3d.train import (  # noqa: E402
     StepMemory,
     UnreadSteps,
     due,
+    expert_load_record,
     update_expert_bias,
 )
 from mesh3d.train.flops import device_name, flops_per_token, peak_flops  # noqa: E402
@@ -95,6 +96,9 @@ def set_up(args):
     prediction = None  # the planner's memory for this layout, beside the first step's peak (rank 0)
     if wants_prediction(layout.device, args.predict_memory) and layout.rank == 0:
         prediction = predict_memory(model, layout, seq_len=args.seq_len, global_batch=args.global_batch, **choices)
+    # each rank's baseline: what it holds before parallelize builds the model (the interpreter, torch,
+    # the planner's measuring), so that a step's figure is the rise the planner predicts
+    memory = StepMemory(layout)
     # the default loss: next-token cross-entropy over the global batch's counted tokens, any layout
     pm = mesh3d.parallelize(model, layout, **parallelize_options(args))
     dataset, heldout = build_datasets(args, tokenizer)
@@ -121,7 +125,7 @@ def set_up(args):
     )
     per_sample = per_sample_inputs(args, tokenizer)
     evaluator = HeldOutEvaluator(heldout, args.global_batch, layout, args.eval_batches, per_sample) if heldout else None
-    return layout, pm, optimizer, loader, evaluator, progress, resumed, per_sample, prediction
+    return layout, pm, optimizer, loader, evaluator, progress, resumed, per_sample, prediction, memory
 
 
 @agreed_errors_said_once  # a bad batch pm.step found on some rank: one `error:` line, status 2 everywhere
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args = parse_args(argv)
         if args.dry_run is not None:  # the job played on this CPU, no training (dry_run.py)
             raise SystemExit(dry_run_main(args))
-        layout, pm, optimizer, loader, evaluator, progress, resumed, per_sample, prediction = set_up(args)
+        layout, pm, optimizer, loader, evaluator, progress, resumed, per_sample, prediction, memory = set_up(args)
     is_main = layout.rank == 0
     fault = FaultInjection.from_env(layout.rank)  # a test hook, off unless MESH3D_FAULT is set
     if fault:
@@ -144,7 +148,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     history, restart = [], restart_count()  # which torchrun attempt
     last_saved = progress.start_step if resumed else None
     pending = None  # --async-checkpoint: the save being written in the background
-    memory = StepMemory(layout)  # a logging step's peak over the ranks, and which rank
     profiler = StepProfiler(args.profile, args.profile_steps, layout.rank, layout.device)  # --profile DIR, or off
     # Each step's loss, grad norm and skip, unread on the device until a logging step reads them all
     # at once: a step between logging steps waits for no device (torchtitan's rule).
@@ -175,8 +178,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 skipped = guard.step(optimizer, grad_norm)  # the update skipped on the device where it is non-finite
             else:
                 skipped = guard.step_on_host(optimizer, grad_norm)  # mixed tensor kinds: one read a step
-        if args.expert_bias_rate and not bool(skipped):  # reads the loads (a collective) and the skip: a sync
-            update_expert_bias(pm, pm.expert_load(), args.expert_bias_rate)
+        loads = None  # a mixture's routed-token counts, read (a collective and a sync) where needed only
+        if args.expert_bias_rate and not bool(skipped):  # reads the loads and the skip: a sync each step
+            loads = pm.expert_load()
+            update_expert_bias(pm, loads, args.expert_bias_rate)
         terms = router_terms(pm.loss_term_tensors)  # a mixture's cross-entropy and router loss, unread
         elapsed = progress.elapsed()
         unread.add(step + 1, loss=loss, grad_norm=grad_norm, skipped=skipped, lr=lr, elapsed=elapsed, **terms)
@@ -185,6 +190,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             # the steps' time from the host's side, this read's wait for the device included: their mean
             seconds = (time.perf_counter() - window_start) / len(rows)
             peak = memory.gather()  # a collective, on logging steps: the same figure on every rank
+            # this step's expert loads ({} without experts, and no collective then): logging steps only
+            experts = expert_load_record(pm.expert_load() if loads is None else loads)
             first = prediction if step == progress.start_step else None  # the planner's figure, rank 0
             if first:
                 print(first.beside(peak), flush=True)
@@ -194,13 +201,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 record = step_record(*values, not row["skipped"], peak if here else None, first if here else None)
                 record.update({name: row[name] for name in ("cross_entropy", "router_aux") if name in row})
                 record["elapsed_s"] = row["elapsed"]  # when the host was done with that step
+                if here:
+                    record.update(experts)
                 if here and evaluating:
                     record.update(evaluator(pm))
                 history.append(record)
                 for log in logs:
                     log.write(record)
             if is_main and printing:
-                print(step_line(progress, record, seconds, peak), flush=True)
+                print(step_line(progress, record, seconds, peak, prediction), flush=True)
         profiler.after(step + 1)
         if logging:
             guard.raise_if_too_many(step + 1)  # after the step is logged, on every rank alike

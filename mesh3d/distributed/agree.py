@@ -58,10 +58,10 @@ def gather_or_raise(value: Any = None, error: str | None = None, group: dist.Pro
             text = message if rank == here else f"{message} (found on rank {rank})"
             code = getattr(message, "errno", None)
             if code is None:
-                raise agreed(ValueError(text))
+                raise agreed(ValueError(text), found_on=rank)
             error = OSError(text)
             error.errno = code
-            raise agreed(error)
+            raise agreed(error, found_on=rank)
     return [v for v, _ in everyone]
 
 
@@ -110,8 +110,8 @@ def from_first_rank(compute: Callable[[], Any], meanwhile: Callable[[], object] 
     for rank, (_, told) in enumerate(everyone):
         if told is not None:
             if rank == here:
-                raise agreed(failure)
-            raise agreed(_rebuilt(*told, f" (found on rank {rank})" if rank else "")) from failure
+                raise agreed(failure, found_on=rank)
+            raise agreed(_rebuilt(*told, f" (found on rank {rank})" if rank else ""), found_on=rank) from failure
     return everyone[0][0]
 
 

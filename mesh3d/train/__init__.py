@@ -18,11 +18,15 @@
   (`mfu`);
 - expert_bias.py: DeepSeek-V3's auxiliary-loss-free balancing, each router's bias moved toward
   the experts' mean load after a step (`update_expert_bias`, from `pm.expert_load()`);
+- expert_load_record.py: a mixture's loads (`pm.expert_load()`) as a metrics row's columns (every
+  block's tokens per expert, the worst block's max/mean) and a progress line's column
+  (`expert_load_record`, `imbalance_column`);
 - progress.py: the progress line (step, loss, lr, elapsed time, ETA, tokens/s, MFU) in human
   units (`Progress`, `human_count`, `human_duration`);
-- step_memory.py: each step's memory peak over every rank and the rank that holds it, CUDA's
-  allocated and reserved or the CPU's resident peak (`StepMemory`, `MemoryPeak`; the planner's
-  prediction to say beside it: `mesh3d.planner.predict_memory`).
+- step_memory.py: each step's memory over every rank, each rank's rise over what it held before the
+  model was built and the rank that rose most, CUDA's allocated and reserved or the CPU's resident
+  peak (`StepMemory`, `MemoryPeak`; the planner's prediction to say beside it:
+  `mesh3d.planner.predict_memory`).
 
 examples/llama/train.py composes them; a loop of your own can take any of them alone. They sit
 above the rest of mesh3d (they use checkpoint, data and a ParallelModel); no other room of mesh3d
@@ -31,6 +35,7 @@ imports them (only the package face, `mesh3d.train`).
 
 from mesh3d.train.device_step_guard import DeviceStepGuard
 from mesh3d.train.expert_bias import update_expert_bias
+from mesh3d.train.expert_load_record import expert_load_record, imbalance_column
 from mesh3d.train.flops import flops_per_token, mfu, peak_flops
 from mesh3d.train.heldout_eval import HeldOutEvaluator, due
 from mesh3d.train.nonfinite_steps import BadLossGuard, BadStepGuard, TooManyBadSteps
@@ -51,9 +56,11 @@ __all__ = [
     "UnreadSteps",
     "checkpoints_newest_first",
     "due",
+    "expert_load_record",
     "flops_per_token",
     "human_count",
     "human_duration",
+    "imbalance_column",
     "mfu",
     "peak_flops",
     "resume_from",

@@ -13,16 +13,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import sys
 
 import torch
 from checkpoint_cases import full_state, worst_relative_error
 from multiprocess import run_on_ranks
 from pipeline_cases import LR, MAX_NORM, TOLERANCE, VOCAB, batches, meta_model, tp_args
 from rank_errors import messages_of
+from rank_errors import raised as raised_by
 
 import mesh3d
 from examples.llama.config_errors import agreed_errors_said_once
 from examples.llama.model import loss_fn
+from mesh3d.distributed.printed_once import _hook
 
 # name -> (the rank that holds the bad batch, or None for all, what the message must say)
 CASES = {
@@ -109,31 +112,42 @@ def test_bad_batches_are_refused_on_every_rank():
         assert error <= TOLERANCE, (error, at)
 
 
-def _bad_id_on_dp_rank_1() -> tuple[str | None, int, str]:
+def _bad_id_on_dp_rank_1() -> tuple[str | None, int, str, str]:
     """dp=2, 4 rows per rank: rank 1's row 1 holds the bad id, which is row 5 of the global batch.
     The error as pm.step raises it; then as train.py says it (its `main`'s decorator): the exit
-    status and what this rank wrote to stderr."""
+    status and what this rank wrote to stderr; last, what build_mesh's excepthook would print of it
+    (printed_once.py) in a user's own script."""
     layout = mesh3d.build_mesh(pp=1, dp=2, tp=1)
     pm = mesh3d.parallelize(meta_model(False, n_layers=2), layout, loss_fn=loss_fn, microbatches=1)
     inputs, targets = batches(4)[0]
     if layout.dp_rank == 1:
         inputs = inputs.clone()
         inputs[1, 3] = VOCAB
-    raised = messages_of({"step": functools.partial(pm.step, inputs, targets)})["step"]
+    error = raised_by(functools.partial(pm.step, inputs, targets))
+    hooked = io.StringIO()
+    with contextlib.redirect_stderr(hooked):
+        _hook(lambda kind, error, traceback: print(f"traceback of {kind.__name__}", file=sys.stderr), layout.rank)(
+            type(error), error, None
+        )
+    raised = f"{type(error).__name__}: {error}"
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
         try:
             agreed_errors_said_once(pm.step)(inputs, targets)
         except SystemExit as done:
-            return raised, done.code, stderr.getvalue()
-    return raised, 0, stderr.getvalue()
+            return raised, done.code, stderr.getvalue(), hooked.getvalue()
+    return raised, 0, stderr.getvalue(), hooked.getvalue()
 
 
 def test_a_bad_id_is_placed_in_the_global_batch_and_said_once():
     said = f"input token id {VOCAB} at position (5, 3) is outside"
-    (raised_0, code_0, stderr_0), (raised_1, code_1, stderr_1) = run_on_ranks(_bad_id_on_dp_rank_1, 2, timeout=120)
+    rank_0, rank_1 = run_on_ranks(_bad_id_on_dp_rank_1, 2, timeout=120)
+    (raised_0, code_0, stderr_0, hooked_0), (raised_1, code_1, stderr_1, hooked_1) = rank_0, rank_1
     assert said in raised_0 and said in raised_1, (raised_0, raised_1)
     assert (code_0, code_1) == (2, 2)
     # rank 0 alone, one line in train.py's form; rank 1, which found it, says nothing of its own
     assert stderr_0.startswith(f"error: pm.step: bad batch: {said}") and stderr_0.count("\n") == 1, stderr_0
     assert stderr_1 == "", stderr_1
+    # a user's script (build_mesh's hook): rank 0 prints its traceback, rank 1 owns its finding
+    assert hooked_0 == "traceback of ValueError\n", hooked_0  # Python's own printer, stood in for here
+    assert hooked_1 == "[rank 1] stopped on the ValueError it found, which rank 0 printed\n", hooked_1

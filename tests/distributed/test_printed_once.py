@@ -11,12 +11,27 @@ from test_torchrun import ROOT, TIMEOUT_S, _env
 
 import mesh3d
 from examples.llama.model import Transformer
-from mesh3d.distributed.printed_once import AGREED, _hook, agreed
+from mesh3d.distributed.agree import raise_if_any
+from mesh3d.distributed.printed_once import AGREED, FOUND_ON, _hook, agreed
 
 SCRIPT = """
 import os, mesh3d
 mesh3d.build_mesh(pp=1, dp=-1, tp=1 + int(os.environ["RANK"]))  # rank 1 asks for another layout
 """
+
+
+def test_the_rank_that_found_it_says_so(capsys):
+    """One rank's failure raised everywhere (agree.py): the finder does not say rank 0 found it."""
+    with pytest.raises(ValueError) as raised:
+        raise_if_any("ValueError: pm.step: bad batch: input token id 64")  # one process: found here, on rank 0
+    assert getattr(raised.value, FOUND_ON) == 0
+    found_on_1 = agreed(ValueError("pm.step: bad batch: input token id 64"), found_on=1)
+    _hook(None, 1)(ValueError, found_on_1, None)
+    _hook(None, 2)(ValueError, found_on_1, None)
+    assert capsys.readouterr().err.splitlines() == [
+        "[rank 1] stopped on the ValueError it found, which rank 0 printed",
+        "[rank 2] stopped on the ValueError that rank 0 printed",
+    ]
 
 
 def test_each_rank_prints_what_it_should():

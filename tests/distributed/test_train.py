@@ -53,8 +53,11 @@ def test_training_script_loss_falls(tmp_path):
         "restart",
         "skipped",
         "tokens",
+        "memory_rise_gib",
         "memory_peak_gib",
         "memory_peak_rank",
+        "memory_rise_gib_by_rank",
+        "memory_baseline_gib_by_rank",
     }
     assert 0 < records[0]["memory_peak_gib"] < 4 and records[0]["memory_peak_rank"] == 0
     assert records[0]["restart"] == 0 and records[0]["skipped"] is False

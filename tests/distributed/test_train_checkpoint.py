@@ -3,9 +3,11 @@ another layout), --export-hf and --init-from-hf.
 
 - A 4-step run in one process saves every 2 steps (keeping the newest 2).
 - Its step-2 checkpoint, resumed by `--resume` on 2 ranks at pp=2, gives steps 3-4 the same
-  losses as the uninterrupted run, and appends them to its metrics file, each row and progress
-  line with the step's memory peak over the ranks and the rank it was on; `--profile` writes each
-  rank's torch profiler trace of step 4.
+  losses as the uninterrupted run, and appends them to its metrics file, each row with every
+  rank's memory rise over what it held before the model was built, and the largest rise, its rank
+  and peak; the progress line says that rise beside the planner's figure for that rank's stage
+  (`--predict-memory`), the first row every rank's planned figure; `--profile` writes each rank's
+  torch profiler trace of step 4.
 - `--steps 0 --export-hf` exports the initial weights and the byte tokenizer's tokenizer.json;
   `--init-from-hf` of that export trains with the byte tokenizer and the same losses as the run
   initialized by seed.
@@ -18,6 +20,7 @@ Relative error <= 1e-4 (fp32; the pp=2 run sums in another order), as in test_to
 """
 
 import json
+import re
 import shutil
 import subprocess
 
@@ -74,6 +77,7 @@ def test_checkpoint_resume_export_and_init_from_hf(tmp_path):
         str(tmp_path / "profile"),
         "--profile-steps",
         "4",
+        "--predict-memory",
         torchrun=2,
     )
     assert f"resumed from {resume_dir / 'step2'} (step 2)" in done.stdout
@@ -84,9 +88,21 @@ def test_checkpoint_resume_export_and_init_from_hf(tmp_path):
         assert any(str(e.get("name", "")).startswith("aten::mm") for e in events), rank
     records = [json.loads(line) for line in resumed_metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 3, 4]
-    # each row's memory peak: the largest of the 2 ranks' resident peaks (over 100 MiB: torch alone), and whose
-    assert all(r["memory_peak_gib"] > 0.1 and r["memory_peak_rank"] in (0, 1) for r in records), records
-    assert done.stdout.count(" GiB (rank ") == 2, done.stdout[-3000:]  # the progress lines say it too
+    # each row's memory: every rank's rise over its baseline (the interpreter and torch, over 100 MiB, not
+    # in it), and the rank that rose most, with its resident peak (the baseline in it)
+    for r in records[1:]:
+        rises, baselines = r["memory_rise_gib_by_rank"], r["memory_baseline_gib_by_rank"]
+        assert len(rises) == len(baselines) == 2 and all(rise > 0 for rise in rises) and min(baselines) > 0.1, r
+        assert r["memory_peak_rank"] in (0, 1) and r["memory_rise_gib"] == max(rises) == rises[r["memory_peak_rank"]]
+        assert r["memory_peak_gib"] == pytest.approx(r["memory_rise_gib"] + baselines[r["memory_peak_rank"]])
+    planned = records[1]["memory_predicted_gib_by_rank"]  # the resumed run's first step: each rank's stage
+    assert len(planned) == 2 and max(planned) == pytest.approx(records[1]["memory_predicted_gib"]), records[1]
+    # the progress lines: the largest rise beside the planner's figure for that rank
+    lines = re.findall(r"mem \+(\d+\.\d\d) GiB \(rank ([01]), planned (\d+\.\d\d) GiB\)", done.stdout)
+    assert len(lines) == 2, done.stdout[-3000:]
+    for (rise, rank, plan), r in zip(lines, records[1:]):
+        assert (float(rise), int(rank)) == (round(r["memory_rise_gib"], 2), r["memory_peak_rank"])
+        assert float(plan) == round(planned[int(rank)], 2)
     _assert_close(_losses(resumed_metrics)[1:], straight[2:])
     assert sorted(p.name for p in resume_dir.iterdir()) == ["step2", "step4"]
 

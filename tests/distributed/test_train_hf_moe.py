@@ -3,7 +3,9 @@ attention, a dense first block, routed and shared experts), tiny, at (pp, dp, tp
 with the experts split over ep = 2 (`--ep 2`), on 4 ranks, from a directory holding only their
 config (mesh3d initializes the weights, each rank its own experts):
 
-- `--steps 8 --export-hf`: it trains (the loss on a repeating corpus falls), and the export is its
+- `--steps 8 --export-hf`: it trains (the loss on a repeating corpus falls), its logging steps'
+  metrics rows carry every routed block's tokens per expert (each token's top-k, over every rank)
+  and the worst block's max/mean load, which the progress line says; and the export is its
   own architecture to transformers: `from_pretrained` gives the logits of the model built from the
   config with the exported tensors loaded by name, strictly (every expert weight read, none
   initialized anew by transformers).
@@ -20,6 +22,7 @@ config (mesh3d initializes the weights, each rank its own experts):
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -74,11 +77,23 @@ def test_a_moe_model_trains_at_pp2_dp2_and_exports_as_itself(arch, tmp_path):
     layout = ["--pp", "2", "--dp", "2", "--ep", "2", "--token-file", str(tokens), "--seq-len", "8"]
 
     metrics = tmp_path / "m.jsonl"
-    _run("--hf-model", str(tmp_path / arch), *layout, "--steps", "8", "--metrics", str(metrics),
-         "--export-hf", str(tmp_path / "trained"), torchrun=4)  # fmt: skip
+    done = _run("--hf-model", str(tmp_path / arch), *layout, "--steps", "8", "--metrics", str(metrics),
+                "--export-hf", str(tmp_path / "trained"), torchrun=4)  # fmt: skip
     losses = _losses(metrics)
     assert np.isfinite(losses).all() and losses[-1] < losses[0] - 0.1, losses
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    # the experts' loads, read on the logging steps alone (--log-every 4: steps 1, 5 and the last)
+    logged = [row for row in rows if "expert_load" in row]
+    assert [row["step"] for row in logged] == [1, 5, 8], [row["step"] for row in rows if "expert_load" in row]
+    for row in logged:
+        loads = row["expert_load"]
+        # global batch 8 x seq 8 tokens, each routed to its top 2 of 4 experts, counted once over the ranks
+        assert loads and all(len(load) == 4 and sum(load) == 8 * 8 * 2 for load in loads.values()), loads
+        worst = max(loads.values(), key=max)
+        assert row["expert_imbalance"] == pytest.approx(max(worst) / (sum(worst) / 4)), row
+        assert max(loads[row["expert_imbalance_block"]]) == max(worst) and 1 <= row["expert_imbalance"] <= 4
+    said = [float(x) for x in re.findall(r"  experts max/mean (\d+\.\d\d)", done.stdout)]
+    assert said == [round(row["expert_imbalance"], 2) for row in logged], done.stdout[-3000:]
     if MOE[arch].get("output_router_logits"):
         assert all(row["router_aux"] > 0 and row["cross_entropy"] > 0 for row in rows)
         assert all(abs(row["cross_entropy"] + row["router_aux"] - row["loss"]) <= 1e-5 * row["loss"] for row in rows)

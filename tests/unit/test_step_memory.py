@@ -1,8 +1,10 @@
-"""mesh3d.train.step_memory: a step's memory peak, what the progress line and a metrics row say of it.
+"""mesh3d.train.step_memory: a step's memory peak and its rise over the rank's baseline, what the
+progress line and a metrics row say of it.
 
 On the CPU (no process group: one rank) the peak is the process's resident-set peak, which a
-step that allocates more than any before raises; the CUDA figures' columns and wording are
-checked on a MemoryPeak built with them (the gathering over ranks: test_train_checkpoint.py)."""
+step that allocates more than any before raises, and the rise is that peak less the one when the
+StepMemory was made; the CUDA figures' columns and wording are checked on a MemoryPeak built with
+them (the gathering over ranks: test_train_checkpoint.py)."""
 
 import inspect
 import resource
@@ -18,7 +20,7 @@ from mesh3d.train.step_memory import GIB
 
 
 def _cpu_layout():
-    return types.SimpleNamespace(device=torch.device("cpu"))
+    return types.SimpleNamespace(device=torch.device("cpu"), pp_rank=0)
 
 
 def test_the_cpu_peak_is_the_resident_peak_and_rises_with_a_bigger_step():
@@ -27,21 +29,35 @@ def test_the_cpu_peak_is_the_resident_peak_and_rises_with_a_bigger_step():
     before = memory.gather()
     assert before.rank == 0 and before.reserved_bytes is None and before.device_share is None
     assert 0 < before.peak_bytes <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert before.baselines == (memory.baseline,) and before.rises == (before.peak_bytes - memory.baseline,)
     grown = torch.ones(before.peak_bytes // 4 + 64 * 1024**2 // 4)  # more than the whole peak so far
     memory.begin()
     after = memory.gather()
     assert after.peak_bytes >= before.peak_bytes + grown.numel() * 4 // 2
+    assert after.rise_bytes == after.peak_bytes - memory.baseline >= grown.numel() * 4 // 2
     record = after.as_record()
-    assert set(record) == {"memory_peak_gib", "memory_peak_rank"}
+    assert set(record) == {
+        "memory_rise_gib",
+        "memory_peak_gib",
+        "memory_peak_rank",
+        "memory_rise_gib_by_rank",
+        "memory_baseline_gib_by_rank",
+    }
     assert record["memory_peak_gib"] == pytest.approx(after.peak_bytes / GIB) and record["memory_peak_rank"] == 0
+    assert record["memory_rise_gib_by_rank"] == [pytest.approx(after.rise_bytes / GIB)]
 
 
 def test_what_the_line_and_the_row_say():
-    cpu = MemoryPeak(peak_bytes=int(1.5 * GIB), rank=3)
-    assert cpu.describe() == "mem 1.50 GiB (rank 3)"
+    # the rank that rose most is reported (rank 1 here, though rank 0 held more before the model)
+    cpu = MemoryPeak(int(1.5 * GIB), 1, rises=(GIB // 4, GIB), baselines=(GIB, GIB // 2), pp_ranks=(0, 1))
+    assert cpu.describe() == "mem +1.00 GiB (rank 1)"
+    assert cpu.describe(planned_bytes=GIB // 2) == "mem +1.00 GiB (rank 1, planned 0.50 GiB)"
+    assert cpu.as_record()["memory_rise_gib_by_rank"] == [0.25, 1.0]
+    assert cpu.as_record()["memory_baseline_gib_by_rank"] == [1.0, 0.5]
     cuda = MemoryPeak(peak_bytes=12 * GIB, rank=5, reserved_bytes=14 * GIB, device_total_bytes=80 * GIB)
-    assert cuda.describe() == "mem 12.00 GiB reserved 14.00 GiB 17.5% (rank 5)"
+    assert cuda.describe() == "mem +12.00 GiB reserved 14.00 GiB 17.5% (rank 5)"
     assert cuda.as_record() == {
+        "memory_rise_gib": 12.0,
         "memory_peak_gib": 12.0,
         "memory_peak_rank": 5,
         "memory_reserved_gib": 14.0,
@@ -65,10 +81,15 @@ def test_the_prediction_is_the_planners_for_the_layout_and_said_beside_the_peak(
     fix.update({k: defaults[k].default for k in ("activation_checkpoint", "dp_mode", "compile")})
     (planned,) = mesh3d.plan(_debug_on_meta(), gpus=1, seq_len=64, global_batch=4, memory_limit=2**60, fix=fix)
     assert prediction.predicted_bytes == planned.memory_per_rank.total
+    assert prediction.by_pp_rank == (planned.memory_per_rank.total,)
     assert prediction.as_record() == {"memory_predicted_gib": prediction.predicted_bytes / GIB}
-    line = prediction.beside(MemoryPeak(peak_bytes=GIB, rank=2))
+    peak = MemoryPeak(GIB, 2, rises=(0, 0, GIB // 2), baselines=(0, 0, GIB // 2), pp_ranks=(0, 0, 0))
+    assert prediction.planned_for(peak) == planned.memory_per_rank.total
+    assert prediction.as_record(peak)["memory_predicted_gib_by_rank"] == [prediction.predicted_bytes / GIB] * 3
+    line = prediction.beside(peak)
     assert line.startswith(f"memory: predicted {prediction.predicted_bytes / GIB:.2f} GiB (mesh3d.plan")
-    assert "measured 1.00 GiB (rank 2)" in line and "resident on rank 0 before the model was built" in line
+    said = "measured 0.50 GiB (rank 2): its resident peak 1.00 GiB less the 0.50 GiB it held before the model was built"
+    assert line.endswith(said), line
 
 
 def test_a_layout_the_planner_does_not_model_is_said_not_raised():
@@ -91,3 +112,7 @@ def test_the_prediction_plans_the_split_parallelize_is_given():
         _debug_on_meta(), gpus=2, seq_len=64, global_batch=4, memory_limit=2**60, fix=fix, layers_per_stage=[0, 4, 4, 0]
     )
     assert alone.predicted_bytes == planned.memory_per_rank.total != balanced.predicted_bytes
+    # each pp rank's own figure: the rank reported is held against its stage's, not the fullest
+    assert alone.by_pp_rank == tuple(memory.total for memory in planned.memory_by_pp_rank)
+    on_stage = {pp: MemoryPeak(GIB, pp, rises=(1, 1), baselines=(0, 0), pp_ranks=(0, 1)) for pp in (0, 1)}
+    assert [alone.planned_for(on_stage[pp]) for pp in (0, 1)] == list(alone.by_pp_rank)
