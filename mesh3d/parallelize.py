@@ -44,8 +44,8 @@ from mesh3d.model.float8 import Float8Config, precompute_scales
 from mesh3d.model.fused_head_loss import check_fused_loss, fuse_head, fused_cross_entropy
 from mesh3d.model.initialize import make_replicas_identical, to_device
 from mesh3d.model.intake import anatomy_of
-from mesh3d.model.reset_parameters_warning import warn_if_reset_parameters
 from mesh3d.model.loss import LossFn, cross_entropy_loss
+from mesh3d.model.reset_parameters_warning import warn_if_reset_parameters
 from mesh3d.model.stage_inputs import stage_input_names
 from mesh3d.model.state_map import StateMap
 from mesh3d.parallel_model import ParallelModel

@@ -37,7 +37,9 @@ def test_gpt2_without_a_pipeline_plan_is_refused_with_why_it_cannot_be_traced():
     tokens = torch.zeros(2, 8, dtype=torch.long)
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*base_model_pp_plan") as error:
         anatomy_of(model, example_inputs=(tokens,))
-    assert "its blocks (transformer.h) run inside 'transformer', which the causal LM's forward calls" in str(error.value)
+    assert "its blocks (transformer.h) run inside 'transformer', which the causal LM's forward calls" in str(
+        error.value
+    )
     traced = traced_anatomy(model, (tokens,), ["transformer.h.1"])  # torch.export captures it whole
     with pytest.raises(ValueError, match="a split point falls inside module 'transformer'"):
         traced.traced.split(["transformer.h.1"])
