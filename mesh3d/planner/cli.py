@@ -27,7 +27,7 @@ from mesh3d.planner.hardware import HARDWARE
 from mesh3d.planner.model_source import PRESETS
 from mesh3d.planner.planned_layout import Plan
 from mesh3d.planner.ranking import plan
-from mesh3d.planner.report import GIB, band_text, near_full_note, table, time_unit, why
+from mesh3d.planner.report import GIB, band_text, hardware_band, near_full_note, table, time_unit, why
 from mesh3d.planner.search_space import FIXABLE, memory_limit_bytes, resolve_hardware
 
 _INT_KEYS = ("pp", "dp", "cp", "tp", "ep", "virtual_stages", "microbatches")
@@ -249,9 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{', compiled' if best.compile else ''}, memory limit {limit / GIB:.1f} GiB: {len(plans)} layouts fit; "
         + ("all of them" if len(shown) == len(plans) else f"the top {len(shown)} (--all for every one)")
         + f" by tokens/s per GPU; among those within {band_text(best)} of each other, the ones within "
-        f"{MEMORY_PREDICTION_BAND:.0%} of the memory limit last.\n"
-        f"{hardware.name}'s speeds stand within ±{hardware.band:.0%} of the published runs "
-        f"{'fitted on: ' + hardware.fitted_on if hardware.fitted_on else 'of other GPUs (none fitted on it)'}.\n"
+        f"{MEMORY_PREDICTION_BAND:.0%} of the memory limit last.\n{hardware_band(hardware)}\n"
     )
     print(table(shown, hardware.memory_bytes))
     note = near_full_note(shown, hardware.memory_bytes)

@@ -4,6 +4,7 @@ paragraph that says why #1 ranks above #2 (cli.py prints them)."""
 from __future__ import annotations
 
 from mesh3d.planner.constants import MEMORY_PREDICTION_BAND
+from mesh3d.planner.hardware import Hardware
 from mesh3d.planner.planned_layout import Plan
 from mesh3d.planner.predict.memory import MemoryBreakdown
 from mesh3d.planner.search_space import LAYOUT
@@ -148,6 +149,18 @@ def table(plans: list[Plan], device_bytes: int | None = None) -> str:
 
 def band_text(p: Plan) -> str:
     return f"±{p.error_band:.0%}"
+
+
+def hardware_band(hardware: Hardware) -> str:
+    """One line: how far the hardware's speeds stand from published runs, held out where the
+    preset was fitted on some (held_out.py), and the runs it was fitted on."""
+    if hardware.held_out is None:
+        fitted = f"fitted on: {hardware.fitted_on}" if hardware.fitted_on else "of other GPUs (none fitted on it)"
+        return f"{hardware.name}'s speeds stand within ±{hardware.band:.0%} of the published runs {fitted}."
+    return (
+        f"{hardware.name}'s speeds stand within ±{hardware.band:.0%} of published runs, band "
+        f"{hardware.held_out.text()}; fitted on: {hardware.fitted_on}."
+    )
 
 
 def _near_full(total: float, device_bytes: int) -> bool:

@@ -156,6 +156,8 @@ def test_the_band_is_said_and_ranks_by_headroom(config_dir, reference):
     band = HARDWARE["h100"].band
     assert f"among those within ±{band:.0%} of each other, the ones within 10% of the memory limit last" in output
     assert HARDWARE["h100"].fitted_on in output
+    held_out = HARDWARE["h100"].held_out
+    assert f"within ±{band:.0%} of published runs, band {held_out.text()}" in output  # held out, in-sample beside
     assert all(row[12].endswith(f"±{band:.0%}") for row in _rows(output))
     faster, roomier = reference[0], reference[1]
     less = dataclasses.replace(faster.memory_per_rank, activations=faster.memory_per_rank.activations - 2**30)

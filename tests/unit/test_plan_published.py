@@ -3,7 +3,9 @@
 Each case pins the published layout in `fix=` so one candidate is evaluated; the model is built on
 meta and measured on fake tensors, so even 70B shapes take seconds. Each GPU's achievable fraction
 is fitted on some of these runs (hardware.py says which): those stand within the preset's error
-band, the fit balanced between them; every other run stands where docs/plan.md says it does.
+band, the fit balanced between them; every other run stands where docs/plan.md says it does. The
+band a preset states is held out: each run predicted at the fraction refitted without it
+(mesh3d/planner/held_out.py), docs/plan.md's table of them made here.
 
 Sources (quoted in docs/plan.md):
 - torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3 (Llama 3.1 8B, 8 and 128
@@ -17,11 +19,17 @@ Sources (quoted in docs/plan.md):
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
 
 import mesh3d
+import mesh3d.planner.ranking
 from mesh3d.planner.hardware import GIB, HARDWARE
+from mesh3d.planner.held_out import covering_band, held_out_band, leave_one_out, percent
+from mesh3d.planner.model_source import meta_model
 
 pytest.importorskip("transformers")
 import transformers  # noqa: E402
@@ -336,16 +344,96 @@ def model_of(model):
 
 
 @pytest.fixture(scope="module")
-def errors() -> dict[str, float]:
-    """Each run's error (predicted / published - 1)."""
-    return {
-        name: predict(model_of(model), gpus, hardware, seq_len, batch, **layout).tokens_per_second_per_gpu / published
-        - 1
-        for name, published, model, gpus, hardware, seq_len, batch, layout, _, _ in RUNS
-    }
+def error_at():
+    """(run, achievable fraction) -> the run's error (predicted / published - 1) on its preset at
+    that fraction. Each model is built and probed once: the probe (FLOPs, bytes, on fake tensors) is
+    all of a plan's seconds and does not read the hardware, and leave-one-out plans each run at a
+    few dozen fractions."""
+    probe, probed = mesh3d.planner.ranking.measure_model_anywhere, {}
+
+    def probe_once(model, anatomy, split_points=None, **sizes):
+        shape = tuple(str(sizes[k]) for k in sorted(sizes) if k != "tp_plan")  # the plan is the model's own
+        key = (id(model), split_points and tuple(split_points), shape)
+        if key not in probed:  # the model is kept with its costs: its id is not reused
+            probed[key] = (model, probe(model, anatomy, split_points, **sizes))
+        return probed[key][1]
+
+    runs = {r[0]: r for r in RUNS}
+    models = {name: meta_model(model_of(r[2])) for name, r in runs.items()}
+
+    def at(name: str, fraction: float) -> float:
+        _, published, _, gpus, preset, seq_len, batch, layout, _, _ = runs[name]
+        hardware = dataclasses.replace(HARDWARE[preset], achievable_fraction=fraction)
+        plan = predict(models[name], gpus, hardware, seq_len, batch, **layout)
+        return plan.tokens_per_second_per_gpu / published - 1
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mesh3d.planner.ranking, "measure_model_anywhere", probe_once)
+        yield at
+
+
+@pytest.fixture(scope="module")
+def errors(error_at) -> dict[str, float]:
+    """Each run's error (predicted / published - 1) at its preset's fraction."""
+    return {r[0]: error_at(r[0], HARDWARE[r[4]].achievable_fraction) for r in RUNS}
 
 
 FITTED = {preset: [r for r in RUNS if r[4] == preset and r[9]] for preset in (TORCHTITAN_H100, "h100", "a100-80gb")}
+
+
+@pytest.fixture(scope="module")
+def held_out(error_at) -> dict[str, float]:
+    """Each run's leave-one-out error: predicted at its preset refitted without it (held_out.py)."""
+    held = {}
+    for preset, fitted in FITTED.items():
+        unfitted = [r[0] for r in RUNS if r[4] == preset and not r[9]]
+        held |= leave_one_out(error_at, [r[0] for r in fitted], unfitted, HARDWARE[preset].achievable_fraction)
+    return held
+
+
+@pytest.mark.parametrize("preset", sorted(FITTED))
+def test_the_band_a_preset_states_is_its_held_out_one(errors, held_out, preset):
+    """hardware.py's held-out band is the leave-one-out errors' over the preset's runs, its in-sample
+    error the fitted runs' largest; the band the planner ranks with covers every held-out error."""
+    runs = [r[0] for r in RUNS if r[4] == preset]
+    fitted = [r[0] for r in FITTED[preset]]
+    band = held_out_band({n: held_out[n] for n in runs}, {n: errors[n] for n in fitted})
+    assert HARDWARE[preset].held_out == band, band
+    assert HARDWARE[preset].error_band == covering_band(band)
+    assert band.in_sample <= band.largest  # a run the fit saw stands nearer than one it did not
+
+
+def test_the_h200_borrows_the_700_w_band():
+    assert HARDWARE["h200"].held_out == HARDWARE["h100"].held_out
+    assert HARDWARE["h200"].band == HARDWARE["h100"].band
+
+
+def held_out_table(errors: dict[str, float], held_out: dict[str, float]) -> str:
+    """docs/plan.md's table: each preset's fraction and bands, then each run in-sample and held out."""
+    lines = [
+        "| Preset | Run | In-sample error | Held-out error |",
+        "|---|---|---|---|",
+    ]
+    for preset in sorted(FITTED):
+        hardware = HARDWARE[preset]
+        band = hardware.held_out
+        stated = f"±{hardware.band:.0%}".replace("%", " %")
+        lines.append(
+            f"| `{preset}` ({hardware.achievable_fraction}) | all {band.runs} | ±{percent(band.in_sample, sign=False)} "
+            f"(largest fitted) | {percent(band.low)} to {percent(band.high)}: stated {stated} |"
+        )
+        for r in RUNS:
+            if r[4] == preset:
+                note = "" if r[9] else " (not fitted)"
+                lines.append(f"| | {r[0]} | {percent(errors[r[0]])}{note} | {percent(held_out[r[0]])} |")
+    return "\n".join(lines)
+
+
+def test_docs_show_the_held_out_errors_beside_the_in_sample_ones(errors, held_out):
+    """docs/plan.md holds the table this code makes (a changed model or run changes both)."""
+    table = held_out_table(errors, held_out)
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "plan.md").read_text()
+    assert table in docs, "docs/plan.md's held-out table is not the code's; it is now:\n" + table
 
 
 @pytest.mark.parametrize("preset", sorted(FITTED))
