@@ -3,7 +3,7 @@ this CPU before the GPUs are rented (mesh3d.dry_run: each played rank set up and
 torch's fake process group, in a process of its own), with the planner's bytes beside each rank's
 and a verdict line. docs/plan.md, "Before you rent", says what it proves and what it cannot.
 
-    python examples/llama/train.py --dry-run 1024 --pp 8 --tp 8 --config 1b --seq-len 2048 --global-batch 256
+    python examples/llama/train.py --dry-run 1024 --pp 4 --tp 8 --global-batch 256 --dry-run-ranks 0 515 1023
 """
 
 from __future__ import annotations
