@@ -243,18 +243,22 @@ def measure_rank(job: Job, creations, start: float, **mesh_options) -> RankRepor
     layout = build_mesh(**job.sizes, **mesh_options)
     pm = parallelize(job.build_model(), layout, **job.parallelize_kwargs)
     setup_seconds = time.perf_counter() - start
-    optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+    # a never-drain schedule updates inside pm.step, with the optimizer parallelize built (optimizer=)
+    inside = pm.never_drains and pm.optimizer is not None
+    optimizer = pm.optimizer if inside else torch.optim.AdamW(pm.parameters(), lr=1e-4)
     inputs = torch.randint(0, 2, (job.global_batch // layout.dp, job.seq_len))
     traffic = TrafficCount()
-    gradient_bytes = 0
+    gradient_bytes, before = 0, {}
     with traffic:
         for step in range(job.steps):
             if step == job.steps - 1:
                 before = dict(traffic.sent)
             pm.step(inputs, inputs)
             gradient_bytes = _bytes(p.grad for p in pm.parameters() if p.grad is not None)
-            optimizer.step()
-            optimizer.zero_grad()
+            if not inside:
+                optimizer.step()
+                optimizer.zero_grad()
+    pm.flush()  # a never-drain schedule's last updates (outside the steps' count); nothing otherwise
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim()]
     predicted, why_not, traffic_why_not = _predicted(job, layout) if job.predict else ({}, "", "")
     last_step = {kind: round(sent - before.get(kind, 0.0)) for kind, sent in traffic.sent.items()}
