@@ -58,7 +58,8 @@ def build_token_cache(
     beginning-of-document id, for a tokenizer that declares only that). `tokenizer` is a
     `ByteTokenizer`, an `HFTokenizer`, or anything with `name`, `dtype`, `separator` ("eos" or
     "bos"), `separator_id` and `encode_batch(texts) -> list of arrays`. `workers` processes
-    tokenize (default: the CPU count, at most 8); `progress` prints a progress line to stderr.
+    tokenize (default: the CPU count, at most 8; one, this process, inside a daemonic process,
+    which may start none); `progress` prints a progress line to stderr.
     """
     files = expand_data_paths(paths)
     missing = [str(p) for p in files if not p.is_file()]
@@ -70,6 +71,10 @@ def build_token_cache(
     if not cached.exists():
         with _exclusive(cached.with_suffix(".lock")):
             if not cached.exists():  # another process may have built it while this one waited
+                if multiprocessing.current_process().daemon:
+                    # a launcher's daemonic worker (multiprocessing's pool, a test's ranks) may
+                    # start no child: tokenize here rather than fail
+                    workers = 1
                 _build(files, tokenizer, text_field, cached, workers or default_workers(), progress)
     return np.load(cached, mmap_mode="r")
 

@@ -63,6 +63,24 @@ def test_a_corpus_larger_than_the_memory_it_uses(tmp_path):
     assert main_rise < 100 and worker_rise < 100, (main_rise, worker_rise)
 
 
+def _tokenize_in_a_daemon(root: str):
+    from pathlib import Path
+
+    from mesh3d.data import ByteTokenizer, build_token_cache, token_cache
+
+    token_cache.SPAN_BYTES = 1 << 12  # several tasks: the parallel path, were it taken
+    (Path(root) / "a.txt").write_text("a line of text\n" * 2000)
+    tokens = build_token_cache([Path(root) / "a.txt"], ByteTokenizer(), cache_dir=root, workers=2)
+    return len(tokens), bytes(tokens[:15])
+
+
+def test_a_daemonic_process_tokenizes_in_itself(tmp_path):
+    """A launcher's daemonic worker (run_on_ranks' ranks, multiprocessing's pools) may start no
+    process: the cache is built there in one process rather than failing on an empty cache."""
+    [(count, head)] = run_on_ranks(_tokenize_in_a_daemon, 1, str(tmp_path), timeout=60)
+    assert count == 2000 * 15 + 1 and head == b"a line of text\n"
+
+
 def _heldout_eval(pp: int, dp: int, tp: int):
     import torch
 
