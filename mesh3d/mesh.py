@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from mesh3d.axes import ALL_AXES, AXES, DATA_DIM, EXPERT_AXIS, EXPERT_DIMS, data_dims, describe, mesh_dims, stage_size
 from mesh3d.axes import resolve_sizes as resolve_axis_sizes
 from mesh3d.distributed.agree import check_same_everywhere
-from mesh3d.distributed.group_kinds import axis_lists, can_split, groups_by_kind
+from mesh3d.distributed.group_kinds import axis_lists, can_split, device_mesh_groups_by_kind, groups_by_kind
 from mesh3d.distributed.printed_once import print_agreed_errors_once
 from mesh3d.distributed.process_group import (
     BACKEND_FOR_DEVICE,
@@ -94,9 +94,10 @@ class Layout:
         self._own_groups: dict[tuple[str, Hashable], dist.ProcessGroup | None] = {}
         # dp and cp flattened into one dim (a collective: made here, by every rank, in one order)
         data = data_dims(sizes)
-        self._data_mesh = (
-            mesh[data[0]] if len(data) == 1 else mesh[data]._flatten(DATA_DIM, group_options(device, timeout))
-        )
+        with device_mesh_groups_by_kind():
+            self._data_mesh = (
+                mesh[data[0]] if len(data) == 1 else mesh[data]._flatten(DATA_DIM, group_options(device, timeout))
+            )
         self._hybrid_meshes: dict[int, DeviceMesh] = {}
 
     @property
@@ -132,14 +133,14 @@ class Layout:
         with cp > 1: dp's ranks in groups of `dp_shard` consecutive ones (one node, when they fit),
         each group (with its cp ranks) sharding the parameters, the dp / dp_shard groups holding
         replicas. Sliced from the layout's own mesh, so tensor parallelism's DTensors compose with it.
-        Made once per size; a collective over the whole world the first time (every rank asks in the
-        same order)."""
+        Made once per size, its groups by kind (group_kinds.py): every rank asks in the same order."""
         if dp_shard not in self._hybrid_meshes:
             names = ("dp_replicate", "dp_shard" if self.cp == 1 else "dp_shard_cp")
             options = dict.fromkeys(names, group_options(self.device, self.timeout))
             # dp x cp in rank order: groups of dp_shard x cp consecutive ones are dp_shard dp ranks with their cp ranks
             sizes = (self.dp // dp_shard, dp_shard * self.cp)
-            self._hybrid_meshes[dp_shard] = self.data_mesh._unflatten(0, sizes, names, backend_override=options)
+            with device_mesh_groups_by_kind():
+                self._hybrid_meshes[dp_shard] = self.data_mesh._unflatten(0, sizes, names, backend_override=options)
         return self._hybrid_meshes[dp_shard]
 
     def data_group(self) -> dist.ProcessGroup:

@@ -22,11 +22,14 @@ reach).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import contextlib
+from collections.abc import Hashable, Iterator, Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed._mesh_layout import _MeshLayout
+from torch.distributed.device_mesh import DeviceMesh
 
 
 def can_split() -> bool:
@@ -100,3 +103,29 @@ def axis_lists(shape: Sequence[int], axis: int) -> list[list[int]]:
     """The member lists of a mesh dim: global ranks in row-major order, one list per other coordinate."""
     ranks = torch.arange(int(torch.tensor(shape).prod())).reshape(tuple(shape)).movedim(axis, -1)
     return ranks.reshape(-1, shape[axis]).tolist()
+
+
+@contextlib.contextmanager
+def device_mesh_groups_by_kind() -> Iterator[None]:
+    """While active, DeviceMesh's own group creation (a flatten or unflatten of a mesh dim) makes
+    each new dim's groups as one kind (`groups_by_kind`) where torch would call `new_group` once per
+    group over the whole world (gloo, the fake group); where the default group can split, torch's
+    own path is already one `split_group` per dim and is left alone. Every rank enters it around
+    the same DeviceMesh calls in the same order."""
+    if can_split():
+        yield
+        return
+    torchs = DeviceMesh.__dict__["_init_one_process_group"]
+
+    def one_kind(sub_layout, rank_map, dim_name, backend_override):
+        lists = _MeshLayout([sub_layout]).remap_to_tensor(rank_map).tolist()  # as torch lays them out
+        backend, options = backend_override
+        timeout = options._timeout if options is not None else dist.default_pg_timeout
+        group = groups_by_kind({dim_name: lists}, timeout, f"mesh_{dim_name}", backend, options)[dim_name]
+        return group.group_name if group is not None else None
+
+    DeviceMesh._init_one_process_group = staticmethod(one_kind)
+    try:
+        yield
+    finally:
+        DeviceMesh._init_one_process_group = torchs

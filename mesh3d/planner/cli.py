@@ -30,7 +30,7 @@ from mesh3d.planner.ranking import plan
 from mesh3d.planner.report import GIB, band_text, hardware_band, near_full_note, table, time_unit, why
 from mesh3d.planner.search_space import FIXABLE, memory_limit_bytes, resolve_hardware
 
-_INT_KEYS = ("pp", "dp", "cp", "tp", "ep", "virtual_stages", "microbatches")
+_INT_KEYS = ("pp", "dp", "cp", "tp", "ep", "virtual_stages", "microbatches", "dp_shard")
 # The table's short column names work in --fix too.
 _KEY_ALIASES = {"v": "virtual_stages", "m": "microbatches", "ac": "activation_checkpoint"}
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "none": None}

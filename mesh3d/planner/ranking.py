@@ -265,7 +265,7 @@ def plan(
         tokens = global_batch * seq_len / time.seconds / gpus
         model_flops = _model_flops_per_token(costs, n_blocks)
         mfu = model_flops * tokens / hw.peak_for(fp32)
-        traffic_why_not = traffic_unpredicted(place, cand["ep"])
+        traffic_why_not = traffic_unpredicted(cand["ep"])
         traffic = () if traffic_why_not else tuple(rank_traffic(costs, r, place) for r in range(cand["pp"]))
         plans.append(
             Plan(

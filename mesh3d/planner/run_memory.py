@@ -104,6 +104,8 @@ def plan_for_layout(
     fix = {k: given[k] for k in _PINNED if given[k] is not None}  # None: parallelize's catalog decides
     fix.update(pp=layout.pp, dp=layout.dp, cp=layout.cp, tp=layout.tp, ep=layout.ep)
     fix["param_dtype"] = given.get("param_dtype", defaults["param_dtype"])
+    if given.get("dp_shard") is not None:  # HSDP's groups as the run makes them, not the node's
+        fix["dp_shard"] = given["dp_shard"]
     if given.get("reshard_after_forward") is not None:
         fix["reshard_after_forward"] = given["reshard_after_forward"]
     if gpus_per_node is None:

@@ -31,7 +31,7 @@ PLANNED_SCHEDULES = [name for name, spec in SCHEDULES.items() if not spec.never_
 # A plan's layout, as the CLI's table lists it and tells two plans apart.
 LAYOUT = ("pp", "dp", "cp", "tp", "ep", "schedule", "virtual_stages", "microbatches")
 LAYOUT += ("activation_checkpoint", "dp_mode")
-FIXABLE = (*LAYOUT, "reshard_after_forward", "param_dtype", "compile", "fused_loss")
+FIXABLE = (*LAYOUT, "dp_shard", "reshard_after_forward", "param_dtype", "compile", "fused_loss")
 
 
 def divisors(n: int) -> list[int]:
@@ -199,10 +199,13 @@ def _data_parallel_choices(allowed, dp: int, cp: int, tp: int, pp: int, gpus_per
     FSDP over them reshards after each forward or keeps the stage gathered (parallelize's default:
     reshard at pp = 1, keep at pp > 1, where the other choice trades memory for a gather per
     microbatch and is searched too); HSDP too where dp spans nodes, sharded over a node's dp ranks
-    (dp_shard) and replicated across nodes; reshard None where there is nothing to reshard (DDP,
-    dp x cp = 1)."""
+    (dp_shard, or the pinned one) and replicated across nodes; reshard None where there is nothing
+    to reshard (DDP, dp x cp = 1)."""
     per_node = gpus_per_node // (cp * tp)  # dp ranks in a node (ranks are tp fastest, then cp, then dp)
     hybrid = per_node >= 1 and dp > per_node and dp % per_node == 0
+    [pinned] = allowed("dp_shard", [None])
+    if pinned is not None:  # a run's own sharding groups (check_fix: with dp_mode="hsdp"), whatever the node
+        per_node, hybrid = pinned, dp % pinned == 0
     sharded = dp * cp > 1
     for mode in allowed("dp_mode", ["fsdp", "ddp", *(["hsdp"] if hybrid else [])] if sharded else ["fsdp"]):
         if mode == "hsdp" and not hybrid:
@@ -254,6 +257,14 @@ def check_fix(fix: dict | None) -> dict:
     if "dp_mode" in fix and fix["dp_mode"] not in ("fsdp", "hsdp", "ddp"):
         raise ValueError(
             f"plan: fix dp_mode={fix['dp_mode']!r}; choose 'fsdp', 'hsdp' (planned where dp spans nodes) or 'ddp'"
+        )
+    shard = fix.get("dp_shard")
+    if "dp_shard" in fix and (
+        fix.get("dp_mode") != "hsdp" or isinstance(shard, bool) or not isinstance(shard, int) or shard < 1
+    ):
+        raise ValueError(
+            f"plan: fix dp_shard={fix['dp_shard']!r} with dp_mode={fix.get('dp_mode')!r}; dp_shard sizes HSDP's "
+            "sharding groups: pin it with dp_mode='hsdp', a positive integer dividing dp"
         )
     if "param_dtype" in fix and fix["param_dtype"] is not None and not isinstance(fix["param_dtype"], torch.dtype):
         raise ValueError(f"plan: fix param_dtype={fix['param_dtype']!r}; give a torch dtype (torch.bfloat16) or None")
@@ -341,7 +352,7 @@ def nothing_fits(gpus, limit, smallest_need, fix, global_batch, split_counts=Non
         return (
             f"plan: no layout of {gpus} GPUs matches these sizes (global_batch={global_batch}, fix={fix}); "
             "global_batch must divide over dp, microbatches over each dp rank's batch, tp the model's head "
-            f"counts, seq_len into 2 x cp chunks{stages}"
+            f"counts, seq_len into 2 x cp chunks{', dp_shard into dp' if 'dp_shard' in fix else ''}{stages}"
         )
     need = math.ceil(smallest_need / limit)
     return (

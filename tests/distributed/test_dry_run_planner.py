@@ -1,4 +1,4 @@
-"""The planner held to the real code at 1,024 ranks (issue 66): for one layout per axis mix, the
+"""The planner held to the real code at 1,024 ranks (issue 66): for one layout per axis mix (HSDP's too), the
 planner's parameter, gradient and optimizer bytes for a rank's pp rank equal what that rank holds,
 and its bytes a step on each kind of group (planner/predict/traffic.py) what that rank sends,
 in a dry run (mesh3d.dry_run: build_mesh, parallelize and two AdamW steps under torch's fake
@@ -14,12 +14,13 @@ from dry_run_cases import SEQ_LEN, model
 
 import mesh3d
 
-# (pp, dp, cp, tp) at 1,024 ranks, one per axis mix: pp x dp x tp, more pp, dp x tp alone, with cp
-LAYOUTS = [(8, 16, 1, 8), (16, 8, 1, 8), (1, 128, 1, 8), (4, 16, 2, 8)]
+# (pp, dp, cp, tp, HSDP's dp_shard) at 1,024 ranks, one per axis mix: pp x dp x tp, more pp,
+# dp x tp alone, with cp, with cp under HSDP (groups of 4 dp ranks sharding, 4 replicas)
+LAYOUTS = [(8, 16, 1, 8, None), (16, 8, 1, 8, None), (1, 128, 1, 8, None), (4, 16, 2, 8, None), (4, 16, 2, 8, 4)]
 
 
-@pytest.mark.parametrize("pp, dp, cp, tp", LAYOUTS)
-def test_planner_bytes_equal_the_dry_run_at_1024_ranks(pp, dp, cp, tp):
+@pytest.mark.parametrize("pp, dp, cp, tp, dp_shard", LAYOUTS)
+def test_planner_bytes_equal_the_dry_run_at_1024_ranks(pp, dp, cp, tp, dp_shard):
     stage = 1024 // pp
     rank = (pp // 2) * stage
     (report,) = mesh3d.dry_run(
@@ -33,12 +34,14 @@ def test_planner_bytes_equal_the_dry_run_at_1024_ranks(pp, dp, cp, tp):
         seq_len=SEQ_LEN,
         global_batch=2 * dp * max(pp, 2),
         timeout=900,
+        **(dict(dp_mode="hsdp", dp_shard=dp_shard) if dp_shard else {}),
     )
     assert not report.predicted_why_not, report.text()
     held = {"parameters": report.parameter_bytes, "gradients": report.gradient_bytes}
     held["optimizer"] = report.optimizer_bytes
     assert {k: report.predicted[k] for k in held} == held, report.text()
-    kinds = {"tp", "pipeline" if pp > 1 else "tp", "dp_cp" if cp > 1 else "dp"} | ({"cp"} if cp > 1 else set())
+    kinds = {"tp", "pipeline" if pp > 1 else "tp"} | ({"cp"} if cp > 1 else set())
+    kinds |= {"dp_replicate", "dp_shard_cp" if cp > 1 else "dp_shard"} if dp_shard else {"dp_cp" if cp > 1 else "dp"}
     assert kinds <= set(report.sent_per_step), report.text()
     for kind in kinds:
         assert report.predicted[f"sent on {kind}"] == report.sent_per_step[kind], report.text()

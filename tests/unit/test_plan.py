@@ -348,6 +348,20 @@ def test_hsdp_is_planned_where_dp_spans_nodes_sharded_within_one():
         mesh3d.plan(debug_model(), fix={"dp_mode": "zero3"}, **SIZES)
 
 
+def test_a_pinned_dp_shard_plans_hsdp_groups_of_that_size_whatever_the_node():
+    """fix={"dp_mode": "hsdp", "dp_shard": 2} (a run's own groups, as the dry run pins them):
+    planned within one node of four, as parallelize runs it; refused by name without HSDP."""
+    fix = {"pp": 1, "tp": 1, "microbatches": 1, "activation_checkpoint": "never", "param_dtype": None}
+    (hsdp,) = mesh3d.plan(
+        debug_model(), fix={**fix, "dp_mode": "hsdp", "dp_shard": 2, "reshard_after_forward": True}, **SIZES
+    )
+    assert hsdp.dp_shard == 2 and hsdp.parallelize_kwargs()["dp_shard"] == 2
+    with pytest.raises(ValueError, match="dp_shard sizes HSDP's sharding groups: pin it with dp_mode='hsdp'"):
+        mesh3d.plan(debug_model(), fix={**fix, "dp_shard": 2}, **SIZES)
+    with pytest.raises(ValueError, match="dp_shard into dp"):
+        mesh3d.plan(debug_model(), fix={**fix, "dp_mode": "hsdp", "dp_shard": 3}, **SIZES)
+
+
 def test_the_fused_head_and_loss_is_planned_when_pinned():
     """fix={"fused_loss": True} (parallelize's keyword, never searched): the last stage keeps no
     logits (a microbatch's, in the compute dtype, less), its backward runs the head's forward again

@@ -15,10 +15,13 @@ The same unit as the dry run's count of what the code issues (distributed/traffi
   module's padded shard and reduce-scatters its fp32 gradient once per step while the parameters
   stay gathered (reshard_after_forward False, the default at pp > 1), or at each microbatch's
   forward and backward when resharding; DDP all-reduces the fp32 gradients once per step; the
-  last stage's ranks sum the loss's token counts per microbatch over the same group.
+  last stage's ranks sum the loss's token counts per microbatch over the same group;
+- under HSDP, "dp_shard" ("dp_shard_cp" under cp): FSDP's traffic as above within a sharding
+  group, and "dp_replicate": once a step, the all-reduce of each rank's fp32 gradient shard
+  between the groups; the token counts still go over the whole "dp" ("dp_cp").
 
-What it leaves out, said where it is returned: HSDP's replica all-reduce and expert parallelism's
-all-to-alls and expert groups (ep > 1), the agreements' few bytes over the world.
+What it leaves out, said where it is returned: expert parallelism's all-to-alls and expert groups
+(ep > 1), whose bytes follow the router's choices; the agreements' few bytes over the world.
 """
 
 from __future__ import annotations
@@ -33,12 +36,10 @@ GRADIENT_BYTES = 4  # FSDP's and DDP's reduce dtype: fp32
 COUNT_BYTES = 8  # a pair loss's token count per microbatch (step/global_loss.py), int64
 
 
-def traffic_unpredicted(place: StagePlacement, ep: int) -> str:
+def traffic_unpredicted(ep: int) -> str:
     """Why `rank_traffic` gives no figures for this layout ("" where it does)."""
     if ep > 1:
         return "expert parallelism's all-to-alls are not predicted per rank"
-    if place.replicas > 1:
-        return "HSDP's replica all-reduce is not predicted per rank"
     return ""
 
 
@@ -57,11 +58,19 @@ def rank_traffic(costs: ModelCosts, rank: int, place: StagePlacement) -> dict[st
         # each gather carries the call's verdict too: one element of the compute dtype, per microbatch
         verdicts = sum(c * 2 * p.cp.calls * (costs.cp - 1) * p.cp.element_size for p, c in parts)
         sent["cp"] = microbatches * (place.microbatch_size * per_sequence + verdicts)
-    if place.dp > 1:
+    data_ranks = place.dp * place.replicas  # dp x cp
+    if data_ranks > 1:
+        whole = "dp_cp" if costs.cp > 1 else "dp"
         counts = 0.0
         if place.schedule.n_stages - 1 in stages:  # the loss's token counts per microbatch (int64), summed
-            counts = 2 * (place.dp - 1) / place.dp * microbatches * COUNT_BYTES
-        sent["dp_cp" if costs.cp > 1 else "dp"] = _data_parallel(costs, stages, place) + counts
+            counts = 2 * (data_ranks - 1) / data_ranks * microbatches * COUNT_BYTES
+        if place.replicas > 1:
+            sent["dp_shard_cp" if costs.cp > 1 else "dp_shard"] = _data_parallel(costs, stages, place)
+            sent["dp_replicate"] = _across_replicas(costs, stages, place)
+            if counts:
+                sent[whole] = counts
+        else:
+            sent[whole] = _data_parallel(costs, stages, place) + counts
     return sent
 
 
@@ -86,6 +95,13 @@ def _data_parallel(costs: ModelCosts, stages: list[int], place: StagePlacement) 
         return 2 * (n - 1) / n * held * GRADIENT_BYTES
     gathers = 2 * place.schedule.microbatches if place.reshards else 1  # resharding: each forward and backward
     return (n - 1) * held * (gathers * place.compute_bytes + GRADIENT_BYTES)
+
+
+def _across_replicas(costs: ModelCosts, stages: list[int], place: StagePlacement) -> float:
+    """HSDP's all-reduce of this rank's reduced fp32 gradient shard between the replica groups."""
+    r = place.replicas
+    held = sum(c * _shards(p, place.dp, place) for s in stages for p, c in _stage_parts(costs, s, place))
+    return 2 * (r - 1) / r * held * GRADIENT_BYTES
 
 
 def _shards(part, n: int, place: StagePlacement) -> int:
