@@ -40,8 +40,9 @@ class RankReport:
         traffic: the steps' collectives and messages: group kind -> op -> (calls, bytes given).
         sent_per_step: the last step's bytes on the wire (ring algorithms), by group kind.
         predicted: the planner's bytes for this rank's pp rank (its fullest dp/tp rank):
-            "parameters", "gradients", "optimizer", and "sent on <kind>" per step (unless
-            `traffic_why_not`); empty with `predicted_why_not` when it has none.
+            "parameters", "gradients", "optimizer", and "sent on <kind>" per step for each kind
+            it predicts (`traffic_why_not`: what it leaves out); empty with `predicted_why_not`
+            when it has none.
     """
 
     rank: int
@@ -99,7 +100,7 @@ class RankReport:
             beside = f"planner {predicted:,}" if predicted is not None else "planner: -"
             lines.append(f"  sent on {kind} per step: {sent:,} bytes ({beside})")
         if self.traffic_why_not:
-            lines.append(f"  planner: no traffic predicted ({self.traffic_why_not})")
+            lines.append(f"  planner: traffic not all predicted ({self.traffic_why_not})")
         return "\n".join(lines)
 
 

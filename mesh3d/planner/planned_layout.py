@@ -45,7 +45,7 @@ class Plan:
     fused_loss: bool = False  # the head fused with the loss (parallelize's fused_loss; pinned, never searched)
     layers_per_stage: tuple[int, ...] | None = None  # as given to `plan`
     # bytes each pp rank (its dp, cp, tp rank 0) sends in a step, by group kind (predict/traffic.py);
-    # empty with the reason in traffic_why_not where the planner does not predict them
+    # what it leaves unpredicted (a kind of group) said in traffic_why_not
     traffic_by_pp_rank: tuple[dict[str, float], ...] = field(default=(), repr=False, compare=False)
     traffic_why_not: str = field(default="", repr=False, compare=False)
 

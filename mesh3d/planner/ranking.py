@@ -266,7 +266,7 @@ def plan(
         model_flops = _model_flops_per_token(costs, n_blocks)
         mfu = model_flops * tokens / hw.peak_for(fp32)
         traffic_why_not = traffic_unpredicted(cand["ep"])
-        traffic = () if traffic_why_not else tuple(rank_traffic(costs, r, place) for r in range(cand["pp"]))
+        traffic = tuple(rank_traffic(costs, r, place) for r in range(cand["pp"]))
         plans.append(
             Plan(
                 cand["pp"],

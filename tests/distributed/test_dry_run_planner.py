@@ -1,4 +1,4 @@
-"""The planner held to the real code at 1,024 ranks (issue 66): for one layout per axis mix (HSDP's too), the
+"""The planner held to the real code at 1,024 ranks (issue 66): for one layout per axis mix (HSDP's and ep's too), the
 planner's parameter, gradient and optimizer bytes for a rank's pp rank equal what that rank holds,
 and its bytes a step on each kind of group (planner/predict/traffic.py) what that rank sends,
 in a dry run (mesh3d.dry_run: build_mesh, parallelize and two AdamW steps under torch's fake
@@ -46,3 +46,26 @@ def test_planner_bytes_equal_the_dry_run_at_1024_ranks(pp, dp, cp, tp, dp_shard)
     for kind in kinds:
         assert report.predicted[f"sent on {kind}"] == report.sent_per_step[kind], report.text()
     assert not report.mismatches(), report.text()
+
+
+def test_under_expert_parallelism_the_planner_holds_what_it_predicts_and_names_the_rest():
+    """(pp, dp, tp, ep) = (4, 128, 2, 8), a Qwen3-MoE: held bytes and the bytes sent on dp (the dense
+    part's FSDP), edp (the split experts' FSDP) and pipeline equal the rank's; the all-to-alls and
+    the token dispatch's tp gathers are said to be unpredicted, not guessed."""
+    pytest.importorskip("transformers")
+    (report,) = mesh3d.dry_run(
+        functools.partial(model, True),
+        1024,
+        [256],
+        pp=4,
+        dp=128,
+        tp=2,
+        ep=8,
+        seq_len=SEQ_LEN,
+        global_batch=2 * 128 * 4,
+        timeout=900,
+    )
+    assert not report.predicted_why_not and not report.mismatches(), report.text()
+    assert {f"sent on {kind}" for kind in ("dp", "edp", "pipeline")} <= set(report.predicted), report.text()
+    assert {"ep", "tp"} <= set(report.sent_per_step) and "sent on ep" not in report.predicted
+    assert "sent on tp" not in report.predicted and "all-to-alls (ep)" in report.traffic_why_not

@@ -48,6 +48,9 @@ def test_no_figures_is_no_verdict_and_unpredicted_traffic_is_said():
     agreed, line = verdict([_report(predicted={}, predicted_why_not="ValueError: no plan fits")])
     assert not agreed and "no figures" in line and "no plan fits" in line
     held_only = {k: v for k, v in PREDICTED.items() if not k.startswith("sent")}
-    why = "expert parallelism's all-to-alls are not predicted per rank"
+    why = "under expert parallelism its all-to-alls (ep) ... are not predicted"
     agreed, line = verdict([_report(predicted=held_only, traffic_why_not=why)])
     assert agreed and line.endswith(f"(not checked: {why})")
+    some = {**held_only, "sent on dp": PREDICTED["sent on dp"]}  # the kinds it does predict, named
+    agreed, line = verdict([_report(predicted=some, traffic_why_not=why)])
+    assert agreed and "optimizer bytes and the bytes sent on dp equal" in line, line

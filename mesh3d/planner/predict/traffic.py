@@ -20,8 +20,13 @@ The same unit as the dry run's count of what the code issues (distributed/traffi
   group, and "dp_replicate": once a step, the all-reduce of each rank's fp32 gradient shard
   between the groups; the token counts still go over the whole "dp" ("dp_cp").
 
-What it leaves out, said where it is returned: expert parallelism's all-to-alls and expert groups
-(ep > 1), whose bytes follow the router's choices; the agreements' few bytes over the world.
+- under ep, "edp": the split experts' FSDP (or DDP) over the ranks holding the same experts, as
+  "dp" above.
+
+What it leaves out, said where it is returned: under ep, its all-to-alls ("ep"), whose bytes follow
+the router's choices, and "tp", where each tp rank dispatches its own rows and gathers the
+combined ones back (expert_parallel/token_dispatch.py), which the probe's whole-expert block does
+not run; the agreements' few bytes over the world.
 """
 
 from __future__ import annotations
@@ -37,9 +42,12 @@ COUNT_BYTES = 8  # a pair loss's token count per microbatch (step/global_loss.py
 
 
 def traffic_unpredicted(ep: int) -> str:
-    """Why `rank_traffic` gives no figures for this layout ("" where it does)."""
+    """What `rank_traffic` gives no figure for in this layout ("" where it gives all)."""
     if ep > 1:
-        return "expert parallelism's all-to-alls are not predicted per rank"
+        return (
+            "under expert parallelism its all-to-alls (ep), which follow the router's choices, and the "
+            "token dispatch's tp gathers are not predicted"
+        )
     return ""
 
 
@@ -49,7 +57,7 @@ def rank_traffic(costs: ModelCosts, rank: int, place: StagePlacement) -> dict[st
     stages = place.schedule.local_stages(rank)
     parts = [pc for s in stages for pc in _stage_parts(costs, s, place)]
     sent = {"pipeline": _messages(place, rank) * costs.message_bytes * place.microbatch_size}
-    if costs.tp > 1:
+    if costs.tp > 1 and costs.ep == 1:  # under ep: traffic_unpredicted
         replicated = sum(c * p.tp_replicated_elements for p, c in parts) * place.param_bytes
         per_step = 2 * (costs.tp - 1) / costs.tp * replicated  # their partial gradients summed
         sent["tp"] = microbatches * place.microbatch_size * sum(c * p.tp_bytes for p, c in parts) + per_step
@@ -71,6 +79,8 @@ def rank_traffic(costs: ModelCosts, rank: int, place: StagePlacement) -> dict[st
                 sent[whole] = counts
         else:
             sent[whole] = _data_parallel(costs, stages, place) + counts
+    if place.expert_dp > 1:
+        sent["edp"] = _data_parallel(costs, stages, place, experts=True)
     return sent
 
 
@@ -87,10 +97,11 @@ def _messages(place: StagePlacement, rank: int) -> int:
     return count
 
 
-def _data_parallel(costs: ModelCosts, stages: list[int], place: StagePlacement) -> float:
-    """FSDP's gathers and reduce-scatters, or DDP's all-reduces, of this rank's modules in a step."""
-    n = place.dp
-    held = sum(c * _shards(p, n, place) for s in stages for p, c in _stage_parts(costs, s, place))
+def _data_parallel(costs: ModelCosts, stages: list[int], place: StagePlacement, experts: bool = False) -> float:
+    """FSDP's gathers and reduce-scatters, or DDP's all-reduces, of this rank's modules in a step
+    (`experts`: of its split experts, over the ranks holding the same ones)."""
+    n = place.expert_dp if experts else place.dp
+    held = sum(c * _shards(p, n, place, experts) for s in stages for p, c in _stage_parts(costs, s, place))
     if place.dp_mode == "ddp":
         return 2 * (n - 1) / n * held * GRADIENT_BYTES
     gathers = 2 * place.schedule.microbatches if place.reshards else 1  # resharding: each forward and backward
@@ -104,8 +115,10 @@ def _across_replicas(costs: ModelCosts, stages: list[int], place: StagePlacement
     return 2 * (r - 1) / r * held * GRADIENT_BYTES
 
 
-def _shards(part, n: int, place: StagePlacement) -> int:
-    """Elements of a part's parameters one rank holds (DDP: all of them, FSDP: its padded shard)."""
+def _shards(part, n: int, place: StagePlacement, experts: bool = False) -> int:
+    """Elements of a part's parameters (`experts`: its split experts') one rank holds (DDP: all of
+    them, FSDP: its padded shard)."""
+    shapes = part.expert_shapes if experts else part.param_shapes
     if place.dp_mode == "ddp":
-        return sum(math.prod(s) for s in part.param_shapes)
-    return sum(_shard_rows(s, n, "fsdp") for s in part.param_shapes)
+        return sum(math.prod(s) for s in shapes)
+    return sum(_shard_rows(s, n, "fsdp") for s in shapes)
