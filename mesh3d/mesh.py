@@ -179,13 +179,16 @@ class Layout:
     def subgroup(self, members: list[int]) -> dist.ProcessGroup | None:
         """A process group over `members` (global ranks), created once per Layout and then reused.
 
-        Creating one is a collective over the whole world: every rank must ask for the same new
-        member lists in the same order. Returns None on ranks outside `members`.
+        Every rank must ask for the same new member lists in the same order. Made as one kind
+        (group_kinds.py): each rank registers one group, so the groups made after it, named by
+        that count, keep one name on all their members. Returns None on ranks outside `members`.
         """
         key = tuple(sorted(members))
         if key not in self._subgroups:
-            self._subgroups[key] = dist.new_group(list(key), timeout=self.timeout)
-        return self._subgroups[key] if self.rank in key else None  # new_group gives non-members a marker
+            options = group_options(self.device, self.timeout)
+            made = groups_by_kind({key: [list(key)]}, self.timeout, "mesh3d subgroup", *options)
+            self._subgroups[key] = made[key]
+        return self._subgroups[key] if self.rank in key else None
 
     def own_groups(
         self, purpose: str, kinds: dict[Hashable, list[list[int]]]

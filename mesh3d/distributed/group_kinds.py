@@ -13,11 +13,13 @@ each. Here a kind costs one call:
   synchronized among its members alone (`use_local_synchronization`): no world-wide call at all.
 
 Kinds whose ranks do not overlap share one round (one call). torch names a member-synchronized
-group by its ranks and by how many groups this process has made before, so members must have made
-equally many: in each round a rank outside every list makes a group of itself alone (a few, never
-used, no connection), and every rank goes through the same rounds in the same order, which also
-keeps the members of each group arriving together (no rank waits on a group a member has yet to
-reach).
+group by its ranks and by how many groups this process holds (is a member of), so members must
+hold equally many: in each round a rank outside every list makes a group of itself alone (a few,
+never used, no connection), and every rank goes through the same rounds in the same order, which
+also keeps the members of each group arriving together (no rank waits on a group a member has yet
+to reach). A plain `new_group` of some ranks registers a group on its members alone: mesh3d makes
+none (`Layout.subgroup` is a kind too), and each call here first checks that every rank holds
+as many groups, raising by name where a user's own left them apart.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
+
+from mesh3d.distributed.host_group import host_group
+from mesh3d.distributed.printed_once import agreed
 
 
 def can_split() -> bool:
@@ -69,6 +74,7 @@ def groups_by_kind(
     names the groups (NCCL's watchdog lines, flight-recorder dumps); `backend`/`options` as for
     `dist.new_group`.
     """
+    _check_registered_alike(describe)
     rank = dist.get_rank()
     mine: dict[Hashable, dist.ProcessGroup | None] = dict.fromkeys(kinds)
     for keys in rounds(kinds):
@@ -97,6 +103,27 @@ def groups_by_kind(
             if any(rank in members for members in kinds[key]):
                 mine[key] = group
     return mine
+
+
+def _check_registered_alike(describe: str) -> None:
+    """Raise on every rank, rather than hang in a rendezvous, where the ranks hold different numbers
+    of process groups, by which torch names the groups made next (one all-reduce of two ints)."""
+    if dist.get_world_size() == 1:
+        return
+    held = len(dist.distributed_c10d._world.pg_names)
+    extremes = torch.tensor([held, -held], dtype=torch.int64)  # host memory: the host group is gloo
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=host_group())
+    most, fewest = int(extremes[0]), -int(extremes[1])
+    if most != fewest:
+        raise agreed(
+            ValueError(
+                f"making the {describe!r} groups: the ranks hold from {fewest} to {most} process groups, so the "
+                "groups made next would take different names on their members and never meet: a "
+                "torch.distributed.new_group of some ranks (or a destroy_process_group of one) registers or "
+                "drops a group on its members alone. Make such groups after build_mesh with "
+                "layout.subgroup(members) or layout.own_group(purpose, members), every rank calling it"
+            )
+        )
 
 
 def axis_lists(shape: Sequence[int], axis: int) -> list[list[int]]:

@@ -231,6 +231,7 @@ def plan(
             reshard_after_forward=cand["reshard_after_forward"],
             expert_dp=data_ranks * cand["tp"] // cand["ep"] if cand["ep"] > 1 else 1,
             replicas=cand["dp"] // cand["dp_shard"] if hybrid else 1,
+            hybrid=hybrid,
         )
         walk = (
             cand["tp"],

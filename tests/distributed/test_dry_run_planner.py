@@ -69,3 +69,25 @@ def test_under_expert_parallelism_the_planner_holds_what_it_predicts_and_names_t
     assert {f"sent on {kind}" for kind in ("dp", "edp", "pipeline")} <= set(report.predicted), report.text()
     assert {"ep", "tp"} <= set(report.sent_per_step) and "sent on ep" not in report.predicted
     assert "sent on tp" not in report.predicted and "all-to-alls (ep)" in report.traffic_why_not
+
+
+@pytest.mark.parametrize("dp, cp, tp", [(8, 1, 1), (2, 2, 2)])
+def test_hsdp_of_one_group_is_its_groups_traffic(dp, cp, tp):
+    """HSDP with dp_shard = dp (one group, no replica; parallelize takes it): its FSDP traffic goes
+    over the dp_shard (dp_shard_cp) group, and the planner books it there, at 8 ranks."""
+    (report,) = mesh3d.dry_run(
+        functools.partial(model, False),
+        8,
+        [0],
+        dp=dp,
+        cp=cp,
+        tp=tp,
+        seq_len=SEQ_LEN,
+        global_batch=2 * dp,
+        dp_mode="hsdp",
+        dp_shard=dp,
+        timeout=300,
+    )
+    kind = "dp_shard_cp" if cp > 1 else "dp_shard"
+    assert report.sent_per_step.get(kind) and not report.mismatches(), report.text()
+    assert report.predicted[f"sent on {kind}"] == report.sent_per_step[kind]

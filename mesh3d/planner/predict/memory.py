@@ -76,6 +76,7 @@ class StagePlacement:
     reshard_after_forward: bool | None = None
     expert_dp: int = 1  # under ep: the ranks that hold the same experts (dp x cp x tp / ep)
     replicas: int = 1  # HSDP: the groups holding replicas (dp the ranks sharding within one)
+    hybrid: bool = False  # HSDP (dp_mode "fsdp" within its groups), even of one group (replicas 1)
 
     @property
     def reshards(self) -> bool:

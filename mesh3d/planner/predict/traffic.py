@@ -72,7 +72,7 @@ def rank_traffic(costs: ModelCosts, rank: int, place: StagePlacement) -> dict[st
         counts = 0.0
         if place.schedule.n_stages - 1 in stages:  # the loss's token counts per microbatch (int64), summed
             counts = 2 * (data_ranks - 1) / data_ranks * microbatches * COUNT_BYTES
-        if place.replicas > 1:
+        if place.hybrid:  # its groups, even with one replica (dp_shard = dp)
             sent["dp_shard_cp" if costs.cp > 1 else "dp_shard"] = _data_parallel(costs, stages, place)
             sent["dp_replicate"] = _across_replicas(costs, stages, place)
             if counts:
