@@ -18,8 +18,7 @@ The same unit as the dry run's count of what the code issues (distributed/traffi
   last stage's ranks sum the loss's token counts per microbatch over the same group;
 - under HSDP, "dp_shard" ("dp_shard_cp" under cp): FSDP's traffic as above within a sharding
   group, and "dp_replicate": once a step, the all-reduce of each rank's fp32 gradient shard
-  between the groups; the token counts still go over the whole "dp" ("dp_cp").
-
+  between the groups; the token counts still go over the whole "dp" ("dp_cp");
 - under ep, "edp": the split experts' FSDP (or DDP) over the ranks holding the same experts, as
   "dp" above.
 
