@@ -59,12 +59,9 @@ def verdict(reports: Sequence[RankReport]) -> tuple[bool, str]:
     if found:
         return False, f"verify: the planner and the code differ on ranks {played}:\n  " + "\n  ".join(found)
     kinds = sorted({key.removeprefix("sent on ") for r in reports for key in r.predicted if key.startswith("sent on ")})
-    sent = (
-        (f" and the bytes sent on {', '.join(kinds)}" if unpredicted else " and the bytes each group sends")
-        if kinds
-        else ""
-    )
-    checked = "parameter, gradient and optimizer bytes" + sent
+    checked = "parameter, gradient and optimizer bytes"
+    if kinds:  # every kind a rank sends on, or where some go unpredicted, the kinds checked by name
+        checked += f" and the bytes sent on {', '.join(kinds)}" if unpredicted else " and the bytes each group sends"
     line = f"verify: the planner's {checked} equal what ranks {played} hold and send"
     if any(getattr(r, f"{w}_bytes") < r.predicted[f"{w}s" if w != "optimizer" else w] for r in reports for w in _HELD):
         line += " (a later dp rank holds less: FSDP pads the first ranks' shards, the planner's figure)"
